@@ -1,0 +1,63 @@
+"""Model folders in the diffusers layout of the real checkpoint, and building an engine from one.
+
+`write_random_checkpoint` writes any preset with seeded random weights in the real on-disk layout
+(transformer/, text_encoder/, tokenizer/, model_index.json), so tests and the embedded default load
+the tiny model from disk exactly as real weights are loaded. Nothing here downloads anything.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import ConfigError, Preset, get_preset
+from .engine import WorldEngine
+from .text import TextEncoder, build_random_text_encoder, save_text_encoder
+from .weights import build_random_transformer, load_transformer, save_transformer
+
+log = logging.getLogger(__name__)
+
+
+def write_random_checkpoint(preset: Preset, folder: str | Path, seed: Optional[int] = None,
+                            max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+    """Write `preset` with random weights (seed: the preset's weights_seed unless given) to `folder`."""
+    seed = preset.weights_seed if seed is None else seed
+    if seed is None:
+        raise ConfigError(f"preset {preset.name} has real weights; pass a seed to write random ones")
+    folder = Path(folder)
+    model = build_random_transformer(preset.transformer, seed, preset.torch_dtype)
+    save_transformer(model, folder / "transformer", max_shard_bytes)
+    save_text_encoder(build_random_text_encoder(preset.text, seed), folder)
+    index = {"_class_name": "LingBotWorldPipeline", "lingbot_preset": preset.name,
+             "transformer": ["lingbot", "CausalWanModel"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    log.info("wrote random %s checkpoint (seed %d) to %s", preset.name, seed, folder)
+    return folder
+
+
+def build_engine(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
+                 dtype: Optional[torch.dtype] = None, **engine_kwargs) -> WorldEngine:
+    """An engine for `preset`: weights from `model_path` (a diffusers-format folder), or the preset's
+    seeded random weights when it has them (tiny)."""
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    dtype = dtype or preset.torch_dtype
+    if model_path is not None:
+        root = Path(model_path)
+        if not root.is_dir():
+            raise FileNotFoundError(f"model path {root} is not a directory")
+        model = load_transformer(root / "transformer", dtype=dtype, device=device)
+        if model.config != preset.transformer:
+            log.warning("%s/transformer/config.json differs from preset %s; using the folder's config",
+                        root, preset.name)
+        text_encoder = TextEncoder.from_folder(root, device=device, max_length=preset.text.max_length)
+    else:
+        if preset.weights_seed is None:
+            raise ConfigError(f"preset {preset.name} has no random weights: give the model folder (--model-path)")
+        model = build_random_transformer(preset.transformer, preset.weights_seed, dtype, device)
+        text_encoder = build_random_text_encoder(preset.text, preset.weights_seed)
+        text_encoder.model.to(device)
+    return WorldEngine(preset, model, text_encoder, device=device, **engine_kwargs)

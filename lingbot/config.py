@@ -1,0 +1,221 @@
+"""Typed configuration: the transformer's config.json, the sampler, the text encoder and the presets.
+
+Field names of `TransformerConfig` mirror the 20 keys of the checkpoint's `transformer/config.json`
+(shared/DESIGN.md §2), so a real config loads by name and a written one round-trips.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The 20 keys of `transformer/config.json` (defaults: the real 14B checkpoint)."""
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 36
+    out_channels: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    eps: float = 1e-6
+    image_dim: Optional[int] = None
+    added_kv_proj_dim: Optional[int] = None
+    pos_embed_seq_len: Optional[int] = None
+    rope_max_seq_len: int = 1024
+    qk_norm: str = "rms_norm_across_heads"
+    sink_size: int = 9
+    num_frames_per_block: int = 3
+    sliding_window_num_frames: int = 18
+    local_attn_size: int = -1
+
+    def __post_init__(self):
+        object.__setattr__(self, "patch_size", tuple(self.patch_size))
+        if self.patch_size != (1, 2, 2):
+            raise ConfigError(f"patch_size {list(self.patch_size)} is not supported; LingBot-World uses [1, 2, 2]")
+        if self.attention_head_dim % 2:
+            raise ConfigError(f"attention_head_dim {self.attention_head_dim} must be even (RoPE rotates pairs)")
+        if self.qk_norm != "rms_norm_across_heads":
+            raise ConfigError(f"qk_norm {self.qk_norm!r} is not supported; expected 'rms_norm_across_heads'")
+        if self.image_dim is not None or self.added_kv_proj_dim is not None:
+            raise ConfigError("image_dim / added_kv_proj_dim must be null: LingBot-World has no CLIP image branch")
+        if self.sink_size % self.num_frames_per_block or self.sliding_window_num_frames % self.num_frames_per_block:
+            raise ConfigError(
+                f"sink_size {self.sink_size} and sliding_window_num_frames {self.sliding_window_num_frames} "
+                f"must be multiples of num_frames_per_block {self.num_frames_per_block}")
+        if not self.sink_size < self.sliding_window_num_frames - self.num_frames_per_block + 1:
+            raise ConfigError("the window must hold the sink, at least one history chunk and the current chunk")
+        if self.in_channels != 2 * self.out_channels + 4:
+            raise ConfigError(f"in_channels {self.in_channels} must be 2 * out_channels + 4 (x_t, mask, image latent)")
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def rope_axes(self) -> tuple[int, int, int]:
+        """Head-dim split for (time, height, width): 128 -> (44, 42, 42)."""
+        d = self.attention_head_dim
+        hw = 2 * (d // 6)
+        return d - 2 * hw, hw, hw
+
+    @property
+    def camera_in_features(self) -> int:
+        """6 ray channels x 8x8 pixel unshuffle x the 1x2x2 patch = 1536."""
+        return 6 * 64 * math.prod(self.patch_size)
+
+    @property
+    def sink_chunks(self) -> int:
+        return self.sink_size // self.num_frames_per_block
+
+    @property
+    def window_chunks(self) -> int:
+        return self.sliding_window_num_frames // self.num_frames_per_block
+
+    # ---- config.json ---------------------------------------------------------------------------
+    def to_json_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["patch_size"] = list(self.patch_size)
+        return {"_class_name": "WanCausalCameraTransformer3DModel", **d}
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "TransformerConfig":
+        keys = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in d.items() if not k.startswith("_")}
+        unknown = sorted(set(given) - keys)
+        if unknown:
+            raise ConfigError(f"transformer config.json has unknown keys {unknown}; expected the 20 keys of {sorted(keys)}")
+        missing = sorted(keys - set(given))
+        if missing:
+            raise ConfigError(f"transformer config.json is missing keys {missing}")
+        return cls(**given)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "TransformerConfig":
+        with open(path) as f:
+            return cls.from_json_dict(json.load(f))
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The few-step DMD sampler: raw timesteps on the 1000-step scale and the flow shift."""
+
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    shift: float = 5.0
+    num_train_timesteps: int = 1000
+
+    def sigmas(self) -> list[float]:
+        """sigma = shift*s / (1 - s + shift*s), s = t / 1000 (computed in float64)."""
+        out = []
+        for t in self.timesteps:
+            s = t / self.num_train_timesteps
+            out.append(self.shift * s / (1.0 - s + self.shift * s))
+        return out
+
+    def warped_timesteps(self) -> list[float]:
+        """What the DiT sees: t' = sigma * 1000."""
+        return [s * self.num_train_timesteps for s in self.sigmas()]
+
+
+@dataclass(frozen=True)
+class TextEncoderConfig:
+    """UMT5 encoder dims, used to build random weights (a real folder brings its own config.json)."""
+
+    max_length: int
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    transformer: TransformerConfig
+    sampler: SamplerConfig
+    text: TextEncoderConfig
+    height: int
+    width: int
+    dtype: str = "bfloat16"
+    vae_stride: tuple[int, int, int] = (4, 8, 8)
+    weights_seed: Optional[int] = None  # random-weight presets: the seed of their weights
+    description: str = ""
+
+    def __post_init__(self):
+        if self.height % 16 or self.width % 16:
+            raise ConfigError(f"preset {self.name}: size {self.width}x{self.height} must be divisible by 16")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.height // self.vae_stride[1], self.width // self.vae_stride[2]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        h, w = self.latent_hw
+        return (h // self.transformer.patch_size[1]) * (w // self.transformer.patch_size[2])
+
+    def with_size(self, height: int, width: int) -> "Preset":
+        return dataclasses.replace(self, height=height, width=width)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(table)}")
+    return table[name]
+
+
+# umt5-xxl encoder dims (the real text_encoder/config.json overrides these when a folder is loaded)
+UMT5_XXL = TextEncoderConfig(max_length=512, vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
+                             num_heads=64)
+V2_SAMPLER = SamplerConfig(timesteps=(1000.0, 750.0, 500.0, 250.0), shift=5.0)
+V1_SAMPLER = SamplerConfig(timesteps=(1000.0, 821.0, 642.0, 321.0), shift=10.0)
+
+PRESETS: dict[str, Preset] = {
+    "lingbot-world-v2-14b": Preset(
+        name="lingbot-world-v2-14b", transformer=TransformerConfig(), sampler=V2_SAMPLER,
+        text=UMT5_XXL, height=480, width=832, dtype="bfloat16",
+        description="robbyant/lingbot-world-v2-14b-causal-fast-diffusers (real weights, loaded from disk)"),
+    "lingbot-world-fast-v1": Preset(
+        name="lingbot-world-fast-v1", transformer=TransformerConfig(), sampler=V1_SAMPLER,
+        text=UMT5_XXL, height=480, width=832, dtype="bfloat16",
+        description="the v1 causal fast checkpoint: same dims, schedule [1000, 821, 642, 321], shift 10"),
+    "tiny": Preset(
+        name="tiny",
+        transformer=TransformerConfig(num_attention_heads=4, attention_head_dim=32, text_dim=64, freq_dim=256,
+                                      ffn_dim=256, num_layers=2),
+        sampler=V2_SAMPLER,
+        text=TextEncoderConfig(max_length=512, vocab_size=259, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                               num_heads=4),
+        height=64, width=112, dtype="float32", weights_seed=0,
+        description="same architecture, small dims, random weights: CPU tests and the embedded default"),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]

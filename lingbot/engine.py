@@ -1,0 +1,190 @@
+"""The in-process engine: a model on one device, and sessions that run chunk by chunk.
+
+A chunk is: prepare (camera tokens, RoPE, camera modulation, condition) -> `num_steps` probes -> one
+commit forward on the clean x0 at t = 0 (shared/DESIGN.md §2). The engine owns what sessions share
+(weights, text encoder, the prompt -> text K/V LRU, the time embeddings of the fixed timesteps); a
+session owns its K/V window, camera rig, condition source, RNG and chunk counter (§3).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from .camera import CameraRig, Controls, camera_patches
+from .config import Preset
+from .kv_cache import KVWindow, LRUCache
+from .model import CausalWanModel, TextKV, TimeConditioning
+from .sampler import DMDSampler
+from .text import TextEncoder
+
+log = logging.getLogger(__name__)
+
+
+class ConditionSource(Protocol):
+    """Gives the 20-channel condition (mask 4 + image latent 16) of each chunk: [20, F, h, w]."""
+
+    def chunk_condition(self, chunk: int) -> Tensor: ...
+
+    def reset(self) -> None: ...
+
+
+class LatentCondition:
+    """Condition from image latents that are already encoded: `latents` [16, F_total, h, w] (normalised),
+    covering at least the frames of every chunk asked for. The mask is 1 on latent frame 0 only."""
+
+    def __init__(self, latents: Tensor, frames_per_chunk: int = 3):
+        self.latents = latents
+        self.frames_per_chunk = frames_per_chunk
+
+    def chunk_condition(self, chunk: int) -> Tensor:
+        f0, n = chunk * self.frames_per_chunk, self.frames_per_chunk
+        if f0 + n > self.latents.shape[1]:
+            raise ValueError(f"condition latents hold {self.latents.shape[1]} frames; chunk {chunk} needs {f0 + n}")
+        return make_condition(self.latents[:, f0:f0 + n], first_frame=f0)
+
+    def reset(self) -> None:
+        pass
+
+
+def make_condition(image_latents: Tensor, first_frame: int) -> Tensor:
+    """cat(mask [4], image latents [16]) for latent frames first_frame.. ; mask = 1 on frame 0 only."""
+    c, f, h, w = image_latents.shape
+    mask = torch.zeros(4, f, h, w, dtype=image_latents.dtype, device=image_latents.device)
+    if first_frame == 0:
+        mask[:, 0] = 1
+    return torch.cat([mask, image_latents], dim=0)
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    latents: Tensor                                # [16, F, h, w] float32, the chunk's clean x0
+    timings: dict[str, float] = field(default_factory=dict)   # stage -> seconds (prepare, probe_i, commit)
+
+
+class WorldEngine:
+    """Weights, text encoder and shared caches on one device."""
+
+    def __init__(self, preset: Preset, model: CausalWanModel, text_encoder: Optional[TextEncoder],
+                 device: torch.device | str = "cpu", prompt_cache_size: int = 8,
+                 cache_camera_modulation: bool = True, profile: bool = False):
+        self.preset = preset
+        self.config = model.config
+        self.model = model
+        self.text_encoder = text_encoder
+        self.device = torch.device(device)
+        self.sampler = DMDSampler(preset.sampler)
+        self.cache_camera_modulation = cache_camera_modulation
+        self.profile = profile
+        self.prompt_cache = LRUCache(prompt_cache_size)
+        lh, lw = preset.latent_hw
+        _, ph, pw = self.config.patch_size
+        self.latent_hw = (lh, lw)
+        self.token_grid_hw = (lh // ph, lw // pw)
+        with torch.no_grad():
+            # the timesteps are fixed: embed them once (static buffers, shared/DESIGN.md §5 item 7)
+            steps = self.sampler.timesteps + [self.sampler.commit_timestep]
+            self.time = [model.time_conditioning(torch.tensor([t], device=self.device)) for t in steps]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.token_grid_hw[0] * self.token_grid_hw[1]
+
+    @torch.no_grad()
+    def text_kv(self, prompt: str) -> TextKV:
+        """Cross-attention K/V of a prompt, computed once and kept in an LRU across sessions."""
+        if self.text_encoder is None:
+            raise RuntimeError("this engine has no text encoder; pass text embeddings to new_session")
+
+        def compute() -> TextKV:
+            return self.model.text_kv(self.text_encoder.encode([prompt]).to(self.device))
+        return self.prompt_cache.get_or_compute(prompt, compute)
+
+    def new_session(self, condition: ConditionSource, prompt: Optional[str] = None, seed: int = 0,
+                    text_embedding: Optional[Tensor] = None, rig: Optional[CameraRig] = None) -> "Session":
+        if (prompt is None) == (text_embedding is None):
+            raise ValueError("give exactly one of prompt or text_embedding")
+        with torch.no_grad():
+            text = self.text_kv(prompt) if prompt is not None else self.model.text_kv(text_embedding.to(self.device))
+        return Session(self, text, condition, seed, rig or CameraRig.default(self.preset.width, self.preset.height))
+
+
+class Session:
+    """One user's world: K/V window, camera rig, condition, RNG and chunk counter."""
+
+    def __init__(self, engine: WorldEngine, text: TextKV, condition: ConditionSource, seed: int, rig: CameraRig):
+        self.engine = engine
+        self.text = text
+        self.condition = condition
+        self.seed = seed
+        self.rig = rig
+        cfg = engine.config
+        self.frames_per_chunk = cfg.num_frames_per_block
+        self.kv = KVWindow(cfg, engine.tokens_per_frame, dtype=engine.model.dtype, device=engine.device)
+        self.generator = torch.Generator(device=engine.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.generator.manual_seed(self.seed)
+        self.rig.reset()
+        self.condition.reset()
+        self.chunk_index = 0
+
+    def _mark(self, timings: dict[str, float], name: str, start: float) -> float:
+        if self.engine.profile and self.engine.device.type != "cpu":
+            torch.accelerator.synchronize(self.engine.device)
+        now = time.perf_counter()
+        timings[name] = now - start
+        return now
+
+    @torch.no_grad()
+    def run_chunk(self, controls: Optional[Controls] = None,
+                  should_stop: Callable[[], bool] = lambda: False) -> Optional[ChunkResult]:
+        """Run the next chunk. Returns None (and changes nothing lasting) if should_stop() turns true
+        between steps."""
+        engine, model, sampler = self.engine, self.engine.model, self.engine.sampler
+        k, f = self.chunk_index, self.frames_per_chunk
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        # prepare: camera poses -> ray patches -> camera tokens / modulation, RoPE, condition
+        planned = self.rig.plan(controls, f)
+        rays = self.rig.rays(planned, engine.preset.height, engine.preset.width, engine.device)  # [6, F, H, W]
+        patches = camera_patches(rays)[None]                          # [1, L, 1536]
+        grid = (f, *engine.token_grid_hw)
+        chunk = model.prepare_chunk(patches, k * f, grid, engine.cache_camera_modulation)
+        condition = self.condition.chunk_condition(k).to(engine.device)[None]          # [1, 20, F, h, w]
+        self.kv.begin_chunk(k)
+        shape = (1, engine.config.out_channels, f, *engine.latent_hw)
+        x_t = sampler.initial_noise(shape, self.generator, engine.device)
+        t = self._mark(timings, "prepare", t0)
+        # probes: denoise, re-noise with fresh noise from the session's generator
+        for step in range(sampler.num_steps):
+            if should_stop():
+                return None
+            if step > 0:
+                x_t = sampler.renoise(x0, step, self.generator)
+            flow = model(x_t, condition, engine.time[step], self.text, chunk, self.kv, commit=False)
+            x0 = sampler.denoise(x_t, flow, step)
+            t = self._mark(timings, f"probe_{step}", t)
+        if should_stop():
+            return None
+        # commit: the clean x0 at t = 0 writes the chunk's lasting K/V
+        model(x0, condition, engine.time[-1], self.text, chunk, self.kv, commit=True)
+        self._mark(timings, "commit", t)
+        self.rig.commit(planned)
+        self.chunk_index += 1
+        return ChunkResult(k, x0[0], timings)
+
+    def generate(self, num_chunks: int, controls: Optional[list[Optional[Controls]]] = None) -> Tensor:
+        """Run `num_chunks` chunks; returns latents [16, F * num_chunks, h, w]."""
+        out = []
+        for i in range(num_chunks):
+            result = self.run_chunk(controls[i] if controls is not None else None)
+            out.append(result.latents)
+        return torch.cat(out, dim=1)

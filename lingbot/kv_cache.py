@@ -1,0 +1,127 @@
+"""Per-session caches: the self-attention K/V window (slab layout) and the prompt -> text K/V LRU.
+
+The K/V window (shared/DESIGN.md §3): one fixed slab per layer of `sliding_window_num_frames` latent
+frames of K and V (this rank's heads only), allocated once. Keys are stored after RoPE at absolute
+positions and attention has no mask inside the window, so a chunk may live in any slot:
+chunks 0..5 fill slots 0..5; chunk k >= 6 takes the slot of chunk k-3, which just left the window.
+Every forward writes the current chunk into its slot and attends one dense prefix of
+min(window, k+1) chunks: no block tables, no gathers, no metadata copies.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Hashable
+
+import torch
+from torch import Tensor
+
+from .config import TransformerConfig
+
+
+def slot_for_chunk(chunk: int, sink_chunks: int, window_chunks: int) -> int:
+    """Slab slot of chunk `chunk`: in order while the window fills, then round-robin over the
+    non-sink slots (chunk k takes the slot of chunk k - (window_chunks - sink_chunks))."""
+    if chunk < window_chunks:
+        return chunk
+    return sink_chunks + (chunk - sink_chunks) % (window_chunks - sink_chunks)
+
+
+def visible_chunks(chunk: int, sink_chunks: int, window_chunks: int) -> list[int]:
+    """The chunks a forward of `chunk` attends: the sink, the most recent history and itself."""
+    recent = window_chunks - sink_chunks
+    sink = list(range(min(sink_chunks, chunk)))
+    history = list(range(max(sink_chunks, chunk - recent + 1), chunk))
+    return sink + history + [chunk]
+
+
+class KVWindow:
+    """Self-attention K/V of one session on one rank: [layers, B, heads, window_tokens, head_dim]."""
+
+    def __init__(self, config: TransformerConfig, tokens_per_frame: int, heads: int | None = None,
+                 batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.sink_chunks = config.sink_chunks
+        self.window_chunks = config.window_chunks
+        self.chunk_tokens = tokens_per_frame * config.num_frames_per_block
+        heads = config.num_attention_heads if heads is None else heads
+        shape = (config.num_layers, batch, heads, self.window_chunks * self.chunk_tokens, config.attention_head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.reset()
+
+    @staticmethod
+    def nbytes_for(config: TransformerConfig, tokens_per_frame: int, heads: int, dtype: torch.dtype,
+                   batch: int = 1) -> int:
+        elems = (2 * config.num_layers * batch * heads * config.sliding_window_num_frames * tokens_per_frame
+                 * config.attention_head_dim)
+        return elems * torch.empty((), dtype=dtype).element_size()
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def reset(self) -> None:
+        """Forget every chunk (the slab memory is kept and overwritten)."""
+        self.next_chunk = 0
+        self.slot_chunk = [-1] * self.window_chunks   # which committed chunk each slot holds (-1: none)
+        self._slot = None
+        self._visible_tokens = 0
+
+    @property
+    def current_chunk(self) -> int:
+        return self.next_chunk
+
+    def begin_chunk(self, chunk: int) -> None:
+        """Prepare the forwards of `chunk` (must be the next one)."""
+        assert chunk == self.next_chunk, f"chunk {chunk} out of order; the window expects {self.next_chunk}"
+        self._slot = slot_for_chunk(chunk, self.sink_chunks, self.window_chunks)
+        self.slot_chunk[self._slot] = -1                   # the evicted chunk (or nothing) is gone now
+        self._visible_tokens = min(self.window_chunks, chunk + 1) * self.chunk_tokens
+
+    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Write this chunk's key/value [B, H, L, D] into its slot; return the visible prefix."""
+        assert self._slot is not None, "begin_chunk() was not called"
+        assert key.shape[2] == self.chunk_tokens, f"{key.shape[2]} tokens, slab slots hold {self.chunk_tokens}"
+        start = self._slot * self.chunk_tokens
+        self.keys[layer, :, :, start:start + self.chunk_tokens].copy_(key)
+        self.values[layer, :, :, start:start + self.chunk_tokens].copy_(value)
+        n = self._visible_tokens
+        return self.keys[layer, :, :, :n], self.values[layer, :, :, :n]
+
+    def commit(self) -> None:
+        """The last forward of the chunk wrote its final K/V: it is now part of the history."""
+        assert self._slot is not None, "commit() without begin_chunk()"
+        self.slot_chunk[self._slot] = self.next_chunk
+        self.next_chunk += 1
+        self._slot = None
+
+    def held_frames(self, frames_per_chunk: int) -> int:
+        return sum(1 for c in self.slot_chunk if c >= 0) * frames_per_chunk
+
+
+class LRUCache:
+    """A small least-recently-used map (prompt -> text K/V) with hit/miss counters."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"LRU capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._items: OrderedDict[Hashable, object] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get_or_compute(self, key: Hashable, compute: Callable[[], object]):
+        if key in self._items:
+            self.hits += 1
+            self._items.move_to_end(key)
+            return self._items[key]
+        self.misses += 1
+        value = compute()
+        self._items[key] = value
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items

@@ -1,0 +1,36 @@
+"""Shared fixtures: the tiny preset, its random model and text encoder (built once per test session)."""
+import pytest
+import torch
+
+from lingbot.config import get_preset
+from lingbot.text import build_random_text_encoder
+from lingbot.weights import build_random_transformer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return get_preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny):
+    return build_random_transformer(tiny.transformer, tiny.weights_seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_encoder(tiny):
+    return build_random_text_encoder(tiny.text, tiny.weights_seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny, tiny_model, tiny_text_encoder):
+    from lingbot.engine import WorldEngine
+    return WorldEngine(tiny, tiny_model, tiny_text_encoder)
+
+
+def random_condition(preset, frames=60, seed=1):
+    """Normalised image latents for LatentCondition (stand-in for nothing: any latent is a valid input)."""
+    lh, lw = preset.latent_hw
+    return torch.randn(16, frames, lh, lw, generator=torch.Generator().manual_seed(seed))

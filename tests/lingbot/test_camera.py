@@ -1,0 +1,183 @@
+"""Camera and keyboard math against hand-computed values."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot.camera import (CameraError, CameraEvent, CameraRig, Controls, Intrinsics, camera_patches,
+                            keyboard_step, matrix_to_quat, parse_keys, quat_to_matrix, ray_map, relative_poses,
+                            rot_x, rot_y)
+
+C4, S4 = math.cos(math.radians(4)), math.sin(math.radians(4))
+C6, S6 = math.cos(math.radians(6)), math.sin(math.radians(6))
+I4 = np.eye(4)
+
+
+def test_rotation_matrices_by_hand():
+    np.testing.assert_allclose(rot_x(4), [[1, 0, 0], [0, C4, -S4], [0, S4, C4]], atol=1e-15)
+    np.testing.assert_allclose(rot_y(6), [[C6, 0, S6], [0, 1, 0], [-S6, 0, C6]], atol=1e-15)
+
+
+@pytest.mark.parametrize("keys,translation", [
+    ("w", (0, 0, 0.05)), ("s", (0, 0, -0.05)), ("d", (0.05, 0, 0)), ("a", (-0.05, 0, 0)),
+    ("wd", (0.05, 0, 0.05)), ("ws", (0, 0, 0)), ("", (0, 0, 0))])
+def test_keyboard_translation(keys, translation):
+    pose, pitch = keyboard_step(I4, 0.0, keys)
+    np.testing.assert_allclose(pose[:3, 3], translation, atol=1e-15)
+    np.testing.assert_allclose(pose[:3, :3], np.eye(3), atol=1e-15)
+    assert pitch == 0.0
+
+
+def test_keyboard_yaw_turns_right_and_moves_along_new_heading():
+    pose, _ = keyboard_step(I4, 0.0, "lw")
+    np.testing.assert_allclose(pose[:3, :3], [[C6, 0, S6], [0, 1, 0], [-S6, 0, C6]], atol=1e-15)
+    np.testing.assert_allclose(pose[:3, 3], [0.05 * S6, 0, 0.05 * C6], atol=1e-15)
+    pose, _ = keyboard_step(I4, 0.0, "j")
+    np.testing.assert_allclose(pose[:3, :3], [[C6, 0, -S6], [0, 1, 0], [S6, 0, C6]], atol=1e-15)
+
+
+def test_keyboard_pitch_up_keeps_movement_horizontal():
+    pose, pitch = keyboard_step(I4, 0.0, "iw")
+    assert pitch == 4.0
+    np.testing.assert_allclose(pose[:3, :3] @ [0, 0, 1], [0, -S4, C4], atol=1e-15)   # looks up (y is down)
+    np.testing.assert_allclose(pose[:3, 3], [0, 0, 0.05], atol=1e-15)
+    # R' = Ry(yaw) . R . Rx(pitch): yaw about the world axis after pitch about the camera axis
+    pose2, _ = keyboard_step(pose, pitch, "l")
+    np.testing.assert_allclose(pose2[:3, :3], rot_y(6) @ rot_x(4), atol=1e-15)
+
+
+def test_pitch_is_clamped_at_85_degrees():
+    pose, pitch = I4, 0.0
+    pitches = []
+    for _ in range(23):
+        pose, pitch = keyboard_step(pose, pitch, "i")
+        pitches.append(pitch)
+    assert pitches[20] == 84.0 and pitches[21] == 85.0 and pitches[22] == 85.0
+    np.testing.assert_allclose(pose[:3, :3], rot_x(85), atol=1e-12)
+    pose, pitch = keyboard_step(pose, pitch, "k")
+    assert pitch == 81.0
+    np.testing.assert_allclose(pose[:3, :3], rot_x(81), atol=1e-12)
+    _, pitch = keyboard_step(I4, -84.0, "k")
+    assert pitch == -85.0
+
+
+def test_bad_keys_are_refused():
+    assert parse_keys("W+A") == "wa"
+    with pytest.raises(CameraError, match="unknown key\\(s\\) 'qx' in 'wqx'"):
+        parse_keys("wqx")
+
+
+def test_relative_poses_chain_from_anchor_and_scale_translation():
+    anchor = np.eye(4)
+    anchor[:3, :3] = rot_y(90)
+    anchor[:3, 3] = [1, 2, 3]
+    step = np.eye(4)
+    step[:3, 3] = [0, 0, 0.05]
+    poses = np.stack([anchor @ step, anchor @ step @ step])
+    rel = relative_poses(anchor, poses)
+    for r in rel:          # each frame moved 0.05 forward in its own frame: one controller unit
+        np.testing.assert_allclose(r[:3, :3], np.eye(3), atol=1e-12)
+        np.testing.assert_allclose(r[:3, 3], [0, 0, 1], atol=1e-12)
+
+
+def test_ray_map_by_hand():
+    rel = np.eye(4)[None].repeat(2, 0)
+    rel[1, :3, :3] = rot_y(90)
+    rel[1, :3, 3] = [1, 0, 0]
+    rays = ray_map(rel, Intrinsics(fx=1, fy=2, cx=1, cy=1), height=2, width=2)
+    assert rays.shape == (6, 2, 2, 2)
+    n = math.sqrt(0.25 + 0.0625 + 1)
+    d00 = np.array([-0.5, -0.25, 1]) / n                          # pixel (x=0, y=0), centre (0.5, 0.5)
+    np.testing.assert_allclose(rays[3:, 0, 0, 0], d00, atol=1e-6)
+    np.testing.assert_allclose(rays[:3, 0, 0, 0], [0, 0, 0], atol=0)
+    d11 = np.array([0.5, 0.25, 1]) / n                            # pixel (x=1, y=1)
+    np.testing.assert_allclose(rays[3:, 0, 1, 1], d11, atol=1e-6)
+    np.testing.assert_allclose(rays[3:, 1, 0, 0], [d00[2], d00[1], -d00[0]], atol=1e-6)   # Ry(90) . d
+    np.testing.assert_allclose(rays[:3, 1].reshape(3, -1).T, [[1, 0, 0]] * 4, atol=0)
+
+
+def test_intrinsics_scale_from_reference_size():
+    k = Intrinsics(500, 500, 416, 240).scaled(416, 240)
+    assert k == Intrinsics(250, 250, 208, 120)
+    assert Intrinsics.keyboard(112, 64) == Intrinsics(500, 500, 56, 32)
+
+
+def test_camera_patches_layout():
+    f, h, w = 2, 32, 48
+    rays = torch.randn(6, f, h, w, generator=torch.Generator().manual_seed(0))
+    patches = camera_patches(rays)
+    hp, wp = h // 16, w // 16
+    assert patches.shape == (f * hp * wp, 1536)
+    # feature (c, i, j, a, b) of token (t, y, x) is the ray value at pixel
+    # row (2y + a) * 8 + i, column (2x + b) * 8 + j: unshuffle channel c*64 + i*8 + j, then patch (a, b)
+    for (t, y, x, c, i, j, a, b) in [(0, 0, 0, 0, 0, 0, 0, 0), (1, 1, 2, 5, 7, 3, 1, 0), (0, 1, 1, 3, 2, 6, 0, 1),
+                                     (1, 0, 2, 1, 4, 4, 1, 1)]:
+        token = (t * hp + y) * wp + x
+        feature = (c * 64 + i * 8 + j) * 4 + a * 2 + b
+        assert patches[token, feature] == rays[c, t, (2 * y + a) * 8 + i, (2 * x + b) * 8 + j]
+
+
+def test_quaternion_round_trip():
+    q = np.array([0.1, -0.4, 0.3, 0.85])
+    q /= np.linalg.norm(q)
+    r = quat_to_matrix(q)
+    np.testing.assert_allclose(r @ r.T, np.eye(3), atol=1e-12)
+    np.testing.assert_allclose(matrix_to_quat(r), q, atol=1e-12)
+    np.testing.assert_allclose(quat_to_matrix([0, math.sin(math.pi / 4), 0, math.cos(math.pi / 4)]), rot_y(90),
+                               atol=1e-12)
+
+
+def test_target_mode_interpolates_over_transition_chunks():
+    rig = CameraRig.default(112, 64)
+    q90 = (0.0, math.sin(math.pi / 4), 0.0, math.cos(math.pi / 4))
+    event = CameraEvent("target", (0.0, 0.0, 3.0), q90, transition_chunks=1)
+    poses, state = rig.plan(Controls(camera=event), 3)
+    np.testing.assert_allclose(poses[:, :3, 3], [[0, 0, 1], [0, 0, 2], [0, 0, 3]], atol=1e-12)
+    q_third = np.array([0, q90[1] / 3, 0, 2 / 3 + q90[3] / 3])            # nlerp at alpha 1/3
+    q_third /= np.linalg.norm(q_third)
+    np.testing.assert_allclose(poses[0, :3, :3], quat_to_matrix(q_third), atol=1e-12)
+    np.testing.assert_allclose(poses[2, :3, :3], rot_y(90), atol=1e-12)
+    rig.commit((poses, state))
+    later, _ = rig.plan(None, 3)                                          # stays at the target
+    np.testing.assert_allclose(later[:, :3, 3], [[0, 0, 3]] * 3, atol=1e-12)
+    snap, _ = CameraRig.default(112, 64).plan(
+        Controls(camera=CameraEvent("target", (1.0, 0.0, 0.0), (0, 0, 0, 1), 0)), 3)
+    np.testing.assert_allclose(snap[:, :3, 3], [[1, 0, 0]] * 3, atol=0)
+
+
+def test_velocity_mode_applies_delta_every_latent_frame_until_replaced():
+    rig = CameraRig.default(112, 64)
+    planned = rig.plan(Controls(camera=CameraEvent("velocity", (0.0, 0.0, 0.05), (0, 0, 0, 1))), 3)
+    np.testing.assert_allclose(planned[0][:, 2, 3], [0.05, 0.10, 0.15], atol=1e-12)
+    rig.commit(planned)
+    planned = rig.plan(None, 3)
+    np.testing.assert_allclose(planned[0][:, 2, 3], [0.20, 0.25, 0.30], atol=1e-12)
+    rig.commit(planned)
+    stop = CameraEvent("velocity", (0.0, 0.0, 0.0), (0, 0, 0, 1))
+    planned = rig.plan(Controls(camera=stop, keys=("d", "", "")), 3)
+    np.testing.assert_allclose(planned[0][:, :3, 3], [[0.05, 0, 0.30]] * 3, atol=1e-12)
+
+
+def test_plan_does_not_change_state_until_commit():
+    rig = CameraRig.default(112, 64)
+    a, _ = rig.plan(Controls(keys=("w", "w", "l")), 3)
+    b, _ = rig.plan(Controls(keys=("w", "w", "l")), 3)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(rig.state.pose, np.eye(4))
+    with pytest.raises(CameraError, match="2 key sets for a chunk of 3 latent frames"):
+        rig.plan(Controls(keys=("w", "w")), 3)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(mode="orbit"), "camera mode 'orbit' must be 'target' or 'velocity'"),
+    (dict(translation=(0.0, 1.0)), "camera translation \\[0.0, 1.0\\] must be 3 finite numbers"),
+    (dict(rotation=(0.0, 0.0, 0.0, 0.0)), "camera rotation quaternion has zero length"),
+    (dict(translation=(0.0, float("nan"), 0.0)), "must be 3 finite numbers"),
+    (dict(transition_chunks=-1), "transition_chunks -1 must be >= 0"),
+])
+def test_bad_camera_events_are_refused(kwargs, message):
+    args = dict(mode="target", translation=(0.0, 0.0, 0.0), rotation=(0.0, 0.0, 0.0, 1.0))
+    args.update(kwargs)
+    with pytest.raises(CameraError, match=message):
+        CameraEvent(**args)

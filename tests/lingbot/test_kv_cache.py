@@ -1,0 +1,167 @@
+"""K/V window semantics through the real forward, and the prompt LRU."""
+import pytest
+import torch
+
+from lingbot.camera import Controls
+from lingbot.engine import LatentCondition
+from lingbot.kv_cache import KVWindow, LRUCache, slot_for_chunk, visible_chunks
+from tests.conftest import random_condition
+
+NUM_CHUNKS = 11
+
+
+def explicit_window(k: int) -> list[int]:
+    """Chunks a forward of chunk k attends, written out from the design: {0,1,2} u {k-2,k-1} u {k}."""
+    return [c for c in range(k + 1) if c in (0, 1, 2) or c in (k - 2, k - 1, k)]
+
+
+class ConcatReferenceKV:
+    """Keeps every committed chunk's K/V forever and attends the explicit concatenation."""
+
+    def __init__(self, window=explicit_window):
+        self.window = window
+        self.committed: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.chunk = 0
+
+    def reset(self):
+        self.__init__(self.window)
+
+    def begin_chunk(self, k):
+        assert k == self.chunk
+        self.current = {}
+
+    def update(self, layer, key, value):
+        self.current[layer] = (key.clone(), value.clone())
+        history = [self.committed[c][layer] for c in self.window(self.chunk) if c != self.chunk]
+        keys = torch.cat([k for k, _ in history] + [key], dim=2)
+        values = torch.cat([v for _, v in history] + [value], dim=2)
+        return keys, values
+
+    def commit(self):
+        self.committed[self.chunk] = self.current
+        self.chunk += 1
+
+
+def test_slot_assignment_follows_design():
+    assert [slot_for_chunk(k, 3, 6) for k in range(13)] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5, 3]
+    for k in range(30):
+        assert visible_chunks(k, 3, 6) == explicit_window(k)
+
+
+def _controls(k):
+    keys = ["w", "wa", "l", "s", "d", "ij", "", "k", "wd", "j", "a"]
+    return Controls(keys=(keys[k], keys[(k + 3) % 11], keys[(k + 7) % 11]))
+
+
+def test_slab_equals_explicit_concatenation_every_chunk(tiny, tiny_engine):
+    cond = random_condition(tiny)
+    slab = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    ref = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    ref.kv = ConcatReferenceKV()
+    window_frames = tiny.transformer.sliding_window_num_frames
+    assert slab.kv.keys.shape[3] == window_frames * tiny_engine.tokens_per_frame     # allocated once, 18 frames
+    for k in range(NUM_CHUNKS):
+        a = slab.run_chunk(_controls(k))
+        b = ref.run_chunk(_controls(k))
+        # Tolerance: the slab holds the same K/V rows in another order (chunk k >= 6 sits in the slot of
+        # k-3), so softmax sums run in another order: fp32 rounding ~1e-7 per chunk, compounding through the
+        # autoregressive history. Chunks 0-5 come out bitwise equal, chunks 6-10 within 7e-7 (measured);
+        # latents are O(1). 1e-5 leaves a 10x margin, while attending one chunk too many moves them by
+        # ~8e-3 with these random weights (test_wrong_window_is_detected).
+        err = (a.latents - b.latents).abs().max().item()
+        print(f"chunk {k}: max abs diff slab vs concatenation {err:.2e}")
+        assert err < 1e-5, f"chunk {k}: slab vs explicit window differ by {err}"
+        assert slab.kv.held_frames(3) <= window_frames
+        assert sorted(c for c in slab.kv.slot_chunk if c >= 0) == explicit_window(k)
+
+
+def test_wrong_window_is_detected(tiny, tiny_engine):
+    """The comparison above is sensitive: attending one extra evicted chunk changes the output."""
+    cond = random_condition(tiny)
+    ref = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    ref.kv = ConcatReferenceKV()
+    wide = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    wide.kv = ConcatReferenceKV(window=lambda c: list(range(c + 1)))      # never evicts
+    for k in range(7):
+        a, b = ref.run_chunk(_controls(k)), wide.run_chunk(_controls(k))
+    # chunk 6 is the first whose window drops a chunk (3): seeing it moves the output far past the 1e-5 tolerance
+    assert (a.latents - b.latents).abs().max().item() > 5e-3
+
+
+def test_changing_chunk_k_never_changes_earlier_chunks(tiny, tiny_engine):
+    cond = random_condition(tiny)
+    k_changed = 7
+    runs = []
+    for variant in range(2):
+        s = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=5)
+        outs = []
+        for k in range(9):
+            controls = _controls(k)
+            if k == k_changed and variant == 1:
+                controls = Controls(keys=("ll", "ll", "ll"))
+            outs.append(s.run_chunk(controls).latents)
+        runs.append((outs, s.kv))
+    (a, kv_a), (b, kv_b) = runs
+    for k in range(k_changed):
+        assert torch.equal(a[k], b[k]), f"chunk {k} changed when chunk {k_changed}'s input changed"
+    assert not torch.equal(a[k_changed], b[k_changed])
+    # committed K/V of chunks before k_changed that are still held are identical bit for bit
+    for slot, chunk in enumerate(kv_a.slot_chunk):
+        if chunk < k_changed:
+            n = kv_a.chunk_tokens
+            assert torch.equal(kv_a.keys[:, :, :, slot * n:(slot + 1) * n], kv_b.keys[:, :, :, slot * n:(slot + 1) * n])
+            assert torch.equal(kv_a.values[:, :, :, slot * n:(slot + 1) * n],
+                               kv_b.values[:, :, :, slot * n:(slot + 1) * n])
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_probes_never_modify_committed_slots(tiny, tiny_engine, k):
+    s = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a quiet harbour", seed=2)
+    for c in range(k):
+        s.run_chunk(_controls(c))
+    keys, values = s.kv.keys.clone(), s.kv.values.clone()
+    calls = []
+
+    def stop_before_commit():            # checked before each of the 4 probes and before the commit
+        calls.append(1)
+        return len(calls) == 5
+
+    assert s.run_chunk(_controls(k), should_stop=stop_before_commit) is None
+    n, slot = s.kv.chunk_tokens, slot_for_chunk(k, 3, 6)
+    for other in range(6):
+        if other != slot:
+            sl = slice(other * n, (other + 1) * n)
+            assert torch.equal(s.kv.keys[:, :, :, sl], keys[:, :, :, sl])
+            assert torch.equal(s.kv.values[:, :, :, sl], values[:, :, :, sl])
+    # the probes did write the current chunk's slot
+    cur = slice(slot * n, (slot + 1) * n)
+    assert not torch.equal(s.kv.keys[:, :, :, cur], keys[:, :, :, cur])
+    assert s.chunk_index == k and s.kv.next_chunk == k
+
+
+def test_kv_window_budget_matches_design(tiny):
+    from lingbot.config import get_preset
+    real = get_preset("lingbot-world-v2-14b")
+    per_frame = KVWindow.nbytes_for(real.transformer, real.tokens_per_frame, 40, torch.bfloat16) / 18
+    assert real.tokens_per_frame == 1560
+    assert abs(per_frame / 2 ** 30 - 1.19) < 0.01         # "about 1.19 GiB of K/V per latent frame"
+
+
+def test_lru_keeps_recent_prompts():
+    cache = LRUCache(2)
+    computed = []
+    for p in ["a", "b", "a", "c", "b"]:
+        cache.get_or_compute(p, lambda p=p: computed.append(p) or p.upper())
+    assert computed == ["a", "b", "c", "b"]            # "b" was evicted by "c" after "a" was reused
+    assert (cache.hits, cache.misses) == (1, 4)
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        LRUCache(0)
+
+
+def test_engine_reuses_text_kv_across_sessions(tiny, tiny_engine):
+    before = tiny_engine.prompt_cache.misses
+    s1 = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=0)
+    s2 = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=1)
+    assert tiny_engine.prompt_cache.misses == before + 1
+    assert s1.text is s2.text

@@ -1,0 +1,99 @@
+"""Strict loading of diffusers-layout transformer folders, and the random-checkpoint writer."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lingbot.checkpoint import build_engine, write_random_checkpoint
+from lingbot.config import ConfigError, TransformerConfig, get_preset
+from lingbot.weights import INDEX_NAME, WeightsError, load_transformer, read_state_dict, save_transformer
+
+
+def _shards(folder):
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+def test_round_trip_is_bitwise(tmp_path, tiny_model):
+    folder = save_transformer(tiny_model, tmp_path / "transformer", max_shard_bytes=2 ** 20)
+    assert len(_shards(folder)) > 1 and (folder / INDEX_NAME).exists()       # the sharded path is exercised
+    loaded = load_transformer(folder, dtype=torch.float32)
+    assert loaded.config == tiny_model.config
+    ours, theirs = tiny_model.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+
+
+def _rewrite_shard(folder, edit):
+    index = json.loads((folder / INDEX_NAME).read_text())
+    name = _shards(folder)[0]
+    shard = load_file(folder / name)
+    edit(shard, index, name)
+    save_file(shard, folder / name)
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+
+
+def test_missing_key_is_named(tmp_path, tiny_model):
+    folder = save_transformer(tiny_model, tmp_path / "t", max_shard_bytes=2 ** 20)
+    victim = sorted(load_file(folder / _shards(folder)[0]))[0]
+
+    def drop(shard, index, name):
+        del shard[victim]
+        del index["weight_map"][victim]
+    _rewrite_shard(folder, drop)
+    with pytest.raises(WeightsError, match=f"missing key '{victim}'"):
+        load_transformer(folder)
+
+
+def test_unknown_key_is_named(tmp_path, tiny_model):
+    folder = save_transformer(tiny_model, tmp_path / "t", max_shard_bytes=2 ** 20)
+
+    def add(shard, index, name):
+        shard["blocks.0.self_attn.extra_bias"] = torch.zeros(3)
+        index["weight_map"]["blocks.0.self_attn.extra_bias"] = name
+    _rewrite_shard(folder, add)
+    with pytest.raises(WeightsError, match="unknown key 'blocks.0.self_attn.extra_bias'"):
+        load_transformer(folder)
+
+
+def test_wrong_shape_is_named(tmp_path, tiny_model):
+    folder = save_transformer(tiny_model, tmp_path / "t")
+    state = read_state_dict(folder)
+    state["head.head.bias"] = torch.zeros(7)
+    save_file(state, folder / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(WeightsError, match=r"key 'head.head.bias' has shape \[7\].*expects \[64\]"):
+        load_transformer(folder)
+
+
+def test_config_json_round_trip_and_bad_keys(tmp_path):
+    cfg = TransformerConfig()
+    assert len(cfg.to_json_dict()) == 21                       # the 20 keys + _class_name
+    assert TransformerConfig.from_json_dict(cfg.to_json_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"unknown keys \['num_heads'\]"):
+        TransformerConfig.from_json_dict({**cfg.to_json_dict(), "num_heads": 40})
+    d = cfg.to_json_dict()
+    del d["sink_size"]
+    with pytest.raises(ConfigError, match=r"missing keys \['sink_size'\]"):
+        TransformerConfig.from_json_dict(d)
+
+
+def test_engine_from_written_folder_equals_in_memory_engine(tmp_path, tiny, tiny_engine):
+    from lingbot.engine import LatentCondition
+    from tests.conftest import random_condition
+    folder = write_random_checkpoint(tiny, tmp_path / "tiny-ckpt", max_shard_bytes=2 ** 20)
+    for part in ("transformer/config.json", "text_encoder/config.json", "tokenizer/tokenizer.json",
+                 "model_index.json"):
+        assert (folder / part).exists(), part
+    disk = build_engine("tiny", model_path=folder)
+    cond = random_condition(tiny)
+    a = disk.new_session(LatentCondition(cond), prompt="a red barn", seed=1).generate(2)
+    b = tiny_engine.new_session(LatentCondition(cond), prompt="a red barn", seed=1).generate(2)
+    assert torch.equal(a, b)
+
+
+def test_real_preset_needs_a_folder():
+    with pytest.raises(ConfigError, match="give the model folder"):
+        build_engine(get_preset("lingbot-world-v2-14b"))
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        get_preset("huge")

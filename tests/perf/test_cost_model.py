@@ -1,0 +1,41 @@
+"""The analytical FLOP count equals what torch's FlopCounterMode counts on the real tiny forward."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+from lingbot.camera import Controls
+from lingbot.engine import LatentCondition, WorldEngine
+from perf.cost_model import preset_chunk_flops
+from tests.conftest import random_condition
+
+
+def _register_cpu_sdpa():
+    """FlopCounterMode knows the CUDA attention kernels but not the CPU one; count it the same way."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    from torch.utils.flop_counter import flop_registry
+    if op in flop_registry or op.default in flop_registry:
+        return
+
+    @register_flop_formula(op)
+    def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+        b, h, q, d = query_shape
+        s = key_shape[2]
+        return 2 * b * h * q * s * d + 2 * b * h * q * s * value_shape[3]     # scores + weighted values
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_count_matches_flop_counter(tiny, tiny_model, tiny_text_encoder, cached):
+    _register_cpu_sdpa()
+    engine = WorldEngine(tiny, tiny_model, tiny_text_encoder, cache_camera_modulation=cached)
+    s = engine.new_session(LatentCondition(random_condition(tiny)), prompt="a fjord", seed=0)
+    for k in range(8):
+        with FlopCounterMode(display=False) as counter:
+            s.run_chunk(Controls(keys=("w", "", "")))
+        assert counter.get_total_flops() == preset_chunk_flops(tiny, k, camera_cached=cached).total, k
+
+
+def test_v2_14b_steady_chunk():
+    from lingbot.config import get_preset
+    f = preset_chunk_flops(get_preset("lingbot-world-v2-14b"), 6)
+    assert f.forwards == 5
+    assert 1.0e15 < f.total < 1.3e15
