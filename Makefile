@@ -21,6 +21,7 @@ test: install
 
 perf: install
 	$(PY) perf/chunk_time.py
+	$(PY) perf/pipeline_time.py
 	$(PY) perf/flops.py
 
 clean:

@@ -1,7 +1,7 @@
 """Model folders in the diffusers layout of the real checkpoint, and building an engine from one.
 
 `write_random_checkpoint` writes any preset with seeded random weights in the real on-disk layout
-(transformer/, text_encoder/, tokenizer/, model_index.json), so tests and the embedded default load
+(transformer/, vae/, text_encoder/, tokenizer/, model_index.json), so tests and the embedded default load
 the tiny model from disk exactly as real weights are loaded. Nothing here downloads anything.
 """
 from __future__ import annotations
@@ -13,9 +13,11 @@ from typing import Optional
 
 import torch
 
-from .config import ConfigError, Preset, get_preset
+from .config import ConfigError, Preset, get_preset, parse_dtype
 from .engine import WorldEngine
+from .pipeline import WorldPipeline
 from .text import TextEncoder, build_random_text_encoder, save_text_encoder
+from .vae import build_random_vae, load_vae, save_vae
 from .weights import build_random_transformer, load_transformer, save_transformer
 
 log = logging.getLogger(__name__)
@@ -30,9 +32,11 @@ def write_random_checkpoint(preset: Preset, folder: str | Path, seed: Optional[i
     folder = Path(folder)
     model = build_random_transformer(preset.transformer, seed, preset.torch_dtype)
     save_transformer(model, folder / "transformer", max_shard_bytes)
+    save_vae(build_random_vae(preset.vae, seed, parse_dtype(preset.vae_dtype)), folder / "vae")
     save_text_encoder(build_random_text_encoder(preset.text, seed), folder)
     index = {"_class_name": "LingBotWorldPipeline", "lingbot_preset": preset.name,
-             "transformer": ["lingbot", "CausalWanModel"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "transformer": ["lingbot", "CausalWanModel"], "vae": ["diffusers", "AutoencoderKLWan"],
+             "text_encoder": ["transformers", "UMT5EncoderModel"],
              "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))
     log.info("wrote random %s checkpoint (seed %d) to %s", preset.name, seed, folder)
@@ -61,3 +65,17 @@ def build_engine(preset: str | Preset, model_path: Optional[str | Path] = None, 
         text_encoder = build_random_text_encoder(preset.text, preset.weights_seed)
         text_encoder.model.to(device)
     return WorldEngine(preset, model, text_encoder, device=device, **engine_kwargs)
+
+
+def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
+                   skip_fixed_point: bool = True, **engine_kwargs) -> WorldPipeline:
+    """Engine + VAE: from `model_path` (transformer/, vae/, text_encoder/, tokenizer/) or the preset's
+    seeded random weights."""
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    engine = build_engine(preset, model_path, device=device, **engine_kwargs)
+    vae_dtype = parse_dtype(preset.vae_dtype)
+    if model_path is not None:
+        vae = load_vae(Path(model_path) / "vae", dtype=vae_dtype, device=device)
+    else:
+        vae = build_random_vae(preset.vae, preset.weights_seed, vae_dtype).to(device)
+    return WorldPipeline(engine, vae, skip_fixed_point)

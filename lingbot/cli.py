@@ -25,6 +25,52 @@ def cmd_write_checkpoint(args) -> None:
     print(f"wrote {args.preset} with random weights to {folder}")
 
 
+def parse_key_script(script: str, chunks: int, frames_per_chunk: int = 3) -> list:
+    """"w,w,wa,,j" -> one key set per latent frame, padded with no keys to chunks * 3, as Controls."""
+    from .camera import Controls, parse_keys
+    frames = [parse_keys(k) for k in script.split(",")] if script else []
+    total = chunks * frames_per_chunk
+    if len(frames) > total:
+        raise ValueError(f"--keys has {len(frames)} key sets but {chunks} chunks hold {total} latent frames")
+    frames += [""] * (total - len(frames))
+    return [Controls(keys=tuple(frames[i:i + frames_per_chunk])) for i in range(0, total, frames_per_chunk)]
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def cmd_generate(args) -> None:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .checkpoint import build_pipeline
+    from .config import get_preset
+    from .pipeline import load_image
+    from .video import H264Writer
+    preset = get_preset(args.preset)
+    controls = parse_key_script(args.keys, args.chunks, preset.transformer.num_frames_per_block)
+    image = load_image(args.image, preset.width, preset.height)
+    pipeline = build_pipeline(preset, args.model_path, device=args.device,
+                              skip_fixed_point=not args.no_fixed_point_skip)
+    session = pipeline.new_session(image, args.prompt, seed=args.seed)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = H264Writer(out, preset.width, preset.height, args.fps)
+    with tqdm(total=args.chunks, unit="chunk", desc="generating", file=sys.stderr) as bar:
+        for chunk_controls in controls:
+            chunk = session.step(chunk_controls)
+            writer.write(chunk.frames.cpu().numpy())
+            bar.set_postfix(frames=writer.frames_written)
+            bar.update()
+    writer.close()
+    print(f"wrote {writer.frames_written} frames ({preset.width}x{preset.height}, {args.fps} fps) to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lingbot", description="LingBot-World engine commands")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,6 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=None, help="weights seed (default: the preset's)")
     p.set_defaults(func=cmd_write_checkpoint)
+    p = sub.add_parser("generate", help="image + prompt + key script -> H.264 MP4, chunk by chunk")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--model-path", default=None,
+                   help="diffusers-format folder (transformer/, vae/, text_encoder/, tokenizer/); "
+                        "default: the preset's random weights (tiny only)")
+    p.add_argument("--image", required=True, help="first frame (any image PIL reads); resized to the preset size")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,w,wa,,j" (W/A/S/D move, '
+                                              'I/K pitch, J/L yaw); missing frames get no keys')
+    p.add_argument("--chunks", type=positive_int, default=4, help="chunks to generate (12 * N - 3 frames)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fps", type=float, default=16.0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ...")
+    p.add_argument("--no-fixed-point-skip", action="store_true",
+                   help="always run the condition encoder (the reference path)")
+    p.add_argument("-o", "--output", required=True, help="output .mp4")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -43,7 +106,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as e:
         print(f"lingbot: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -146,6 +146,54 @@ class TextEncoderConfig:
     num_heads: int
 
 
+WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.916)
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """The keys of diffusers' AutoencoderKLWan config.json that shape the Wan 2.1 VAE."""
+    base_dim: int = 96
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    attn_scales: tuple[float, ...] = ()
+    temperal_downsample: tuple[bool, ...] = (False, True, True)
+    dropout: float = 0.0
+    latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
+    latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+
+    # keys diffusers writes that must keep their Wan 2.1 values here
+    _FIXED = {"decoder_base_dim": None, "is_residual": False, "in_channels": 3, "out_channels": 3,
+              "patch_size": None, "scale_factor_temporal": 4, "scale_factor_spatial": 8}
+
+    def __post_init__(self):
+        for name in ("dim_mult", "attn_scales", "temperal_downsample", "latents_mean", "latents_std"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.attn_scales:
+            raise ConfigError(f"attn_scales {list(self.attn_scales)} is not supported (the Wan 2.1 VAE has none)")
+        if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
+            raise ConfigError(f"latents_mean/std need {self.z_dim} values each")
+
+    def to_json_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {"_class_name": "AutoencoderKLWan", **d, **self._FIXED}
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "VAEConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in cls._FIXED.items():
+            if key in d and d[key] != value:
+                raise ConfigError(f"vae config {key}={d[key]!r} is not supported; the Wan 2.1 VAE has {value!r}")
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in names and k not in cls._FIXED)
+        if unknown:
+            raise ConfigError(f"vae config.json has unknown keys {unknown}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -155,6 +203,8 @@ class Preset:
     height: int
     width: int
     dtype: str = "bfloat16"
+    vae: VAEConfig = VAEConfig()
+    vae_dtype: str = "float32"
     vae_stride: tuple[int, int, int] = (4, 8, 8)
     weights_seed: Optional[int] = None  # random-weight presets: the seed of their weights
     description: str = ""
@@ -210,7 +260,7 @@ PRESETS: dict[str, Preset] = {
         sampler=V2_SAMPLER,
         text=TextEncoderConfig(max_length=512, vocab_size=259, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                num_heads=4),
-        height=64, width=112, dtype="float32", weights_seed=0,
+        vae=VAEConfig(base_dim=8), height=64, width=112, dtype="float32", weights_seed=0,
         description="same architecture, small dims, random weights: CPU tests and the embedded default"),
 }
 

@@ -30,6 +30,9 @@ class ConditionSource(Protocol):
 
     def chunk_condition(self, chunk: int) -> Tensor: ...
 
+    def commit(self) -> None:
+        """The chunk that asked for the last condition succeeded."""
+
     def reset(self) -> None: ...
 
 
@@ -46,6 +49,9 @@ class LatentCondition:
         if f0 + n > self.latents.shape[1]:
             raise ValueError(f"condition latents hold {self.latents.shape[1]} frames; chunk {chunk} needs {f0 + n}")
         return make_condition(self.latents[:, f0:f0 + n], first_frame=f0)
+
+    def commit(self) -> None:
+        pass
 
     def reset(self) -> None:
         pass
@@ -64,7 +70,7 @@ def make_condition(image_latents: Tensor, first_frame: int) -> Tensor:
 class ChunkResult:
     index: int
     latents: Tensor                                # [16, F, h, w] float32, the chunk's clean x0
-    timings: dict[str, float] = field(default_factory=dict)   # stage -> seconds (prepare, probe_i, commit)
+    timings: dict[str, float] = field(default_factory=dict)   # stage -> s: condition, prepare, probe_i, commit
 
 
 class WorldEngine:
@@ -136,7 +142,8 @@ class Session:
         self.condition.reset()
         self.chunk_index = 0
 
-    def _mark(self, timings: dict[str, float], name: str, start: float) -> float:
+    def mark_stage(self, timings: dict[str, float], name: str, start: float) -> float:
+        """Record stage `name` as ending now; device-synchronised only when profiling."""
         if self.engine.profile and self.engine.device.type != "cpu":
             torch.accelerator.synchronize(self.engine.device)
         now = time.perf_counter()
@@ -146,23 +153,37 @@ class Session:
     @torch.no_grad()
     def run_chunk(self, controls: Optional[Controls] = None,
                   should_stop: Callable[[], bool] = lambda: False) -> Optional[ChunkResult]:
-        """Run the next chunk. Returns None (and changes nothing lasting) if should_stop() turns true
-        between steps."""
+        """Run the next chunk. Returns None if should_stop() turns true between steps; a stopped or failed
+        chunk changes nothing lasting (the RNG is rewound; camera and condition are committed only at the
+        end), so the same chunk can be run again."""
+        rng_state = self.generator.get_state()
+        try:
+            result = self._run_chunk(controls, should_stop)
+        except BaseException:
+            self.generator.set_state(rng_state)
+            raise
+        if result is None:
+            self.generator.set_state(rng_state)
+        return result
+
+    def _run_chunk(self, controls: Optional[Controls], should_stop: Callable[[], bool]) -> Optional[ChunkResult]:
         engine, model, sampler = self.engine, self.engine.model, self.engine.sampler
         k, f = self.chunk_index, self.frames_per_chunk
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        # prepare: camera poses -> ray patches -> camera tokens / modulation, RoPE, condition
+        # condition (the causal image encoder, or its stored fixed point)
+        condition = self.condition.chunk_condition(k).to(engine.device)[None]          # [1, 20, F, h, w]
+        t = self.mark_stage(timings, "condition", t0)
+        # prepare: camera poses -> ray patches -> camera tokens / modulation, RoPE, first noise
         planned = self.rig.plan(controls, f)
         rays = self.rig.rays(planned, engine.preset.height, engine.preset.width, engine.device)  # [6, F, H, W]
-        patches = camera_patches(rays)[None]                          # [1, L, 1536]
+        patches = camera_patches(rays)[None]                                            # [1, L, 1536]
         grid = (f, *engine.token_grid_hw)
         chunk = model.prepare_chunk(patches, k * f, grid, engine.cache_camera_modulation)
-        condition = self.condition.chunk_condition(k).to(engine.device)[None]          # [1, 20, F, h, w]
         self.kv.begin_chunk(k)
         shape = (1, engine.config.out_channels, f, *engine.latent_hw)
         x_t = sampler.initial_noise(shape, self.generator, engine.device)
-        t = self._mark(timings, "prepare", t0)
+        t = self.mark_stage(timings, "prepare", t)
         # probes: denoise, re-noise with fresh noise from the session's generator
         for step in range(sampler.num_steps):
             if should_stop():
@@ -171,13 +192,14 @@ class Session:
                 x_t = sampler.renoise(x0, step, self.generator)
             flow = model(x_t, condition, engine.time[step], self.text, chunk, self.kv, commit=False)
             x0 = sampler.denoise(x_t, flow, step)
-            t = self._mark(timings, f"probe_{step}", t)
+            t = self.mark_stage(timings, f"probe_{step}", t)
         if should_stop():
             return None
         # commit: the clean x0 at t = 0 writes the chunk's lasting K/V
         model(x0, condition, engine.time[-1], self.text, chunk, self.kv, commit=True)
-        self._mark(timings, "commit", t)
+        self.mark_stage(timings, "commit", t)
         self.rig.commit(planned)
+        self.condition.commit()
         self.chunk_index += 1
         return ChunkResult(k, x0[0], timings)
 

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     steady = results[warm:]
     print(f"{args.preset} on {args.device} ({torch.get_num_threads()} threads): "
           f"{engine.preset.width}x{engine.preset.height}, {len(steady)} steady chunks (index >= {warm})")
-    for stage in ["prepare", "probe_0", "probe_1", "probe_2", "probe_3", "commit", "total"]:
+    for stage in ["condition", "prepare", "probe_0", "probe_1", "probe_2", "probe_3", "commit", "total"]:
         vals = [r.timings[stage] * 1e3 for r in steady]
         print(f"  {stage:>8}: median {statistics.median(vals):8.2f} ms   min {min(vals):8.2f}   max {max(vals):8.2f}")
     warm_vals = [r.timings["total"] * 1e3 for r in results[1:warm]]

@@ -34,3 +34,21 @@ def random_condition(preset, frames=60, seed=1):
     """Normalised image latents for LatentCondition (stand-in for nothing: any latent is a valid input)."""
     lh, lw = preset.latent_hw
     return torch.randn(16, frames, lh, lw, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="session")
+def tiny_vae(tiny):
+    from lingbot.vae import build_random_vae
+    return build_random_vae(tiny.vae, tiny.weights_seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_engine, tiny_vae):
+    from lingbot.pipeline import WorldPipeline
+    return WorldPipeline(tiny_engine, tiny_vae, skip_fixed_point=True)
+
+
+def random_image(preset, seed=0):
+    """A first frame in [-1, 1] of the preset's size."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(3, preset.height, preset.width, generator=g) * 2 - 1

@@ -13,7 +13,7 @@ def test_generate_shape_and_stage_split(tiny, tiny_engine):
     assert s.generate(3).shape == (16, 9, lh, lw)
     result = s.run_chunk(Controls(keys=("w", "w", "w")))
     assert result.index == 3 and result.latents.shape == (16, 3, lh, lw)
-    assert list(result.timings) == ["prepare", "probe_0", "probe_1", "probe_2", "probe_3", "commit"]
+    assert list(result.timings) == ["condition", "prepare", "probe_0", "probe_1", "probe_2", "probe_3", "commit"]
     assert all(v > 0 for v in result.timings.values())
 
 

@@ -138,6 +138,12 @@ def test_probes_never_modify_committed_slots(tiny, tiny_engine, k):
     cur = slice(slot * n, (slot + 1) * n)
     assert not torch.equal(s.kv.keys[:, :, :, cur], keys[:, :, :, cur])
     assert s.chunk_index == k and s.kv.next_chunk == k
+    # a stopped chunk changes nothing lasting: running it again equals an uninterrupted session
+    again = s.run_chunk(_controls(k)).latents
+    clean = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a quiet harbour", seed=2)
+    for c in range(k):
+        clean.run_chunk(_controls(c))
+    assert torch.equal(again, clean.run_chunk(_controls(k)).latents)
 
 
 def test_kv_window_budget_matches_design(tiny):

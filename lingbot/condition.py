@@ -1,0 +1,80 @@
+"""The causal condition encoder: the first frame's VAE latents, chunk by chunk (shared/DESIGN.md §2, §5.4).
+
+Chunk 0 encodes [image, 8 zero frames] (1 + 4 + 4 pixel frames -> 3 latent frames); every later chunk
+encodes 12 zero frames (4 + 4 + 4 -> 3), continuing the encoder's causal state. Each chunk encodes on a
+pending copy of that state, committed only when the chunk succeeds.
+
+Fixed point (switch `skip_fixed_point`): after the opening chunk the encoder sees only zeros, so once the
+state a chunk returns is bit-identical to the state it was given, every later chunk would produce the
+same latents from the same state. That is detected (never assumed) by a bitwise comparison; from then
+on the stored latents are reused. A reset clears it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .engine import make_condition
+from .vae import CausalCache, WanVAE
+
+log = logging.getLogger(__name__)
+
+
+class CausalConditionEncoder:
+    """ConditionSource of a session: image [3, H, W] in [-1, 1] -> per-chunk [20, 3, h, w]."""
+
+    def __init__(self, vae: WanVAE, image: Tensor, frames_per_chunk: int = 3, skip_fixed_point: bool = True):
+        if image.dim() != 3 or image.shape[0] != 3:
+            raise ValueError(f"image must be [3, H, W], got {list(image.shape)}")
+        self.vae = vae
+        self.image = image
+        self.frames_per_chunk = frames_per_chunk
+        self.skip_fixed_point = skip_fixed_point
+        self.pixel_frames = 4 * frames_per_chunk            # per chunk after the first (the first has 1 fewer)
+        self.cache = CausalCache()
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.committed_chunks = 0
+        self.fixed_latents: Optional[Tensor] = None
+        self.fixed_point_chunk: Optional[int] = None
+        self.encoded_chunks = 0                              # encoder runs (for reports and tests)
+        self._pending = None
+
+    def _chunk_video(self, chunk: int) -> Tensor:
+        c, h, w = self.image.shape
+        if chunk == 0:
+            zeros = torch.zeros(c, self.pixel_frames - 4, h, w, dtype=self.image.dtype, device=self.image.device)
+            return torch.cat([self.image[:, None], zeros], dim=1)[None]          # [1, 3, 9, H, W]
+        return torch.zeros(1, c, self.pixel_frames, h, w, dtype=self.image.dtype, device=self.image.device)
+
+    @torch.no_grad()
+    def chunk_condition(self, chunk: int) -> Tensor:
+        if chunk != self.committed_chunks:
+            raise ValueError(f"condition for chunk {chunk} asked; the encoder is at chunk {self.committed_chunks}")
+        first_frame = chunk * self.frames_per_chunk
+        if self.fixed_latents is not None:
+            self._pending = None
+            return make_condition(self.fixed_latents, first_frame)
+        pending = self.cache.copy()
+        latents = self.vae.encode(self._chunk_video(chunk), pending)[0]           # [16, 3, h, w]
+        self.encoded_chunks += 1
+        reached = self.skip_fixed_point and chunk > 0 and pending.bitwise_equal(self.cache)
+        self._pending = (pending, latents, reached)
+        return make_condition(latents, first_frame)
+
+    def commit(self) -> None:
+        """The chunk that asked for the last condition succeeded: keep its encoder state."""
+        if self._pending is not None:
+            pending, latents, reached = self._pending
+            self.cache = pending
+            if reached:
+                self.fixed_latents = latents
+                self.fixed_point_chunk = self.committed_chunks
+                log.debug("condition encoder fixed point at chunk %d", self.committed_chunks)
+        self._pending = None
+        self.committed_chunks += 1

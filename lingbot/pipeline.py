@@ -1,0 +1,97 @@
+"""The whole in-process pipeline: image + prompt + controls -> uint8 video frames, chunk by chunk.
+
+A `VideoSession` owns a DiT session (its K/V window, camera, RNG), the causal condition encoder and the
+VAE decoder cache. One `step()` = condition encode + 4 probes + commit (the DiT session) + streaming
+decode to uint8 frames on the device (chunk 0 gives 9 frames, every later chunk 12).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .camera import CameraRig, Controls
+from .condition import CausalConditionEncoder
+from .engine import WorldEngine
+from .vae import CausalCache, WanVAE, frames_to_uint8
+
+
+@dataclass
+class VideoChunk:
+    index: int
+    frames: Tensor                                   # [F, H, W, 3] uint8, on the engine's device
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def load_image(source: Union[str, Path, "PIL.Image.Image", np.ndarray], width: int, height: int) -> Tensor:
+    """An RGB image resized (bicubic) to width x height -> [3, H, W] float32 in [-1, 1]."""
+    from PIL import Image, UnidentifiedImageError
+    if isinstance(source, (str, Path)):
+        try:
+            image = Image.open(source)
+            image.load()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"image {source} does not exist") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{source} is not a readable image ({e})") from None
+    elif isinstance(source, np.ndarray):
+        image = Image.fromarray(source)
+    else:
+        image = source
+    image = image.convert("RGB").resize((width, height), Image.BICUBIC)
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
+    return (pixels - 0.5) / 0.5
+
+
+class WorldPipeline:
+    def __init__(self, engine: WorldEngine, vae: WanVAE, skip_fixed_point: bool = True):
+        self.engine = engine
+        self.vae = vae
+        self.skip_fixed_point = skip_fixed_point
+
+    @property
+    def preset(self):
+        return self.engine.preset
+
+    def new_session(self, image: Tensor, prompt: str, seed: int = 0,
+                    rig: Optional[CameraRig] = None) -> "VideoSession":
+        h, w = self.preset.height, self.preset.width
+        if tuple(image.shape) != (3, h, w):
+            raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
+        return VideoSession(self, image.to(self.engine.device), prompt, seed, rig)
+
+
+class VideoSession:
+    def __init__(self, pipeline: WorldPipeline, image: Tensor, prompt: str, seed: int, rig: Optional[CameraRig]):
+        self.pipeline = pipeline
+        self.condition = CausalConditionEncoder(pipeline.vae, image, pipeline.engine.config.num_frames_per_block,
+                                                pipeline.skip_fixed_point)
+        self.dit = pipeline.engine.new_session(self.condition, prompt=prompt, seed=seed, rig=rig)
+        self.decoder_cache = CausalCache()
+
+    @property
+    def chunk_index(self) -> int:
+        return self.dit.chunk_index
+
+    def reset(self) -> None:
+        self.dit.reset()                      # also resets the condition encoder and the camera
+        self.decoder_cache.reset()
+
+    @torch.no_grad()
+    def step(self, controls: Optional[Controls] = None,
+             should_stop: Callable[[], bool] = lambda: False) -> Optional[VideoChunk]:
+        result = self.dit.run_chunk(controls, should_stop)
+        if result is None:
+            return None
+        t0 = time.perf_counter()
+        pending = self.decoder_cache.copy()           # committed only if the decode succeeds
+        video = self.pipeline.vae.decode(result.latents[None], pending)[0]               # [3, F, H, W]
+        frames = frames_to_uint8(video)
+        self.decoder_cache = pending
+        self.dit.mark_stage(result.timings, "decode", t0)
+        return VideoChunk(result.index, frames, result.timings)

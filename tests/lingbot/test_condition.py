@@ -1,0 +1,94 @@
+"""The causal condition encoder: chunked equals whole-clip, the fixed-point skip, pending/commit."""
+import pytest
+import torch
+
+from lingbot.condition import CausalConditionEncoder
+from lingbot.vae import CausalCache
+from tests.conftest import random_image
+
+FIXED_POINT_CHUNK_TINY = 10     # measured: the tiny VAE's encoder state stops changing at chunk 10
+
+
+def _run(encoder, chunks):
+    out = []
+    for k in range(chunks):
+        out.append(encoder.chunk_condition(k))
+        encoder.commit()
+    return torch.cat(out, dim=1)
+
+
+def test_chunked_condition_equals_whole_clip_encode(tiny, tiny_vae):
+    image = random_image(tiny)
+    chunks = 5
+    encoder = CausalConditionEncoder(tiny_vae, image, skip_fixed_point=False)
+    chunked = _run(encoder, chunks)                                       # [20, 15, h, w]
+    video = torch.zeros(1, 3, 12 * chunks - 3, tiny.height, tiny.width)
+    video[0, :, 0] = image
+    with torch.no_grad():
+        whole = tiny_vae.encode(video, CausalCache())[0]                  # [16, 15, h, w]
+    assert chunked.shape == (20, 15, *tiny.latent_hw)
+    assert (chunked[4:] - whole).abs().max() <= 1e-6
+    assert torch.equal(chunked[:4, 0], torch.ones_like(chunked[:4, 0]))   # mask: latent frame 0 only
+    assert torch.count_nonzero(chunked[:4, 1:]) == 0
+
+
+def test_fixed_point_is_detected_and_changes_nothing(tiny, tiny_pipeline):
+    image = random_image(tiny, seed=5)
+    outputs = {}
+    for skip in (True, False):
+        tiny_pipeline.skip_fixed_point = skip
+        session = tiny_pipeline.new_session(image, "a desert road", seed=8)
+        frames = [session.step().frames for _ in range(20)]
+        outputs[skip] = (torch.cat(frames), session.condition)
+    tiny_pipeline.skip_fixed_point = True
+    on, off = outputs[True], outputs[False]
+    assert on[1].fixed_point_chunk == FIXED_POINT_CHUNK_TINY
+    assert on[1].encoded_chunks == FIXED_POINT_CHUNK_TINY + 1          # no encoder runs after the fixed point
+    assert off[1].fixed_point_chunk is None and off[1].encoded_chunks == 20
+    assert on[0].shape == (20 * 12 - 3, tiny.height, tiny.width, 3)
+    assert torch.equal(on[0], off[0])                                   # 20 chunks, bit-identical
+
+
+def test_reset_re_encodes(tiny, tiny_vae):
+    encoder = CausalConditionEncoder(tiny_vae, random_image(tiny), skip_fixed_point=True)
+    first = _run(encoder, 12)
+    assert encoder.fixed_point_chunk == FIXED_POINT_CHUNK_TINY
+    encoder.reset()
+    assert encoder.fixed_point_chunk is None and encoder.fixed_latents is None and not encoder.cache.started
+    again = _run(encoder, 3)
+    assert encoder.encoded_chunks == 3
+    assert torch.equal(again, first[:, :9])
+
+
+def test_error_mid_chunk_leaves_committed_state(tiny, tiny_vae):
+    encoder = CausalConditionEncoder(tiny_vae, random_image(tiny), skip_fixed_point=False)
+    _run(encoder, 2)
+    snapshot = encoder.cache.copy()
+    snapshot_tensors = {k: v.clone() for k, v in snapshot.entries.items()}
+    calls = []
+
+    def fail_on_third_call(module, inputs, output):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+    handle = tiny_vae.encoder.mid_block.resnets[1].conv2.register_forward_hook(fail_on_third_call)
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            encoder.chunk_condition(2)
+    finally:
+        handle.remove()
+    assert encoder.committed_chunks == 2
+    assert encoder.cache.entries.keys() == snapshot_tensors.keys()
+    assert all(torch.equal(encoder.cache.entries[k], v) for k, v in snapshot_tensors.items())
+    # the retried chunk equals the one an uninterrupted encoder produces
+    clean = CausalConditionEncoder(tiny_vae, encoder.image, skip_fixed_point=False)
+    assert torch.equal(encoder.chunk_condition(2), _run(clean, 3)[:, 6:9])
+
+
+def test_uncommitted_chunk_is_not_kept(tiny, tiny_vae):
+    encoder = CausalConditionEncoder(tiny_vae, random_image(tiny), skip_fixed_point=False)
+    a = encoder.chunk_condition(0)               # the chunk failed later: no commit
+    b = encoder.chunk_condition(0)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="condition for chunk 1 asked; the encoder is at chunk 0"):
+        encoder.chunk_condition(1)
