@@ -44,9 +44,10 @@ def write_random_checkpoint(preset: Preset, folder: str | Path, seed: Optional[i
 
 
 def build_engine(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
-                 dtype: Optional[torch.dtype] = None, **engine_kwargs) -> WorldEngine:
+                 dtype: Optional[torch.dtype] = None, comm=None, **engine_kwargs) -> WorldEngine:
     """An engine for `preset`: weights from `model_path` (a diffusers-format folder), or the preset's
-    seeded random weights when it has them (tiny)."""
+    seeded random weights when it has them (tiny). With `comm` (world size > 1) the DiT is wrapped for
+    Ulysses sequence parallelism after it is built."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
     dtype = dtype or preset.torch_dtype
     if model_path is not None:
@@ -64,18 +65,22 @@ def build_engine(preset: str | Preset, model_path: Optional[str | Path] = None, 
         model = build_random_transformer(preset.transformer, preset.weights_seed, dtype, device)
         text_encoder = build_random_text_encoder(preset.text, preset.weights_seed)
         text_encoder.model.to(device)
+    if comm is not None:
+        from .parallel import apply_sequence_parallel
+        model = apply_sequence_parallel(model, comm)
     return WorldEngine(preset, model, text_encoder, device=device, **engine_kwargs)
 
 
 def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
-                   skip_fixed_point: bool = True, **engine_kwargs) -> WorldPipeline:
+                   skip_fixed_point: bool = True, comm=None, pixel_mode: str = "root_uint8_p2p",
+                   **engine_kwargs) -> WorldPipeline:
     """Engine + VAE: from `model_path` (transformer/, vae/, text_encoder/, tokenizer/) or the preset's
     seeded random weights."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
-    engine = build_engine(preset, model_path, device=device, **engine_kwargs)
+    engine = build_engine(preset, model_path, device=device, comm=comm, **engine_kwargs)
     vae_dtype = parse_dtype(preset.vae_dtype)
     if model_path is not None:
         vae = load_vae(Path(model_path) / "vae", dtype=vae_dtype, device=device)
     else:
         vae = build_random_vae(preset.vae, preset.weights_seed, vae_dtype).to(device)
-    return WorldPipeline(engine, vae, skip_fixed_point)
+    return WorldPipeline(engine, vae, skip_fixed_point, comm, pixel_mode)

@@ -43,7 +43,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-def cmd_generate(args) -> None:
+def _generate(comm, args) -> int:
+    """Generate on one rank (comm None: in process); rank 0 writes the MP4 and shows progress."""
     from pathlib import Path
 
     from tqdm import tqdm
@@ -52,23 +53,41 @@ def cmd_generate(args) -> None:
     from .config import get_preset
     from .pipeline import load_image
     from .video import H264Writer
+    root = comm is None or comm.is_root
     preset = get_preset(args.preset)
     controls = parse_key_script(args.keys, args.chunks, preset.transformer.num_frames_per_block)
     image = load_image(args.image, preset.width, preset.height)
-    pipeline = build_pipeline(preset, args.model_path, device=args.device,
+    pipeline = build_pipeline(preset, args.model_path, device=args.device, comm=comm, pixel_mode=args.pixel_mode,
                               skip_fixed_point=not args.no_fixed_point_skip)
     session = pipeline.new_session(image, args.prompt, seed=args.seed)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = H264Writer(out, preset.width, preset.height, args.fps)
-    with tqdm(total=args.chunks, unit="chunk", desc="generating", file=sys.stderr) as bar:
+    writer = None
+    if root:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        writer = H264Writer(out, preset.width, preset.height, args.fps)
+    with tqdm(total=args.chunks, unit="chunk", desc="generating", file=sys.stderr, disable=not root) as bar:
         for chunk_controls in controls:
             chunk = session.step(chunk_controls)
-            writer.write(chunk.frames.cpu().numpy())
-            bar.set_postfix(frames=writer.frames_written)
+            if writer is not None:
+                writer.write(chunk.frames.cpu().numpy())
+                bar.set_postfix(frames=writer.frames_written)
             bar.update()
+    if writer is None:
+        return 0
     writer.close()
-    print(f"wrote {writer.frames_written} frames ({preset.width}x{preset.height}, {args.fps} fps) to {out}")
+    sp = f", SP-{comm.world_size} {args.pixel_mode}" if comm is not None else ""
+    print(f"wrote {writer.frames_written} frames ({preset.width}x{preset.height}, {args.fps} fps{sp}) to {args.output}")
+    return writer.frames_written
+
+
+def cmd_generate(args) -> None:
+    if args.sp == 1:
+        _generate(None, args)
+        return
+    from .parallel.launch import run_local
+    if args.device != "cpu":
+        raise ValueError("--sp > 1 launches local CPU ranks; on GPUs run the Ray Serve app (deployments/)")
+    run_local(_generate, args.sp, args, timeout_s=args.timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ...")
     p.add_argument("--no-fixed-point-skip", action="store_true",
                    help="always run the condition encoder (the reference path)")
+    p.add_argument("--sp", type=positive_int, default=1,
+                   help="sequence-parallel degree: spawn this many local gloo ranks on this CPU machine")
+    p.add_argument("--pixel-mode", default="root_uint8_p2p",
+                   choices=["native", "root_float", "root_uint8_allgather", "root_uint8_p2p"],
+                   help="how decoded pixels reach rank 0 under --sp")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout (s) under --sp")
     p.add_argument("-o", "--output", required=True, help="output .mp4")
     p.set_defaults(func=cmd_generate)
     return parser

@@ -131,7 +131,8 @@ class Session:
         self.rig = rig
         cfg = engine.config
         self.frames_per_chunk = cfg.num_frames_per_block
-        self.kv = KVWindow(cfg, engine.tokens_per_frame, dtype=engine.model.dtype, device=engine.device)
+        self.kv = KVWindow(cfg, engine.tokens_per_frame, heads=engine.model.local_heads, dtype=engine.model.dtype,
+                           device=engine.device)
         self.generator = torch.Generator(device=engine.device)
         self.reset()
 

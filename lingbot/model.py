@@ -240,10 +240,12 @@ class ChunkConditioning:
     """Everything fixed across the five forwards of one chunk.
 
     rope: cos/sin [L, D/2]; camera_tokens [B, L, dim]; camera_modulation: per layer (scale, shift)
-    [B, L, dim], or None to recompute it in every forward (the reference path).
+    [B, L, dim], or None to recompute it in every forward (the reference path). L counts the tokens of
+    `tokens` only (all of the chunk on one device, this rank's share under sequence parallelism).
     """
     first_frame: int
     grid: tuple[int, int, int]           # (frames, height, width) in tokens
+    tokens: tuple[int, int]              # the token range [start, end) this rank computes
     rope: tuple[Tensor, Tensor]
     camera_tokens: Tensor
     camera_modulation: Optional[list[tuple[Tensor, Tensor]]]
@@ -275,6 +277,11 @@ class CausalWanModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.patch_embedding.weight.dtype
 
+    @property
+    def local_heads(self) -> int:
+        """Heads whose K/V this device stores (all of them without sequence parallelism)."""
+        return self.config.num_attention_heads
+
     # ---- once per timestep / prompt / chunk -------------------------------------------------------
     def time_conditioning(self, timestep: Tensor) -> TimeConditioning:
         """timestep [B] (the warped t') -> fp32 embeddings; constant per sampler step, so cache it."""
@@ -296,14 +303,18 @@ class CausalWanModel(nn.Module):
         return c + self.c2ws_hidden_states_layer2(F.silu(self.c2ws_hidden_states_layer1(c)))
 
     def prepare_chunk(self, camera_patches: Tensor, first_frame: int, grid: tuple[int, int, int],
-                      cache_camera_modulation: bool = True) -> ChunkConditioning:
-        """Everything the five forwards of a chunk share. grid = (frames, h, w) in tokens."""
-        camera_tokens = self.camera_tokens(camera_patches)
-        rope = rope_tables(self.config, first_frame, *grid, device=camera_tokens.device)
+                      cache_camera_modulation: bool = True,
+                      tokens: Optional[tuple[int, int]] = None) -> ChunkConditioning:
+        """Everything the five forwards of a chunk share. grid = (frames, h, w) in tokens; camera_patches
+        [B, L_total, 1536]; `tokens` = the [start, end) range to prepare (default: all)."""
+        start, end = tokens if tokens is not None else (0, grid[0] * grid[1] * grid[2])
+        camera_tokens = self.camera_tokens(camera_patches[:, start:end])
+        cos, sin = rope_tables(self.config, first_frame, *grid, device=camera_tokens.device)
         modulation = None
         if cache_camera_modulation:
             modulation = [block.camera_modulation(camera_tokens) for block in self.blocks]
-        return ChunkConditioning(first_frame, grid, rope, camera_tokens, modulation)
+        return ChunkConditioning(first_frame, grid, (start, end), (cos[start:end], sin[start:end]), camera_tokens,
+                                 modulation)
 
     # ---- the forward, in steps (sequence parallelism hooks the token split between them) ------------
     def embed(self, latents: Tensor, condition: Tensor) -> Tensor:

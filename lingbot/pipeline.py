@@ -24,7 +24,7 @@ from .vae import CausalCache, WanVAE, frames_to_uint8
 @dataclass
 class VideoChunk:
     index: int
-    frames: Tensor                                   # [F, H, W, 3] uint8, on the engine's device
+    frames: Optional[Tensor]                         # [F, H, W, 3] uint8 on the device; None off-root under SP
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -49,10 +49,27 @@ def load_image(source: Union[str, Path, "PIL.Image.Image", np.ndarray], width: i
 
 
 class WorldPipeline:
-    def __init__(self, engine: WorldEngine, vae: WanVAE, skip_fixed_point: bool = True):
+    """Engine + VAE. Under sequence parallelism (`comm` of world size N) every rank runs this with the
+    DiT wrapped by apply_sequence_parallel and the decoder sharded by width; the frames reach rank 0
+    by `pixel_mode` (other ranks get chunks with frames=None in the root modes)."""
+
+    def __init__(self, engine: WorldEngine, vae: WanVAE, skip_fixed_point: bool = True, comm=None,
+                 pixel_mode: str = "root_uint8_p2p"):
         self.engine = engine
         self.vae = vae
         self.skip_fixed_point = skip_fixed_point
+        self.comm = comm
+        from .parallel.pixels import PIXEL_MODES
+        if pixel_mode not in PIXEL_MODES:
+            raise ValueError(f"pixel mode {pixel_mode!r} is not one of {list(PIXEL_MODES)}")
+        self.pixel_mode = pixel_mode
+        if comm is not None and comm.world_size > 1:
+            from .parallel.comm import split_range, split_sizes
+            from .parallel.vae_shard import shard_decoder_width
+            latent_w = engine.latent_hw[1]
+            shard_decoder_width(vae, comm, latent_w)
+            self.latent_columns = split_range(latent_w, comm.world_size, comm.rank)
+            self.pixel_widths = [engine.preset.vae_stride[2] * w for w in split_sizes(latent_w, comm.world_size)]
 
     @property
     def preset(self):
@@ -89,9 +106,16 @@ class VideoSession:
         if result is None:
             return None
         t0 = time.perf_counter()
+        pipeline = self.pipeline
         pending = self.decoder_cache.copy()           # committed only if the decode succeeds
-        video = self.pipeline.vae.decode(result.latents[None], pending)[0]               # [3, F, H, W]
-        frames = frames_to_uint8(video)
+        if pipeline.comm is not None and pipeline.comm.world_size > 1:
+            from .parallel.pixels import assemble_frames
+            a, b = pipeline.latent_columns
+            shard = pipeline.vae.decode(result.latents[None, ..., a:b], pending)[0]     # [3, F, H, W_r]
+            frames = assemble_frames(shard, pipeline.comm, pipeline.pixel_widths, pipeline.pixel_mode)
+        else:
+            video = pipeline.vae.decode(result.latents[None], pending)[0]                # [3, F, H, W]
+            frames = frames_to_uint8(video)
         self.decoder_cache = pending
         self.dit.mark_stage(result.timings, "decode", t0)
         return VideoChunk(result.index, frames, result.timings)

@@ -54,3 +54,30 @@ def dit_chunk_flops(cfg: TransformerConfig, tokens_per_frame: int, chunk: int, s
 def preset_chunk_flops(preset: Preset, chunk: int, camera_cached: bool = True) -> ChunkFlops:
     return dit_chunk_flops(preset.transformer, preset.tokens_per_frame, chunk, len(preset.sampler.timesteps),
                            preset.text.max_length, camera_cached)
+
+
+def sp_dit_bytes_per_chunk(cfg: TransformerConfig, tokens_per_frame: int, world_size: int, rank: int,
+                           dtype_bytes: int, steps: int = 4) -> dict[str, int]:
+    """Bytes rank `rank` sends per chunk under Ulysses SP-N: per forward and layer one fused q/k/v
+    all-to-all (3 * l_r * dim * (N-1)/N) and one back ((L - l_r) * dim / N); per forward one all-gather
+    of the head output (the largest share, padded, fp32) to the N-1 others."""
+    from lingbot.parallel.comm import split_sizes
+    total = cfg.num_frames_per_block * tokens_per_frame
+    sizes = split_sizes(total, world_size)
+    local, n = sizes[rank], world_size
+    head_dim_share = cfg.dim // n
+    forwards = steps + 1
+    qkv = 3 * local * head_dim_share * (n - 1) * dtype_bytes
+    back = (total - local) * head_dim_share * dtype_bytes
+    head = max(sizes) * cfg.out_channels * 4 * 4 * (n - 1)            # [L_r, 64] fp32 to every other rank
+    return {"all_to_all": forwards * cfg.num_layers * (qkv + back), "all_gather": forwards * head}
+
+
+def sp_pixel_bytes_per_chunk(height: int, width: int, frames: int, latent_width: int, world_size: int,
+                             rank: int) -> int:
+    """root_uint8_p2p: every non-root rank sends its uint8 width shard [F, H, W_r, 3] to rank 0."""
+    from lingbot.parallel.comm import split_sizes
+    if rank == 0:
+        return 0
+    shard_w = split_sizes(latent_width, world_size)[rank] * (width // latent_width)
+    return frames * height * shard_w * 3

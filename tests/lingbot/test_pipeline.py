@@ -57,3 +57,12 @@ def test_generate_cli_bad_arguments_give_one_line(tmp_path, image_file, capsys, 
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("lingbot: error: ") and message in err
+
+
+def test_generate_cli_with_sp2(tmp_path, image_file):
+    out = tmp_path / "sp2.mp4"
+    args = ["generate", "--image", str(image_file), "--prompt", "a forest path", "--keys", "w,,l",
+            "--chunks", "2", "--sp", "2", "--pixel-mode", "root_uint8_allgather", "-o", str(out)]
+    assert main(args) == 0
+    assert read_frames(out).shape == (21, 64, 112, 3)
+    assert main(args[:-2] + ["--device", "cuda", "-o", str(out)]) == 2          # --sp is for local CPU ranks

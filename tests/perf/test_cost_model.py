@@ -39,3 +39,26 @@ def test_v2_14b_steady_chunk():
     f = preset_chunk_flops(get_preset("lingbot-world-v2-14b"), 6)
     assert f.forwards == 5
     assert 1.0e15 < f.total < 1.3e15
+
+
+def _count_sp_bytes(comm):
+    from lingbot.checkpoint import build_pipeline
+    pipe = build_pipeline("tiny", comm=comm)
+    image = torch.rand(3, 64, 112, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    session = pipe.new_session(image, "a fjord", seed=0)
+    session.step()
+    comm.reset_counts()
+    session.step()                                   # chunk 1: 12 frames
+    return dict(comm.bytes_sent)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sp_bytes_match_the_analytical_count(tiny, world_size):
+    from lingbot.parallel.launch import run_local
+    from perf.cost_model import sp_dit_bytes_per_chunk, sp_pixel_bytes_per_chunk
+    counted = run_local(_count_sp_bytes, world_size, timeout_s=120)
+    for rank, got in enumerate(counted):
+        expected = sp_dit_bytes_per_chunk(tiny.transformer, tiny.tokens_per_frame, world_size, rank, 4)
+        assert got["all_to_all"] == expected["all_to_all"], rank
+        assert got["all_gather"] == expected["all_gather"], rank
+        assert got.get("pixels", 0) == sp_pixel_bytes_per_chunk(64, 112, 12, 14, world_size, rank)

@@ -1,0 +1,222 @@
+"""Process groups and the collectives sequence parallelism uses, behind one counting wrapper.
+
+`Comm` is the only object in lingbot/ that calls torch.distributed. Every call is counted by kind,
+with the bytes this rank sends and the module it was issued from (set by `track_modules`), so tests
+can pin where communication happens and benchmarks can report bytes per chunk.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+
+class ParallelError(RuntimeError):
+    """A sequence-parallel group failed (a peer raised, died or timed out); names rank and operation."""
+
+
+def backend_for_device(device: torch.device | str) -> str:
+    """cuda -> nccl, npu -> hccl (torch_npu), cpu -> gloo."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "nccl"
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as e:
+            raise ParallelError("device npu needs torch_npu (pip install torch-npu) for the hccl backend") from e
+        return "hccl"
+    if kind == "cpu":
+        return "gloo"
+    raise ParallelError(f"no process-group backend for device type {kind!r}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """Contiguous, as-even-as-possible split: the first total % parts parts get one more."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    sizes = split_sizes(total, parts)
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
+class Comm:
+    """One rank's view of its sequence-parallel group (world_size 1 is a valid, silent group)."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None, device: torch.device | str = "cpu"):
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.device = torch.device(device)
+        self.counts: Counter = Counter()
+        self.bytes_sent: Counter = Counter()
+        self.by_module: dict[str, Counter] = defaultdict(Counter)
+        self._module_stack: list[str] = []
+
+    # ---- set-up -------------------------------------------------------------------------------
+    @classmethod
+    def init(cls, rank: int, world_size: int, init_method: str, device: torch.device | str = "cpu",
+             timeout_s: float = 60.0) -> "Comm":
+        """Join the default process group (every rank calls this concurrently)."""
+        backend = backend_for_device(device)
+        log.info("rank %d/%d joining %s group at %s", rank, world_size, backend, init_method)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world_size, dist.group.WORLD, device)
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def reset_counts(self) -> None:
+        self.counts.clear()
+        self.bytes_sent.clear()
+        self.by_module.clear()
+
+    @contextmanager
+    def track_modules(self, root: nn.Module, prefix: str = ""):
+        """Attribute every collective to the innermost running submodule of `root` while active."""
+        def enter(name):
+            def hook(module, args):
+                self._module_stack.append(name)
+            return hook
+
+        def leave(module, args, output):
+            self._module_stack.pop()
+
+        handles = []
+        for name, module in root.named_modules(prefix=prefix):
+            handles.append(module.register_forward_pre_hook(enter(name)))
+            handles.append(module.register_forward_hook(leave))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _record(self, kind: str, nbytes: int) -> None:
+        self.counts[kind] += 1
+        self.bytes_sent[kind] += nbytes
+        where = self._module_stack[-1] if self._module_stack else "<outside>"
+        self.by_module[where][kind] += 1
+
+    @contextmanager
+    def _op(self, kind: str):
+        try:
+            yield
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise ParallelError(f"rank {self.rank}/{self.world_size}: {kind} failed: {str(e).splitlines()[0][:200]} "
+                                f"(a peer rank that raised, exited or timed out ends here too)") from e
+
+    # ---- collectives --------------------------------------------------------------------------
+    def all_to_all(self, x: Tensor, input_splits: Sequence[int], output_splits: Sequence[int],
+                   kind: str = "all_to_all") -> Tensor:
+        """Rows of x (dim 0) go to ranks by input_splits; the result stacks rows received, by source."""
+        x = x.contiguous()
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        row = x[0].numel() * x.element_size() if x.shape[0] else 0
+        self._record(kind, row * (x.shape[0] - input_splits[self.rank]))
+        with self._op(kind):
+            dist.all_to_all_single(out, x, list(output_splits), list(input_splits), group=self.group)
+        return out
+
+    def all_gather(self, x: Tensor, kind: str = "all_gather") -> list[Tensor]:
+        """Equal-shape gather to every rank."""
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._record(kind, x.numel() * x.element_size() * (self.world_size - 1))
+        with self._op(kind):
+            dist.all_gather(out, x, group=self.group)
+        return out
+
+    def all_gather_uneven(self, x: Tensor, dim: int, sizes: Sequence[int], kind: str = "all_gather") -> Tensor:
+        """Gather shards whose size along `dim` differs by rank (padded to the largest, then trimmed)."""
+        largest = max(sizes)
+        if x.shape[dim] < largest:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = largest - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        parts = self.all_gather(x, kind)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+    def gather_to_root(self, x: Tensor, dim: int, sizes: Sequence[int], kind: str = "gather") -> Optional[Tensor]:
+        """Uneven shards along `dim` -> the whole tensor at rank 0 (None elsewhere)."""
+        largest = max(sizes)
+        if x.shape[dim] < largest:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = largest - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_root else None
+        if not self.is_root:
+            self._record(kind, x.numel() * x.element_size())
+        with self._op(kind):
+            dist.gather(x, parts, dst=0, group=self.group)
+        if not self.is_root:
+            return None
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+    def send_to_root(self, x: Tensor, shapes: Sequence[Sequence[int]], kind: str = "p2p") -> Optional[list[Tensor]]:
+        """Every non-root rank sends x to rank 0 point to point; rank 0 returns all ranks' tensors."""
+        if not self.is_root:
+            self._record(kind, x.numel() * x.element_size())
+            with self._op(kind):
+                dist.send(x.contiguous(), dst=0, group=self.group)
+            return None
+        received = [x]
+        with self._op(kind):
+            works, bufs = [], []
+            for src in range(1, self.world_size):
+                buf = x.new_empty(tuple(shapes[src]))
+                works.append(dist.irecv(buf, src=src, group=self.group))
+                bufs.append(buf)
+            for w in works:
+                w.wait()
+        self.counts[kind] += 1
+        return received + bufs
+
+    def exchange_halo(self, left_edge: Tensor, right_edge: Tensor, kind: str = "halo") -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """Send my leftmost columns to rank-1 and rightmost to rank+1; return (from left, from right)."""
+        ops, from_left, from_right = [], None, None
+        if self.rank > 0:
+            from_left = right_edge.new_empty(right_edge.shape)
+            ops += [dist.P2POp(dist.isend, left_edge.contiguous(), self.rank - 1, self.group),
+                    dist.P2POp(dist.irecv, from_left, self.rank - 1, self.group)]
+        if self.rank < self.world_size - 1:
+            from_right = left_edge.new_empty(left_edge.shape)
+            ops += [dist.P2POp(dist.isend, right_edge.contiguous(), self.rank + 1, self.group),
+                    dist.P2POp(dist.irecv, from_right, self.rank + 1, self.group)]
+        sent = (left_edge.numel() * (self.rank > 0) + right_edge.numel() * (self.rank < self.world_size - 1))
+        self._record(kind, sent * left_edge.element_size())
+        if ops:
+            with self._op(kind):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+        return from_left, from_right
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            with self._op("barrier"):
+                dist.barrier(group=self.group)

@@ -1,0 +1,99 @@
+"""Local multi-process launch: N spawned processes on this machine joined in one process group.
+
+Used by `lingbot generate --sp N` on a CPU machine and by the multi-rank tests. (On a cluster the Ray
+rank actors do the same joining; see deployments/.)
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+from .comm import Comm, ParallelError, free_port
+
+log = logging.getLogger(__name__)
+
+
+def _pack(value) -> bytes:
+    """Results travel by value (torch.save bytes): tensors shared by file descriptor would die with the rank."""
+    import io
+
+    import torch
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    import io
+
+    import torch
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_main(fn, rank, world_size, init_method, device, timeout_s, args, results, threads):
+    import torch
+    torch.set_num_threads(threads)
+    comm = None
+    try:
+        comm = Comm.init(rank, world_size, init_method, device, timeout_s)
+        value = fn(comm, *args)
+        results.put((rank, True, _pack(value)))
+    except BaseException as e:       # report, then exit non-zero: peers see the closed connection
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+    finally:
+        if comm is not None:
+            try:
+                comm.close()
+            except Exception:
+                pass
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args, device: str = "cpu", timeout_s: float = 60.0,
+              threads_per_rank: int | None = None) -> list[Any]:
+    """Run fn(comm, *args) on `world_size` spawned ranks; return their results in rank order.
+
+    Raises ParallelError naming every failed rank (with its error) if any rank failed; waits at most
+    timeout_s plus start-up for the whole group."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(fn, r, world_size, init_method, device, timeout_s, args, results, threads))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s + 60.0           # + process start-up and imports
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+                outcomes[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes]
+                if dead and results.empty():
+                    time.sleep(0.5)
+                    if results.empty():
+                        for r in dead:
+                            outcomes[r] = (False, f"process exited with code {procs[r].exitcode} without a result")
+                if time.monotonic() > deadline:
+                    for r in range(world_size):
+                        outcomes.setdefault(r, (False, "no result before the deadline"))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    failed = {r: v for r, (ok, v) in outcomes.items() if not ok}
+    if failed:
+        lines = "; ".join(f"rank {r}: {str(v).splitlines()[0]}" for r, v in sorted(failed.items()))
+        error = ParallelError(f"{len(failed)} of {world_size} ranks failed: {lines}")
+        error.rank_errors = failed
+        raise error
+    return [_unpack(outcomes[r][1]) for r in range(world_size)]
