@@ -75,6 +75,7 @@ class CausalConditionEncoder:
             if reached:
                 self.fixed_latents = latents
                 self.fixed_point_chunk = self.committed_chunks
+                self.cache = CausalCache()        # the encoder state is no longer needed: free it
                 log.debug("condition encoder fixed point at chunk %d", self.committed_chunks)
         self._pending = None
         self.committed_chunks += 1

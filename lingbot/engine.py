@@ -7,6 +7,7 @@ session owns its K/V window, camera rig, condition source, RNG and chunk counter
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -92,10 +93,23 @@ class WorldEngine:
         _, ph, pw = self.config.patch_size
         self.latent_hw = (lh, lw)
         self.token_grid_hw = (lh // ph, lw // pw)
-        with torch.no_grad():
-            # the timesteps are fixed: embed them once (static buffers, shared/DESIGN.md §5 item 7)
-            steps = self.sampler.timesteps + [self.sampler.commit_timestep]
-            self.time = [model.time_conditioning(torch.tensor([t], device=self.device)) for t in steps]
+        self._schedules: dict[float, tuple[DMDSampler, list[TimeConditioning]]] = {}
+        self.sampler, self.time = self.schedule(None)
+
+    def schedule(self, shift: Optional[float]) -> tuple[DMDSampler, list[TimeConditioning]]:
+        """Sampler and the time embeddings of its timesteps (+ the commit's t = 0) for a flow shift
+        (None: the preset's). The timesteps are fixed, so they are embedded once per shift and kept
+        (static buffers, shared/DESIGN.md §5 item 7)."""
+        shift = self.preset.sampler.shift if shift is None else float(shift)
+        if shift not in self._schedules:
+            if not shift > 0:
+                raise ValueError(f"flow_shift must be > 0, got {shift}")
+            sampler = DMDSampler(dataclasses.replace(self.preset.sampler, shift=shift))
+            with torch.no_grad():
+                steps = sampler.timesteps + [sampler.commit_timestep]
+                time_cond = [self.model.time_conditioning(torch.tensor([t], device=self.device)) for t in steps]
+            self._schedules[shift] = (sampler, time_cond)
+        return self._schedules[shift]
 
     @property
     def tokens_per_frame(self) -> int:
@@ -112,19 +126,24 @@ class WorldEngine:
         return self.prompt_cache.get_or_compute(prompt, compute)
 
     def new_session(self, condition: ConditionSource, prompt: Optional[str] = None, seed: int = 0,
-                    text_embedding: Optional[Tensor] = None, rig: Optional[CameraRig] = None) -> "Session":
+                    text_embedding: Optional[Tensor] = None, rig: Optional[CameraRig] = None,
+                    shift: Optional[float] = None) -> "Session":
         if (prompt is None) == (text_embedding is None):
             raise ValueError("give exactly one of prompt or text_embedding")
         with torch.no_grad():
             text = self.text_kv(prompt) if prompt is not None else self.model.text_kv(text_embedding.to(self.device))
-        return Session(self, text, condition, seed, rig or CameraRig.default(self.preset.width, self.preset.height))
+        return Session(self, text, condition, seed, rig or CameraRig.default(self.preset.width, self.preset.height),
+                       shift)
 
 
 class Session:
     """One user's world: K/V window, camera rig, condition, RNG and chunk counter."""
 
-    def __init__(self, engine: WorldEngine, text: TextKV, condition: ConditionSource, seed: int, rig: CameraRig):
+    def __init__(self, engine: WorldEngine, text: TextKV, condition: ConditionSource, seed: int, rig: CameraRig,
+                 shift: Optional[float] = None):
         self.engine = engine
+        self.sampler, self.time = engine.schedule(shift)
+        self.initial_text = text
         self.text = text
         self.condition = condition
         self.seed = seed
@@ -137,11 +156,33 @@ class Session:
         self.reset()
 
     def reset(self) -> None:
+        self.text = self.initial_text
+        self._transition = None
         self.kv.reset()
         self.generator.manual_seed(self.seed)
         self.rig.reset()
         self.condition.reset()
         self.chunk_index = 0
+
+    def set_prompt(self, prompt: str, transition_chunks: int = 0) -> None:
+        """Switch the prompt from the next chunk on: at once (0), or blending the text K/V linearly over
+        `transition_chunks` chunks (1/N, 2/N, ..., 1)."""
+        if transition_chunks < 0:
+            raise ValueError(f"transition_chunks must be >= 0, got {transition_chunks}")
+        target = self.engine.text_kv(prompt)
+        if transition_chunks == 0:
+            self.text, self._transition = target, None
+        else:
+            self._transition = (self.text, target, transition_chunks, 0)
+
+    def _advance_text(self) -> Optional[tuple]:
+        """The text K/V of the chunk about to run; returns the transition state to commit."""
+        if self._transition is None:
+            return None
+        start, target, total, done = self._transition
+        done += 1
+        self.text = target if done >= total else start.lerp(target, done / total)
+        return None if done >= total else (start, target, total, done)
 
     def mark_stage(self, timings: dict[str, float], name: str, start: float) -> float:
         """Record stage `name` as ending now; device-synchronised only when profiling."""
@@ -157,18 +198,21 @@ class Session:
         """Run the next chunk. Returns None if should_stop() turns true between steps; a stopped or failed
         chunk changes nothing lasting (the RNG is rewound; camera and condition are committed only at the
         end), so the same chunk can be run again."""
-        rng_state = self.generator.get_state()
+        rng_state, text, transition = self.generator.get_state(), self.text, self._transition
         try:
+            self._transition = self._advance_text()
             result = self._run_chunk(controls, should_stop)
         except BaseException:
             self.generator.set_state(rng_state)
+            self.text, self._transition = text, transition
             raise
         if result is None:
             self.generator.set_state(rng_state)
+            self.text, self._transition = text, transition
         return result
 
     def _run_chunk(self, controls: Optional[Controls], should_stop: Callable[[], bool]) -> Optional[ChunkResult]:
-        engine, model, sampler = self.engine, self.engine.model, self.engine.sampler
+        engine, model, sampler = self.engine, self.engine.model, self.sampler
         k, f = self.chunk_index, self.frames_per_chunk
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -191,13 +235,13 @@ class Session:
                 return None
             if step > 0:
                 x_t = sampler.renoise(x0, step, self.generator)
-            flow = model(x_t, condition, engine.time[step], self.text, chunk, self.kv, commit=False)
+            flow = model(x_t, condition, self.time[step], self.text, chunk, self.kv, commit=False)
             x0 = sampler.denoise(x_t, flow, step)
             t = self.mark_stage(timings, f"probe_{step}", t)
         if should_stop():
             return None
         # commit: the clean x0 at t = 0 writes the chunk's lasting K/V
-        model(x0, condition, engine.time[-1], self.text, chunk, self.kv, commit=True)
+        model(x0, condition, self.time[-1], self.text, chunk, self.kv, commit=True)
         self.mark_stage(timings, "commit", t)
         self.rig.commit(planned)
         self.condition.commit()

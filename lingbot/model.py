@@ -234,6 +234,11 @@ class TextKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    def lerp(self, other: "TextKV", alpha: float) -> "TextKV":
+        """(1 - alpha) * self + alpha * other, per layer (a prompt transition)."""
+        return TextKV([torch.lerp(a, b, alpha) for a, b in zip(self.keys, other.keys)],
+                      [torch.lerp(a, b, alpha) for a, b in zip(self.values, other.values)])
+
 
 @dataclass
 class ChunkConditioning:

@@ -47,3 +47,119 @@ def read_frames(source: Union[str, Path, bytes]) -> np.ndarray:
     target = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else str(source)
     with av.open(target) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# fragmented MP4 for streaming: one moof + mdat per chunk, written as soon as the chunk is encoded
+# ---------------------------------------------------------------------------------------------------
+def _box(kind: bytes, payload: bytes) -> bytes:
+    return (8 + len(payload)).to_bytes(4, "big") + kind + payload
+
+
+def _full_box(kind: bytes, version: int, flags: int, payload: bytes) -> bytes:
+    return _box(kind, bytes([version]) + flags.to_bytes(3, "big") + payload)
+
+
+def annexb_to_avcc(data: bytes, drop_types=(7, 8, 9)) -> bytes:
+    """Annex B (start codes) -> 4-byte length-prefixed NAL units, dropping SPS/PPS/AUD (they live in avcC)."""
+    out = bytearray()
+    i, n = 0, len(data)
+    starts = []
+    while i < n - 2:
+        if data[i] == 0 and data[i + 1] == 0 and data[i + 2] == 1:
+            starts.append(i + 3)
+            i += 3
+        else:
+            i += 1
+    for j, start in enumerate(starts):
+        end = starts[j + 1] - 3 if j + 1 < len(starts) else n
+        nal = data[start:end]
+        while nal and nal[-1] == 0 and j + 1 < len(starts):      # the zero of a 4-byte start code
+            nal = nal[:-1]
+        if nal and (nal[0] & 0x1F) not in drop_types:
+            out += len(nal).to_bytes(4, "big") + nal
+    return bytes(out)
+
+
+class FragmentedMp4Encoder:
+    """H.264 encoder whose output is a byte stream Media Source Extensions play as it arrives.
+
+    `encode_chunk(frames)` returns the bytes for one chunk: the init segment (ftyp + moov, from FFmpeg's
+    mp4 muxer) before the first fragment, then exactly one moof + mdat with every frame of the chunk
+    (zerolatency x264: no B-frames, no lookahead, so each frame's packet is out before the next frame)."""
+
+    def __init__(self, width: int, height: int, fps: float, crf: int = 23, preset: str = "veryfast"):
+        if width % 2 or height % 2:
+            raise ValueError(f"H.264 yuv420p needs an even size, got {width}x{height}")
+        self._header = io.BytesIO()
+        self._container = av.open(self._header, mode="w", format="mp4",
+                                  options={"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        rate = Fraction(fps).limit_denominator(1000)
+        self.stream = self._container.add_stream("libx264", rate=rate)
+        self.stream.width, self.stream.height = width, height
+        self.stream.pix_fmt = "yuv420p"
+        self.stream.options = {"crf": str(crf), "preset": preset, "tune": "zerolatency"}
+        self._container.start_encoding()                     # opens the codec, writes ftyp + moov
+        self.init_segment = self._header.getvalue()
+        self.timescale = self.stream.time_base.denominator // self.stream.time_base.numerator
+        self.frame_duration = int(round(self.timescale / rate))
+        self.codec = self._codec_string(bytes(self.stream.codec_context.extradata or b""))
+        self._sequence = 0
+        self._next_pts = 0
+        self._sent_init = False
+        self.frames_encoded = 0
+
+    @staticmethod
+    def _codec_string(extradata: bytes) -> str:
+        """avc1.PPCCLL from the SPS (profile, constraint flags, level) for MediaSource.isTypeSupported."""
+        idx = extradata.find(b"\x00\x00\x01\x67")
+        sps = extradata[idx + 4:idx + 7] if idx >= 0 else b"\x64\x00\x1f"
+        return "avc1." + sps.hex()
+
+    @property
+    def mime(self) -> str:
+        return f'video/mp4; codecs="{self.codec}"'
+
+    def _fragment(self, packets: list) -> bytes:
+        if not packets:
+            return b""
+        self._sequence += 1
+        samples = [(annexb_to_avcc(bytes(p)), p.is_keyframe) for p in packets]
+        base_time = self._next_pts - len(samples) * self.frame_duration
+        trun_flags = 0x000001 | 0x000100 | 0x000200 | 0x000400      # data offset, duration, size, flags
+        entries = b"".join(self.frame_duration.to_bytes(4, "big") + len(data).to_bytes(4, "big")
+                           + (0x02000000 if key else 0x01010000).to_bytes(4, "big") for data, key in samples)
+
+        def moof(data_offset: int) -> bytes:
+            trun = _full_box(b"trun", 0, trun_flags,
+                             len(samples).to_bytes(4, "big") + data_offset.to_bytes(4, "big", signed=True) + entries)
+            traf = _box(b"traf", _full_box(b"tfhd", 0, 0x020000, (1).to_bytes(4, "big"))
+                        + _full_box(b"tfdt", 1, 0, base_time.to_bytes(8, "big")) + trun)
+            return _box(b"moof", _full_box(b"mfhd", 0, 0, self._sequence.to_bytes(4, "big")) + traf)
+
+        size = len(moof(0))
+        payload = b"".join(data for data, _ in samples)
+        return moof(size + 8) + _box(b"mdat", payload)
+
+    def encode_chunk(self, frames: np.ndarray) -> bytes:
+        """uint8 RGB [F, H, W, 3] -> (init segment +) one fragment holding these F frames."""
+        packets = []
+        for rgb in frames:
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+            frame.pts = self.frames_encoded
+            frame.time_base = self.stream.codec_context.time_base
+            packets += self.stream.encode(frame)
+            self.frames_encoded += 1
+        self._next_pts += len(packets) * self.frame_duration
+        out = self._fragment(packets)
+        if not self._sent_init:
+            out = self.init_segment + out
+            self._sent_init = True
+        return out
+
+    def finish(self) -> bytes:
+        """Flush the encoder: a last fragment with any frames still inside it (normally none)."""
+        packets = list(self.stream.encode(None))
+        self._next_pts += len(packets) * self.frame_duration
+        out = self._fragment(packets)
+        return out if self._sent_init else self.init_segment + out

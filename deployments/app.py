@@ -1,0 +1,30 @@
+"""The application builder: `serve run serve_config.yaml` / `serve deploy serve_config.yaml` call
+build_app(args) with the config's `args` (see ServeSettings for every field)."""
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from .group import WorldGroup
+from .ingress import Ingress
+from .settings import ServeSettings
+
+
+def build_app(args: dict | None = None) -> Application:
+    s = ServeSettings.from_args(args)
+    settings = s.to_dict()
+    group = serve.deployment(
+        WorldGroup, name="WorldGroup",
+        ray_actor_options={"num_cpus": s.replica_cpus},
+        placement_group_bundles=s.placement_bundles, placement_group_strategy="STRICT_PACK",
+        max_ongoing_requests=s.max_sessions_per_group,
+        autoscaling_config={"min_replicas": s.min_groups, "max_replicas": s.max_groups,
+                            "target_ongoing_requests": s.max_sessions_per_group,
+                            "upscale_delay_s": 2.0, "downscale_delay_s": 120.0},
+        graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
+        health_check_period_s=10.0,
+    ).bind(settings)
+    return serve.deployment(
+        Ingress, name="Ingress", ray_actor_options={"num_cpus": s.ingress_cpus},
+        max_ongoing_requests=s.max_ingress_sessions,
+    ).bind(group, settings)

@@ -1,0 +1,297 @@
+"""Ingress: the WebSocket endpoint, health checks and the web page (CPU only).
+`WS /v1/realtime/video` speaks the vLLM-Omni realtime video protocol (shared/DESIGN.md §6) plus keyboard
+keys in interactions. Per connection: wait for session.start (start_timeout_s), validate it, then hold
+one streaming call to a WorldGroup (the session's lease) and relay its chunks as a JSON
+video.chunk_metadata + one binary fMP4 message each. Client controls go straight to the group's mailbox.
+Every refusal is an `error` with a stable code; the shared process never crashes on client input.
+"""
+
+
+import asyncio
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi.responses import FileResponse, JSONResponse
+from ray import serve
+
+from lingbot.config import get_preset
+
+from .metrics import Metrics
+from .protocol import (CLOSE_NORMAL, CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN, ProtocolError,
+                       parse_interaction, parse_json, parse_start)
+from .settings import ServeSettings
+
+log = logging.getLogger("ray.serve")
+STATIC = Path(__file__).parent / "static"
+
+app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None)
+
+
+async def _close_quietly(ws: WebSocket, message: Optional[dict], code: int, reason: str = "") -> None:
+    try:
+        if message is not None:
+            await ws.send_json(message)
+        await ws.close(code=code, reason=reason[:120])
+    except Exception:
+        pass
+
+
+class Connection:
+    """One client WebSocket: start, admission, the chunk pump and the control reader."""
+
+    def __init__(self, ingress: "Ingress", ws: WebSocket):
+        self.ingress = ingress
+        self.settings = ingress.settings
+        self.ws = ws
+        self.session_id = uuid.uuid4().hex
+        self.lease = None
+        self.mailbox = None
+        self.chunks_sent = 0
+        self.last_traffic = time.monotonic()
+        self.last_interaction = time.monotonic()
+        self.started_at = time.monotonic()
+        self.closed = False
+
+    async def refuse(self, error: ProtocolError) -> None:
+        self.ingress.metrics.refusals.inc(tags={"code": error.code})
+        if error.close is None:
+            await self.ws.send_json(error.to_message())
+            return
+        self.closed = True
+        await _close_quietly(self.ws, error.to_message(), error.close, error.code)
+
+    async def receive_text(self, timeout: float, limit: int) -> Optional[dict]:
+        """Next client JSON message, or None on timeout. Raises ProtocolError on bad input."""
+        message = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        self.last_traffic = time.monotonic()
+        if message.get("bytes") is not None:
+            raise ProtocolError("unsupported_message", "binary messages are not accepted from clients")
+        return parse_json(message.get("text") or "", limit)
+
+    async def run(self) -> None:
+        start = await self.wait_for_start()
+        if start is None:
+            return
+        await self.admit_and_stream(start)
+
+    async def wait_for_start(self):
+        s = self.settings
+        deadline = time.monotonic() + s.start_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                msg = await self.receive_text(max(left, 0.001), s.max_start_bytes)
+            except asyncio.TimeoutError:
+                await self.refuse(ProtocolError("start_timeout", f"no session.start within {s.start_timeout_s:g} s "
+                                                "of connecting", close=CLOSE_POLICY))
+                return None
+            except ProtocolError as e:
+                await self.refuse(e)
+                if self.closed:
+                    return None
+                continue
+            kind = msg["type"]
+            if kind == "session.ping":
+                await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
+            elif kind == "session.start":
+                try:
+                    return await asyncio.to_thread(parse_start, msg, self.ingress.size, s.default_chunks,
+                                                   s.max_chunks, s.fps)
+                except ProtocolError as e:
+                    if e.close is None:
+                        e.close = CLOSE_POLICY
+                    await self.refuse(e)
+                    return None
+            elif kind in ("session.interaction", "session.stop"):
+                await self.refuse(ProtocolError("not_started", f"{kind} before session.start"))
+            else:
+                await self.refuse(ProtocolError("unknown_type", f"unknown message type {kind!r}"))
+
+    async def admit_and_stream(self, start) -> None:
+        s = self.settings
+        self.lease = self.ingress.group.options(stream=True).session.remote(
+            {"session_id": self.session_id, "start": start})
+        try:
+            first = await asyncio.wait_for(self.lease.__anext__(), timeout=s.admission_wait_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            self.lease.cancel()
+            await self.refuse(ProtocolError("capacity_exhausted", "every model group is busy; try again later",
+                                            close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
+            return
+        if first["type"] != "admitted":
+            self.lease.cancel()
+            close = CLOSE_TRY_AGAIN if first.get("code") == "capacity_exhausted" else CLOSE_SERVER_ERROR
+            await self.refuse(ProtocolError(first.get("code", "internal_error"), first.get("message", "refused"),
+                                            close=close, retry_after_s=s.retry_after_s))
+            return
+        self.mailbox = first["mailbox"]
+        self.ingress.metrics.sessions_total.inc(tags={"component": "ingress"})
+        self.started_at = time.monotonic()
+        config = {"width": start.width, "height": start.height, "fps": start.fps, "num_frames": start.num_frames,
+                  "chunks": start.chunks, "endless": start.chunks is None, "mime": first["mime"],
+                  "frames_per_chunk": [9, 12], "seed": start.seed}
+        await self.ws.send_json({"type": "video.start", "request_id": self.session_id, "format": "m4s",
+                                 "config": config})
+        reader = asyncio.create_task(self.read_controls())
+        try:
+            stopped = await self.pump(reader)
+        finally:
+            reader.cancel()
+            self.lease.cancel()
+        if stopped is not None and not self.closed:
+            await self.ws.send_json({"type": "session.done", "chunks": self.chunks_sent, "stopped": stopped})
+            await _close_quietly(self.ws, None, CLOSE_NORMAL)
+
+    async def pump(self, reader: asyncio.Task) -> Optional[bool]:
+        """Relay the group's chunks; returns stopped (True/False), or None when the connection is over."""
+        last = None
+        next_item = asyncio.ensure_future(self.lease.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({next_item, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader in done:
+                    return reader.result()              # stop, timeout or disconnect
+                try:
+                    item = next_item.result()
+                except StopAsyncIteration:
+                    return False
+                if item["type"] == "chunk":
+                    now = time.monotonic()
+                    if last is not None:
+                        self.ingress.metrics.chunk_interval.observe(now - last, tags={"group": "all"})
+                    last = now
+                    data = item["data"]
+                    await self.ws.send_json({
+                        "type": "video.chunk_metadata", "kind": "media", "generation_chunk_index": item["index"],
+                        "transport_chunk_index": self.chunks_sent, "num_frames": item["num_frames"],
+                        "byte_length": len(data), "started_event_ids": item["started"],
+                        "active_event_ids": item["active"], "completed_event_ids": item["completed"],
+                        "timings": {k: round(v, 5) for k, v in item["timings"].items()}})
+                    await self.ws.send_bytes(data)
+                    self.chunks_sent += 1
+                elif item["type"] == "done":
+                    return False
+                elif item["type"] == "error":
+                    await self.refuse(ProtocolError(item["code"], item["message"],
+                                                    close=None if item.get("event_id") else CLOSE_SERVER_ERROR,
+                                                    **({"event_id": item["event_id"]} if item.get("event_id") else {})))
+                    if self.closed:
+                        return None
+                next_item = asyncio.ensure_future(self.lease.__anext__())
+        finally:
+            next_item.cancel()
+
+    async def read_controls(self) -> Optional[bool]:
+        """Client messages during the session. Returns True on session.stop, None when the connection
+        ends (disconnect or a timeout refusal)."""
+        s = self.settings
+        while True:
+            now = time.monotonic()
+            limits = [(self.last_traffic + s.stall_timeout_s, "stall_timeout",
+                       f"no client message for {s.stall_timeout_s:g} s (send session.ping to keep the session)"),
+                      (self.last_interaction + s.idle_timeout_s, "idle_timeout",
+                       f"no interaction for {s.idle_timeout_s:g} s"),
+                      (self.started_at + s.max_lifetime_s, "max_lifetime",
+                       f"session reached its maximum lifetime of {s.max_lifetime_s:g} s")]
+            until, code, text = min(limits)
+            try:
+                msg = await self.receive_text(max(until - now, 0.001), s.max_control_bytes)
+            except asyncio.TimeoutError:
+                if time.monotonic() >= until:
+                    await self.refuse(ProtocolError(code, text, close=CLOSE_POLICY))
+                    return None
+                continue
+            except WebSocketDisconnect:
+                self.closed = True
+                return None
+            except ProtocolError as e:
+                await self.refuse(e)
+                if self.closed:
+                    return None
+                continue
+            kind = msg["type"]
+            if kind == "session.ping":
+                await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
+            elif kind == "session.stop":
+                return True
+            elif kind == "session.interaction":
+                try:
+                    interaction = parse_interaction(msg)
+                except ProtocolError as e:
+                    await self.refuse(e)
+                    continue
+                self.last_interaction = time.monotonic()
+                self.mailbox.post.remote(self.session_id, interaction)
+                await self.ws.send_json({"type": "session.interaction.queued", "event_id": interaction.event_id})
+            elif kind == "session.start":
+                await self.refuse(ProtocolError("already_started", "this connection already has a session"))
+            else:
+                await self.refuse(ProtocolError("unknown_type", f"unknown message type {kind!r}"))
+
+
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, group, settings: dict):
+        self.group = group
+        self.settings = ServeSettings(**settings)
+        preset = get_preset(self.settings.preset)
+        self.size = (preset.width, preset.height)
+        self.metrics = Metrics("ingress")
+        self.live = 0
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+    @app.get("/healthz")
+    def healthz(self):
+        return {"status": "ok", "live_sessions": self.live}
+
+    @app.get("/readyz")
+    def readyz(self):
+        try:
+            status = serve.status()
+            groups = [d for a in status.applications.values() for name, d in a.deployments.items()
+                      if name == "WorldGroup"]
+            running = sum(d.replica_states.get("RUNNING", 0) for d in groups)
+        except Exception as e:
+            return JSONResponse({"ready": False, "reason": f"{type(e).__name__}"}, status_code=503)
+        if running < 1:
+            return JSONResponse({"ready": False, "reason": "no model group is running yet"}, status_code=503)
+        return {"ready": True, "groups": running}
+
+    @app.get("/")
+    def index(self):
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/static/{name}")
+    def static(self, name: str):
+        path = (STATIC / name).resolve()
+        if path.parent != STATIC.resolve() or not path.is_file():
+            return JSONResponse({"error": "not found"}, status_code=404)
+        return FileResponse(path)
+
+    @app.get("/v1/config")
+    def config(self):
+        s = self.settings
+        return {"preset": s.preset, "width": self.size[0], "height": self.size[1], "fps": s.fps, "sp": s.sp,
+                "default_chunks": s.default_chunks}
+
+    # ---- WebSocket ----------------------------------------------------------------------------
+    @app.websocket("/v1/realtime/video")
+    async def realtime(self, ws: WebSocket):
+        await ws.accept()
+        self.live += 1
+        try:
+            await Connection(self, ws).run()
+        except WebSocketDisconnect:
+            pass
+        except Exception:                       # never a trace to the client, never a dead ingress
+            log.exception("session failed")
+            await _close_quietly(ws, {"type": "error", "code": "internal_error",
+                                      "message": "internal server error"}, CLOSE_SERVER_ERROR)
+        finally:
+            self.live -= 1

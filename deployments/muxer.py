@@ -1,0 +1,51 @@
+"""The group's muxer: one H.264 fMP4 encoder per session, fed by rank 0's uint8 frames point to point,
+and the group's control mailbox (the ingress's direct line to its session's group, bypassing Serve's
+routing). Plain Python; the group makes it a Ray actor with max_concurrency > 1."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from lingbot.video import FragmentedMp4Encoder
+
+
+class Muxer:
+    def __init__(self, width: int, height: int):
+        self.width, self.height = width, height
+        self.encoders: dict[str, FragmentedMp4Encoder] = {}
+        self.fps: dict[str, float] = {}
+        self.controls: dict[str, list] = defaultdict(list)
+        self.lock = threading.Lock()
+
+    def open(self, session_id: str, fps: float) -> str:
+        """Start a session's encoder; returns the MSE mime type of its stream."""
+        encoder = FragmentedMp4Encoder(self.width, self.height, fps)
+        with self.lock:
+            self.encoders[session_id] = encoder
+        return encoder.mime
+
+    def encode(self, session_id: str, index: int, frames: np.ndarray) -> dict:
+        t0 = time.perf_counter()
+        data = self.encoders[session_id].encode_chunk(frames)
+        return {"index": index, "data": data, "frames": int(frames.shape[0]), "encode_s": time.perf_counter() - t0,
+                "received_at": t0}
+
+    def close(self, session_id: str) -> None:
+        with self.lock:
+            self.encoders.pop(session_id, None)
+            self.controls.pop(session_id, None)
+
+    # ---- control mailbox ----------------------------------------------------------------------
+    def post(self, session_id: str, item) -> None:
+        with self.lock:
+            self.controls[session_id].append(item)
+
+    def drain(self) -> dict:
+        with self.lock:
+            out = {k: v for k, v in self.controls.items() if v}
+            for k in out:
+                self.controls[k] = []
+        return out

@@ -1,0 +1,237 @@
+"""The realtime video protocol (vLLM-Omni `WS /v1/realtime/video` compatible, shared/DESIGN.md §6):
+parsing and validation of client messages into typed requests, and the stable error codes.
+
+Plain Python (no Ray): the ingress uses it, and tests check every refusal without a server."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from lingbot.camera import CameraError, CameraEvent, parse_keys
+
+# close codes
+CLOSE_NORMAL = 1000
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_SERVER_ERROR = 1011
+CLOSE_TRY_AGAIN = 1013
+
+
+class ProtocolError(Exception):
+    """A refusal: stable `code`, human `message`; `close` is the WebSocket close code, None = keep open."""
+
+    def __init__(self, code: str, message: str, close: Optional[int] = None, **extra):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.close = close
+        self.extra = extra
+
+    def to_message(self) -> dict:
+        return {"type": "error", "code": self.code, "message": self.message, **self.extra}
+
+
+@dataclass
+class StartRequest:
+    prompt: str
+    image: np.ndarray                     # uint8 [H, W, 3] at the session size
+    width: int
+    height: int
+    chunks: Optional[int]                 # None = endless
+    num_frames: Optional[int]
+    fps: float
+    seed: int
+    flow_shift: Optional[float]
+    action_script: list[tuple[str, ...]]  # keys per chunk (3 latent frames each)
+    model: Optional[str] = None
+
+
+@dataclass
+class Interaction:
+    event_id: str
+    prompt: Optional[str] = None
+    camera: Optional[CameraEvent] = None
+    keys: Optional[list[str]] = None      # one key set per latent frame, from the next chunk on
+    transition_chunks: Optional[float] = None
+
+
+def chunks_for_frames(num_frames: int) -> Optional[int]:
+    """num_frames = (3N - 1) * 4 + 1 -> N, else None."""
+    if num_frames < 9 or (num_frames - 1) % 4:
+        return None
+    latent = (num_frames - 1) // 4 + 1
+    return latent // 3 if latent % 3 == 0 else None
+
+
+def frames_for_chunks(chunks: int) -> int:
+    return (3 * chunks - 1) * 4 + 1
+
+
+def parse_json(text: str, limit: int) -> dict:
+    if len(text.encode()) > limit:
+        raise ProtocolError("message_too_large", f"message of {len(text.encode())} bytes exceeds the limit of "
+                            f"{limit} bytes", close=CLOSE_TOO_BIG)
+    try:
+        msg = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError("invalid_json", f"message is not valid JSON: {e.msg} at position {e.pos}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("invalid_json", "message must be a JSON object")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError("missing_field", "message has no string field 'type'")
+    return msg
+
+
+def _require(obj: dict, key: str, kind, where: str):
+    if key not in obj or obj[key] is None:
+        raise ProtocolError("missing_field", f"{where} needs field '{key}'")
+    value = obj[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ProtocolError("invalid_field", f"{where} field '{key}' must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def decode_image(url: str, width: int, height: int) -> np.ndarray:
+    """A data: URL (base64) of an image -> uint8 [height, width, 3], resized bicubic."""
+    from PIL import Image, UnidentifiedImageError
+    if not url.startswith("data:"):
+        raise ProtocolError("invalid_image", "image_reference.image_url must be a data: URL (http(s) URLs are not "
+                            "fetched by this server)")
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise ProtocolError("invalid_image", "image data URL must be base64-encoded")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (binascii.Error, ValueError):
+        raise ProtocolError("invalid_image", "image data URL is not valid base64") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise ProtocolError("invalid_image", f"image data URL is not a readable image ({type(e).__name__})") from None
+    if image.width * image.height > 64 * 2 ** 20:
+        raise ProtocolError("invalid_image", f"image {image.width}x{image.height} is too large")
+    image = image.convert("RGB").resize((width, height), Image.BICUBIC)
+    return np.asarray(image, dtype=np.uint8).copy()
+
+
+def parse_keys_list(value: Any, where: str) -> list[str]:
+    """["w", "wa", ["w", "d"], ""] -> ["w", "wa", "wd", ""]."""
+    if not isinstance(value, list):
+        raise ProtocolError("invalid_field", f"{where} must be a list of key sets")
+    out = []
+    for item in value:
+        if isinstance(item, list) and all(isinstance(k, str) for k in item):
+            item = "".join(item)
+        if not isinstance(item, str):
+            raise ProtocolError("invalid_field", f"{where} entries must be strings or lists of strings")
+        try:
+            out.append(parse_keys(item))
+        except CameraError as e:
+            raise ProtocolError("invalid_field", f"{where}: {e}") from None
+    return out
+
+
+def parse_start(msg: dict, served_size: tuple[int, int], default_chunks: int, max_chunks: int,
+                default_fps: float) -> StartRequest:
+    where = "session.start"
+    prompt = _require(msg, "prompt", str, where)
+    width = _require(msg, "width", int, where) if "width" in msg else served_size[0]
+    height = _require(msg, "height", int, where) if "height" in msg else served_size[1]
+    if width <= 0 or height <= 0 or width % 16 or height % 16:
+        raise ProtocolError("invalid_size", f"width and height must be positive multiples of 16, got {width}x{height}",
+                            close=CLOSE_POLICY)
+    if (width, height) != tuple(served_size):
+        raise ProtocolError("unsupported_size", f"this deployment serves {served_size[0]}x{served_size[1]}, "
+                            f"not {width}x{height}", close=CLOSE_POLICY)
+    ref = _require(msg, "image_reference", dict, where)
+    url = _require(ref, "image_url", str, "session.start.image_reference")
+    extra = msg.get("extra_params") or {}
+    if not isinstance(extra, dict):
+        raise ProtocolError("invalid_field", "session.start field 'extra_params' must be an object")
+    endless = extra.get("endless") is True
+    num_frames = None
+    if endless:
+        chunks = None
+    elif msg.get("num_frames") is None:
+        chunks = default_chunks
+        num_frames = frames_for_chunks(chunks)
+    else:
+        num_frames = _require(msg, "num_frames", int, where)
+        chunks = chunks_for_frames(num_frames)
+        if chunks is None:
+            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is not of the form (3N - 1) * 4 + 1 "
+                                f"(9 + 12k: 9, 21, 33, ...)", close=CLOSE_POLICY)
+        if chunks > max_chunks:
+            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is more than {max_chunks} chunks",
+                                close=CLOSE_POLICY)
+    fps = float(_require(msg, "fps", float, where)) if msg.get("fps") is not None else default_fps
+    if not (math.isfinite(fps) and 1 <= fps <= 120):
+        raise ProtocolError("invalid_field", f"fps must be between 1 and 120, got {fps}", close=CLOSE_POLICY)
+    seed = _require(msg, "seed", int, where) if msg.get("seed") is not None else 0
+    shift = extra.get("flow_shift")
+    if shift is not None and (not isinstance(shift, (int, float)) or isinstance(shift, bool) or not shift > 0):
+        raise ProtocolError("invalid_field", f"extra_params.flow_shift must be a number > 0, got {shift!r}",
+                            close=CLOSE_POLICY)
+    script = []
+    if extra.get("camera_action_script") is not None:
+        chunks_script = extra["camera_action_script"]
+        if not isinstance(chunks_script, list):
+            raise ProtocolError("invalid_field", "extra_params.camera_action_script must be [chunk][3][keys]",
+                                close=CLOSE_POLICY)
+        for i, chunk in enumerate(chunks_script):
+            frames = parse_keys_list(chunk, f"camera_action_script[{i}]")
+            if len(frames) != 3:
+                raise ProtocolError("invalid_field", f"camera_action_script[{i}] has {len(frames)} key sets; each "
+                                    f"chunk has 3 latent frames", close=CLOSE_POLICY)
+            script.append(tuple(frames))
+    image = decode_image(url, width, height)
+    return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
+                        None if shift is None else float(shift), script, msg.get("model"))
+
+
+def parse_interaction(msg: dict) -> Interaction:
+    where = "session.interaction"
+    body = _require(msg, "interaction", dict, where)
+    event_id = body.get("event_id")
+    if event_id is None:
+        raise ProtocolError("missing_field", "session.interaction needs interaction.event_id")
+    event_id = str(event_id)
+    event = _require(body, "event", dict, f"{where}.interaction")
+    transition = body.get("transition_chunks")
+    if transition is not None and (not isinstance(transition, (int, float)) or isinstance(transition, bool)
+                                   or not 0 <= transition <= 1000):
+        raise ProtocolError("invalid_field", f"transition_chunks must be a number in [0, 1000], got {transition!r}",
+                            event_id=event_id)
+    out = Interaction(event_id, transition_chunks=transition)
+    if event.get("prompt") is not None:
+        if not isinstance(event["prompt"], str):
+            raise ProtocolError("invalid_field", "event.prompt must be a string", event_id=event_id)
+        out.prompt = event["prompt"]
+    camera = (event.get("multi_modal_data") or {}).get("camera") if isinstance(event.get("multi_modal_data"), dict) \
+        else None
+    if camera is not None:
+        try:
+            data = camera["data"]
+            out.camera = CameraEvent(camera["mode"], tuple(float(v) for v in data["translation"]),
+                                     tuple(float(v) for v in data["rotation"]),
+                                     1.0 if transition is None else float(transition))
+        except (KeyError, TypeError, ValueError) as e:
+            detail = str(e) if isinstance(e, CameraError) else f"needs mode and data.translation [x,y,z], " \
+                                                                 f"data.rotation [x,y,z,w] ({type(e).__name__}: {e})"
+            raise ProtocolError("invalid_field", f"event.multi_modal_data.camera {detail}", event_id=event_id) from None
+    if event.get("keys") is not None:
+        out.keys = parse_keys_list(event["keys"], "event.keys")
+        if len(out.keys) > 300:
+            raise ProtocolError("invalid_field", "event.keys holds at most 300 latent frames", event_id=event_id)
+    if out.prompt is None and out.camera is None and out.keys is None:
+        raise ProtocolError("invalid_field", "event needs prompt, multi_modal_data.camera or keys", event_id=event_id)
+    return out

@@ -1,0 +1,185 @@
+"""A group's sessions: interaction lifecycle, per-chunk controls, earliest-deadline-first pacing.
+
+Plain Python (no Ray): the WorldGroup replica owns one `Scheduler`; tests drive it directly.
+
+Playback clock: a session's player starts when its first chunk is delivered; chunk k (k >= 1) is due
+when the video delivered before it has played out: deadline = first_delivery + frames_delivered / fps.
+The scheduler runs the session with the earliest deadline, and never lets a session's buffered video
+exceed `pacing_lead_s` (it idles instead), so no session runs far ahead while another is late.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .protocol import Interaction, StartRequest
+
+FRAMES_PER_LATENT = 4
+
+
+@dataclass
+class ChunkControls:
+    """What every rank applies to one chunk (plain data, sent with the chunk call)."""
+    keys: Optional[tuple[str, ...]] = None
+    camera: Optional[object] = None             # lingbot.camera.CameraEvent
+    prompt: Optional[str] = None
+    prompt_transition_chunks: int = 0
+
+
+@dataclass
+class _Progress:
+    """What is left of one interaction's parts."""
+    event_id: str
+    camera_chunks: Optional[int] = None         # None: no camera part; -1: until replaced (velocity)
+    keys: Optional[list] = None                 # latent-frame key sets not yet applied
+    prompt_chunks: Optional[int] = None
+
+    def done(self) -> bool:
+        return self.camera_chunks in (None, 0) and not self.keys and self.prompt_chunks in (None, 0)
+
+
+@dataclass
+class ChunkPlan:
+    index: int
+    controls: ChunkControls
+    started: list[str]
+    active: list[str]
+    completed: list[str]
+
+
+class SessionState:
+    def __init__(self, session_id: str, start: StartRequest, frames_per_chunk: int = 3,
+                 max_queued_controls: int = 64, now: Optional[float] = None):
+        self.id = session_id
+        self.start = start
+        self.frames_per_chunk = frames_per_chunk
+        self.max_queued = max_queued_controls
+        self.created = time.monotonic() if now is None else now
+        self.next_chunk = 0
+        self.frames_delivered = 0
+        self.first_delivery: Optional[float] = None
+        self.last_interaction = self.created
+        self.pending: deque[Interaction] = deque()
+        self.events: dict[str, _Progress] = {}
+        self.stopped = False
+        self.stalls = 0
+        self.stall_seconds = 0.0
+
+    # ---- pacing ---------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.stopped or (self.start.chunks is not None and self.next_chunk >= self.start.chunks)
+
+    def deadline(self) -> float:
+        if self.first_delivery is None:
+            return self.created                      # the first chunk is due at once
+        return self.first_delivery + self.frames_delivered / self.start.fps
+
+    def delivered(self, frames: int, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.first_delivery is None:
+            self.first_delivery = now
+        else:
+            late = now - self.deadline()
+            if late > 0:                             # the player ran dry before this chunk arrived
+                self.stalls += 1
+                self.stall_seconds += late
+                self.first_delivery += late          # playback resumes now
+        self.frames_delivered += frames
+
+    # ---- interactions -------------------------------------------------------------------------
+    def queue(self, interaction: Interaction, now: Optional[float] = None) -> bool:
+        """Queue an interaction for the next chunk boundary; False when the queue is full."""
+        if len(self.pending) >= self.max_queued:
+            return False
+        self.pending.append(interaction)
+        self.last_interaction = time.monotonic() if now is None else now
+        return True
+
+    def plan_next_chunk(self) -> ChunkPlan:
+        """Controls of the next chunk and the event ids it starts, runs and completes. Pure planning:
+        call commit_plan() once the chunk succeeded."""
+        k = self.next_chunk
+        events = {eid: _Progress(p.event_id, p.camera_chunks, None if p.keys is None else list(p.keys),
+                                 p.prompt_chunks) for eid, p in self.events.items()}
+        controls = ChunkControls()
+        started, completed = [], []
+        for inter in self.pending:
+            started.append(inter.event_id)
+            prog = _Progress(inter.event_id)
+            if inter.camera is not None:
+                for other in events.values():           # a new camera event replaces the active one
+                    other.camera_chunks = None if other.camera_chunks is None else 0
+                controls.camera = inter.camera
+                if inter.camera.mode == "velocity":
+                    prog.camera_chunks = -1
+                else:
+                    prog.camera_chunks = max(1, math.ceil(inter.camera.transition_chunks))
+            if inter.keys is not None:
+                for other in events.values():
+                    other.keys = None if other.keys is None else []
+                prog.keys = list(inter.keys)
+            if inter.prompt is not None:
+                for other in events.values():
+                    other.prompt_chunks = None if other.prompt_chunks is None else 0
+                chunks = int(math.ceil(inter.transition_chunks or 0))
+                controls.prompt, controls.prompt_transition_chunks = inter.prompt, chunks
+                prog.prompt_chunks = max(1, chunks)
+            events[inter.event_id] = prog
+        # replaced events end here
+        for eid, prog in list(events.items()):
+            if eid not in started and prog.done():
+                completed.append(eid)
+                del events[eid]
+        # keys for this chunk: the active keys event, else the start script
+        keys_event = next((p for p in events.values() if p.keys), None)
+        if keys_event is not None:
+            frames = keys_event.keys[:self.frames_per_chunk]
+            keys_event.keys = keys_event.keys[self.frames_per_chunk:]
+            controls.keys = tuple(frames + [""] * (self.frames_per_chunk - len(frames)))
+        elif k < len(self.start.action_script):
+            controls.keys = tuple(self.start.action_script[k])
+        active = list(events)
+        for prog in events.values():                 # one chunk of every running part has now run
+            if prog.camera_chunks is not None and prog.camera_chunks > 0:
+                prog.camera_chunks -= 1
+            if prog.prompt_chunks is not None and prog.prompt_chunks > 0:
+                prog.prompt_chunks -= 1
+        completed += [eid for eid, prog in events.items() if prog.done()]
+        self._planned = {eid: p for eid, p in events.items() if not p.done()}
+        return ChunkPlan(k, controls, started, active, completed)
+
+    def commit_plan(self, plan: ChunkPlan) -> None:
+        for _ in plan.started:
+            self.pending.popleft()
+        self.events = self._planned
+        self.next_chunk = plan.index + 1
+
+
+class Scheduler:
+    """Picks the next session to run a chunk for: earliest deadline first, within the pacing lead."""
+
+    def __init__(self, pacing_lead_s: float):
+        self.pacing_lead_s = pacing_lead_s
+        self.sessions: dict[str, SessionState] = {}
+
+    def add(self, state: SessionState) -> None:
+        self.sessions[state.id] = state
+
+    def remove(self, session_id: str) -> Optional[SessionState]:
+        return self.sessions.pop(session_id, None)
+
+    def pick(self, now: Optional[float] = None) -> tuple[Optional[SessionState], float]:
+        """(session to run now, 0) or (None, seconds to wait before the earliest becomes due)."""
+        now = time.monotonic() if now is None else now
+        ready = [s for s in self.sessions.values() if not s.finished]
+        if not ready:
+            return None, math.inf
+        best = min(ready, key=lambda s: s.deadline())
+        wait = best.deadline() - now - self.pacing_lead_s
+        if wait > 0:
+            return None, wait
+        return best, 0.0

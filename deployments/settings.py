@@ -1,0 +1,134 @@
+"""Serving settings: one typed, validated object built from serve_config.yaml's `args` (and the only
+place that reads environment variables). Every error names the bad value and the fix."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lingbot.config import PRESETS, ConfigError
+from lingbot.parallel.pixels import PIXEL_MODES
+
+ENV_PREFIX = "LINGBOT_"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    # model
+    preset: str = "tiny"
+    model_path: Optional[str] = None
+    device: str = "cpu"                      # cpu | cuda | npu
+    sp: int = 2                              # ranks per group (sequence-parallel degree)
+    pixel_mode: str = "root_uint8_p2p"
+    skip_fixed_point: bool = True
+    # placement (resources per bundle: [replica] + sp x [rank] + [muxer])
+    replica_cpus: float = 0.05
+    rank_cpus: float = 0.3
+    rank_gpus: float = 0.0                   # 1 per rank on GPU nodes
+    muxer_cpus: float = 0.1
+    ingress_cpus: float = 0.05
+    # capacity: sessions per group = min(max_sessions_per_group, what fits in memory_budget_gib per rank)
+    max_sessions_per_group: int = 2
+    memory_budget_gib: float = 1.0
+    # autoscaling (counted in sessions)
+    min_groups: int = 1
+    max_groups: int = 2
+    graceful_shutdown_timeout_s: float = 600.0
+    # sessions
+    fps: float = 16.0
+    pacing_lead_s: float = 1.5               # how far a session may run ahead of real time
+    admission_wait_s: float = 20.0           # wait for a free group (autoscaler) before capacity_exhausted
+    retry_after_s: float = 10.0
+    start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting
+    stall_timeout_s: float = 60.0            # no client traffic (pings count) for this long ends the session
+    idle_timeout_s: float = 300.0            # no interaction for this long ends the session
+    max_lifetime_s: float = 3600.0
+    max_start_bytes: int = 4 * 2 ** 20
+    max_control_bytes: int = 128 * 2 ** 10
+    max_queued_controls: int = 64            # per session: flow control on client messages
+    max_ingress_sessions: int = 64           # WebSockets one ingress replica holds
+    default_chunks: int = 8                  # when session.start gives no num_frames
+    max_chunks: int = 100000
+    group_start_timeout_s: float = 300.0     # rank actors up and joined in the process group
+    collective_timeout_s: float = 120.0
+    metrics_interval_s: float = 5.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ConfigError(f"preset {self.preset!r} is not one of {sorted(PRESETS)}")
+        if self.device not in ("cpu", "cuda", "npu"):
+            raise ConfigError(f"device {self.device!r} must be cpu, cuda or npu")
+        if self.sp < 1:
+            raise ConfigError(f"sp must be >= 1, got {self.sp}")
+        heads = PRESETS[self.preset].transformer.num_attention_heads
+        if heads % self.sp:
+            raise ConfigError(f"sp {self.sp} does not divide the {heads} attention heads of {self.preset}")
+        if self.pixel_mode not in PIXEL_MODES:
+            raise ConfigError(f"pixel_mode {self.pixel_mode!r} is not one of {list(PIXEL_MODES)}")
+        if self.device != "cpu" and self.rank_gpus <= 0:
+            raise ConfigError(f"device {self.device} needs rank_gpus > 0 (one device per rank)")
+        if self.preset != "tiny" and not self.model_path:
+            raise ConfigError(f"preset {self.preset} needs model_path (the diffusers-format checkpoint folder)")
+        if not 1 <= self.min_groups <= self.max_groups:
+            raise ConfigError(f"need 1 <= min_groups ({self.min_groups}) <= max_groups ({self.max_groups})")
+        if self.max_sessions_per_group < 1:
+            raise ConfigError("max_sessions_per_group must be >= 1")
+        for name in ("fps", "pacing_lead_s", "admission_wait_s", "start_timeout_s", "stall_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_args(cls, args: Optional[dict[str, Any]] = None) -> "ServeSettings":
+        """serve_config.yaml args, overridden by LINGBOT_<FIELD> environment variables."""
+        args = dict(args or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown serve settings {unknown}; known: {sorted(known)}")
+        for name, f in known.items():
+            env = os.environ.get(ENV_PREFIX + name.upper())
+            if env is not None and name != "extra":
+                args[name] = env
+        for name, value in list(args.items()):
+            args[name] = _coerce(name, value, known[name].type)
+        return cls(**args)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def placement_bundles(self) -> list[dict]:
+        """[replica] + one bundle per rank + [muxer]: derived here, and only here."""
+        rank = {"CPU": self.rank_cpus}
+        if self.rank_gpus > 0:
+            rank["GPU"] = self.rank_gpus
+        return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [{"CPU": self.muxer_cpus}]
+
+    def rank_bundle(self, rank: int) -> int:
+        return 1 + rank
+
+    @property
+    def muxer_bundle(self) -> int:
+        return 1 + self.sp
+
+
+def _coerce(name: str, value: Any, annotation: str):
+    text = str(annotation)
+    if value is None or name == "extra":
+        return value
+    try:
+        if text.startswith("bool"):
+            if isinstance(value, str):
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("1", "true", "yes")
+            return bool(value)
+        if text.startswith("int"):
+            return int(value)
+        if text.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"serve setting {name}={value!r} is not a valid {text}") from None

@@ -1,0 +1,60 @@
+"""Per-session memory on one rank, and how many sessions a group admits (shared/DESIGN.md §3).
+
+Computed before any session is admitted, from the config alone: a session that does not fit is refused,
+never half-admitted. The VAE cache sizes come from a decode/encode on the meta device (shapes only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from .config import Preset, parse_dtype
+from .kv_cache import KVWindow
+
+
+@dataclass(frozen=True)
+class SessionFootprint:
+    kv_window: int             # self-attention K/V slab, this rank's heads
+    text_kv: int               # cross-attention K/V of one prompt (replicated on every rank)
+    camera_modulation: int     # per-chunk camera scale/shift for every layer, this rank's tokens
+    decoder_cache: int         # VAE decoder causal-conv cache, this rank's columns
+    condition_cache: int       # condition-encoder cache (freed at the fixed point)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def _vae_cache_bytes(preset: Preset, latent_width: int, dtype: torch.dtype) -> tuple[int, int]:
+    from .vae import CausalCache, WanVAE
+    lh = preset.latent_hw[0]
+    with torch.device("meta"):
+        vae = WanVAE(preset.vae).to(dtype)
+        decoder, encoder = CausalCache(), CausalCache()
+        vae.decode(torch.zeros(1, 16, 1, lh, latent_width), decoder)
+        vae.decode(torch.zeros(1, 16, preset.transformer.num_frames_per_block, lh, latent_width), decoder)
+        vae.encode(torch.zeros(1, 3, 4 * preset.transformer.num_frames_per_block - 3, preset.height, preset.width),
+                   encoder)
+    return decoder.nbytes(), encoder.nbytes()
+
+
+def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
+    cfg = preset.transformer
+    dtype = preset.torch_dtype
+    esize = torch.empty((), dtype=dtype).element_size()
+    heads = cfg.num_attention_heads // world_size
+    tokens = cfg.num_frames_per_block * preset.tokens_per_frame
+    kv = KVWindow.nbytes_for(cfg, preset.tokens_per_frame, heads, dtype)
+    text = 2 * cfg.num_layers * preset.text.max_length * cfg.dim * esize
+    camera = 2 * cfg.num_layers * math.ceil(tokens / world_size) * cfg.dim * esize
+    decoder, condition = _vae_cache_bytes(preset, math.ceil(preset.latent_hw[1] / world_size),
+                                          parse_dtype(preset.vae_dtype))
+    return SessionFootprint(kv, text, camera, decoder, condition)
+
+
+def group_capacity(budget_bytes: int, footprint: SessionFootprint, max_sessions: int) -> int:
+    """Sessions that fit in `budget_bytes` (what is left on one rank after weights and activations),
+    capped at max_sessions."""
+    return max(0, min(max_sessions, budget_bytes // footprint.total))

@@ -1,0 +1,198 @@
+"""A client of the realtime video protocol: `python -m lingbot.client ws://host:8000/v1/realtime/video
+--image first.png --prompt "..." --keys "w,w,wa,,j" --chunks 4 -o out.mp4`.
+
+Sends session.start (the image as a data: URL), then keys as session.interaction events, one chunk
+ahead, and writes the fMP4 stream to a file as it arrives, with a progress bar. Also a library:
+`RealtimeClient` for tests and benchmarks. Connects without permessage-deflate (H.264 does not compress).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import mimetypes
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+def image_data_url(path_or_bytes, mime: Optional[str] = None) -> str:
+    if isinstance(path_or_bytes, (bytes, bytearray)):
+        data = bytes(path_or_bytes)
+    else:
+        data = Path(path_or_bytes).read_bytes()
+        mime = mime or mimetypes.guess_type(str(path_or_bytes))[0]
+    return f"data:{mime or 'image/png'};base64,{base64.b64encode(data).decode()}"
+
+
+def frames_for_chunks(chunks: int) -> int:
+    return (3 * chunks - 1) * 4 + 1
+
+
+@dataclass
+class SessionResult:
+    start: Optional[dict] = None
+    chunks: list[dict] = field(default_factory=list)        # chunk metadata, in order
+    data: list[bytes] = field(default_factory=list)         # fMP4 bytes per chunk
+    arrivals: list[float] = field(default_factory=list)     # monotonic arrival of each chunk's bytes
+    messages: list[dict] = field(default_factory=list)      # every JSON message from the server
+    done: Optional[dict] = None
+    error: Optional[dict] = None
+    close_code: Optional[int] = None
+    started_at: float = 0.0
+
+    @property
+    def video(self) -> bytes:
+        return b"".join(self.data)
+
+
+class RealtimeClient:
+    def __init__(self, url: str, open_timeout: float = 30.0):
+        self.url = url
+        self.open_timeout = open_timeout
+        self.ws = None
+
+    async def __aenter__(self):
+        import websockets
+        self.ws = await websockets.connect(self.url, compression=None, max_size=2 ** 26,
+                                           open_timeout=self.open_timeout)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.ws.close()
+
+    async def send(self, message: dict) -> None:
+        await self.ws.send(json.dumps(message))
+
+    async def start(self, prompt: str, image_url: str, width: int, height: int, chunks: Optional[int] = None,
+                    fps: float = 16.0, seed: int = 0, script: Optional[list] = None, **extra) -> None:
+        msg = {"type": "session.start", "model": "lingbot-world", "prompt": prompt,
+               "image_reference": {"image_url": image_url}, "width": width, "height": height, "fps": fps,
+               "seed": seed, "extra_params": dict(extra)}
+        if chunks is None:
+            msg["extra_params"]["endless"] = True
+        else:
+            msg["num_frames"] = frames_for_chunks(chunks)
+        if script:
+            msg["extra_params"]["camera_action_script"] = script
+        await self.send(msg)
+
+    async def interact(self, event_id: str, keys: Optional[list[str]] = None, prompt: Optional[str] = None,
+                       camera: Optional[dict] = None, transition_chunks: Optional[float] = None) -> None:
+        event: dict[str, Any] = {}
+        if keys is not None:
+            event["keys"] = keys
+        if prompt is not None:
+            event["prompt"] = prompt
+        if camera is not None:
+            event["multi_modal_data"] = {"camera": camera}
+        body: dict[str, Any] = {"event_id": event_id, "event": event}
+        if transition_chunks is not None:
+            body["transition_chunks"] = transition_chunks
+        await self.send({"type": "session.interaction", "interaction": body})
+
+    async def receive_session(self, on_chunk=None, timeout: float = 600.0) -> SessionResult:
+        """Read until session.done, an error that closes, or the close. on_chunk(result, meta) may be a
+        coroutine function; it runs after each chunk's bytes arrived."""
+        import websockets
+        result = SessionResult(started_at=time.monotonic())
+        pending_meta = None
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                raw = await asyncio.wait_for(self.ws.recv(), timeout=max(0.01, deadline - time.monotonic()))
+                if isinstance(raw, bytes):
+                    result.data.append(raw)
+                    result.arrivals.append(time.monotonic())
+                    result.chunks.append(pending_meta)
+                    if on_chunk is not None:
+                        out = on_chunk(result, pending_meta)
+                        if asyncio.iscoroutine(out):
+                            await out
+                    continue
+                msg = json.loads(raw)
+                result.messages.append(msg)
+                kind = msg.get("type")
+                if kind == "video.start":
+                    result.start = msg
+                elif kind == "video.chunk_metadata":
+                    pending_meta = msg
+                elif kind == "session.done":
+                    result.done = msg
+                elif kind == "error":
+                    result.error = msg
+        except websockets.ConnectionClosed as e:
+            result.close_code = e.rcvd.code if e.rcvd is not None else None
+        return result
+
+
+def _parse_keys(script: str, chunks: int) -> list[list[str]]:
+    frames = [k.strip().lower() for k in script.split(",")] if script else []
+    frames += [""] * (3 * chunks - len(frames))
+    return [frames[i:i + 3] for i in range(0, 3 * chunks, 3)]
+
+
+async def _main(args) -> int:
+    from PIL import Image
+    from tqdm import tqdm
+    async with RealtimeClient(args.url) as client:
+        width, height = args.width, args.height
+        if width is None or height is None:
+            import urllib.request
+            http = args.url.replace("ws://", "http://").replace("wss://", "https://").split("/v1/")[0]
+            with urllib.request.urlopen(f"{http}/v1/config", timeout=10) as r:
+                served = json.loads(r.read())
+            width, height = served["width"], served["height"]
+        Image.open(args.image).verify()
+        script = _parse_keys(args.keys, args.chunks)
+        await client.start(args.prompt, image_data_url(args.image), width, height, args.chunks, args.fps, args.seed,
+                           script=script)
+        out = open(args.output, "wb")
+        bar = tqdm(total=args.chunks, unit="chunk", desc="receiving", file=sys.stderr)
+
+        def on_chunk(result, meta):
+            out.write(result.data[-1])
+            out.flush()
+            bar.update()
+            if len(result.arrivals) == 1:
+                bar.set_postfix(ttfc=f"{result.arrivals[0] - result.started_at:.2f}s")
+        result = await client.receive_session(on_chunk)
+        bar.close()
+        out.close()
+    if result.error is not None:
+        print(f"server error {result.error.get('code')}: {result.error.get('message')}", file=sys.stderr)
+        return 1
+    frames = sum(c["num_frames"] for c in result.chunks)
+    print(f"wrote {len(result.chunks)} chunks, {frames} frames, {len(result.video)} bytes to {args.output}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lingbot.client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("url", help="ws://host:8000/v1/realtime/video")
+    p.add_argument("--image", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,w,wa,,j"')
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fps", type=float, default=16.0)
+    p.add_argument("--width", type=int, default=None, help="default: the server's size (GET /v1/config)")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("-o", "--output", required=True, help="output .mp4 (fragmented)")
+    args = p.parse_args(argv)
+    if args.chunks < 1:
+        p.error("--chunks must be >= 1")
+    try:
+        return asyncio.run(_main(args))
+    except (OSError, ValueError) as e:
+        print(f"lingbot.client: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
