@@ -10,6 +10,7 @@ rank. Controls arrive through the muxer's mailbox, not through Serve's routing.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
@@ -88,15 +89,15 @@ class WorldGroup:
         sid = request["session_id"]
         start: StartRequest = request["start"]
         state = SessionState(sid, start, self.frames_per_chunk, self.settings.max_queued_controls)
-        mime = await self.muxer.open.remote(sid, start.fps)
-        await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed, start.flow_shift)
-                               for r in self.ranks])
-        outbox: asyncio.Queue = asyncio.Queue()
-        self.outboxes[sid] = outbox
-        self.scheduler.add(state)
-        self._ensure_loop()
-        self.metrics.active_sessions.set(len(self.scheduler.sessions), tags={"group": self.id})
         try:
+            mime = await self.muxer.open.remote(sid, start.fps)
+            await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
+                                                         start.flow_shift) for r in self.ranks])
+            outbox: asyncio.Queue = asyncio.Queue()
+            self.outboxes[sid] = outbox
+            self.scheduler.add(state)
+            self._ensure_loop()
+            self.metrics.active_sessions.set(len(self.scheduler.sessions), tags={"group": self.id})
             yield {"type": "admitted", "group": self.id, "mailbox": self.muxer, "mime": mime,
                    "capacity": self.capacity}
             while True:
@@ -107,7 +108,7 @@ class WorldGroup:
         finally:
             state.stopped = True
             for r in self.ranks:
-                r.stop.remote(sid)                   # a running chunk ends at its next step
+                r.stop.remote(sid)                   # a running chunk ends at its next step, on every rank
             self.scheduler.remove(sid)
             self.outboxes.pop(sid, None)
             for r in self.ranks:
@@ -119,7 +120,9 @@ class WorldGroup:
     def _ensure_loop(self) -> None:
         if self.loop_task is None or self.loop_task.done():
             self.wake = asyncio.Event()
-            self.loop_task = asyncio.get_running_loop().create_task(self._loop())
+            # A fresh context: the loop's rank calls must not count as children of the session request that
+            # happened to start it, or cancelling that request (client gone) would cancel every session's chunk.
+            self.loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
         self.wake.set()
 
     async def _drain_controls(self) -> None:

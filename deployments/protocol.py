@@ -205,6 +205,15 @@ def parse_interaction(msg: dict) -> Interaction:
     if event_id is None:
         raise ProtocolError("missing_field", "session.interaction needs interaction.event_id")
     event_id = str(event_id)
+    try:
+        return _parse_event(body, event_id)
+    except ProtocolError as e:
+        e.extra.setdefault("event_id", event_id)        # the client can tell which of its events failed
+        raise
+
+
+def _parse_event(body: dict, event_id: str) -> Interaction:
+    where = "session.interaction"
     event = _require(body, "event", dict, f"{where}.interaction")
     transition = body.get("transition_chunks")
     if transition is not None and (not isinstance(transition, (int, float)) or isinstance(transition, bool)

@@ -96,14 +96,21 @@ class RankWorker:
     def run_chunk(self, session_id: str, index: int, controls, muxer=None) -> dict:
         """Run chunk `index` of a session: condition, 4 probes, commit, decode, pixels to the root."""
         from lingbot.camera import Controls
-        session = self.sessions[session_id]
+        session = self.sessions.get(session_id)
+
+        def should_stop() -> bool:
+            # the ranks agree (over the CPU control group): a stop, or a close that reached only some ranks
+            # first, ends the chunk at the same step everywhere; a lone rank would hang its collectives
+            return self.comm.any_true(session is None or session_id in self.stopped)
+
+        if should_stop():
+            return {"stopped": True}
         if session.chunk_index != index:
             raise RuntimeError(f"session {session_id} is at chunk {session.chunk_index}, asked for {index}")
         if controls.prompt is not None:
             session.dit.set_prompt(controls.prompt, controls.prompt_transition_chunks)
         t0 = time.perf_counter()
-        chunk = session.step(Controls(keys=controls.keys, camera=controls.camera),
-                             should_stop=lambda: session_id in self.stopped)
+        chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop)
         if chunk is None:
             return {"stopped": True}
         out = {"stopped": False, "timings": chunk.timings, "engine_s": time.perf_counter() - t0}

@@ -61,10 +61,12 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
 class Comm:
     """One rank's view of its sequence-parallel group (world_size 1 is a valid, silent group)."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group=None, device: torch.device | str = "cpu"):
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None, device: torch.device | str = "cpu",
+                 control_group=None):
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.control_group = control_group if control_group is not None else group
         self.device = torch.device(device)
         self.counts: Counter = Counter()
         self.bytes_sent: Counter = Counter()
@@ -80,7 +82,10 @@ class Comm:
         log.info("rank %d/%d joining %s group at %s", rank, world_size, backend, init_method)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world_size, dist.group.WORLD, device)
+        # host-side decisions (stop between steps) go over a CPU group: no device sync on the step path
+        control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo",
+                                                                            timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world_size, dist.group.WORLD, device, control)
 
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
@@ -215,6 +220,16 @@ class Comm:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
         return from_left, from_right
+
+    def any_true(self, flag: bool, kind: str = "control") -> bool:
+        """Whether any rank's flag is set; every rank gets the same answer (so all stop at the same step)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._record(kind, t.element_size())
+        with self._op(kind):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
+        return bool(t.numpy()[0])
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -1,0 +1,231 @@
+// lingbot-serve web page: start a session over WS /v1/realtime/video, play the fMP4 chunks through
+// Media Source Extensions as they arrive, steer with W/A/S/D + I/J/K/L (arrows too) or the buttons.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEYS = new Set(["w", "a", "s", "d", "i", "j", "k", "l"]);
+const ARROWS = { ArrowUp: "w", ArrowDown: "s", ArrowLeft: "j", ArrowRight: "l" };
+
+const state = {
+  config: null, ws: null, imageUrl: null, mediaSource: null, sourceBuffer: null, queue: [],
+  startedAt: 0, firstChunkAt: 0, lastChunkAt: 0, intervals: [], chunks: 0, videoSeconds: 0,
+  held: new Set(), eventSeq: 0, acks: 0, lastSentKeys: "", running: false, startedEvents: [], errors: [],
+};
+window.lingbot = state;   // for tests and curious people
+
+function log(text) {
+  const el = $("log");
+  el.textContent += `${new Date().toLocaleTimeString()}  ${text}\n`;
+  el.scrollTop = el.scrollHeight;
+}
+
+function setStatus(text, error = false) {
+  $("status").textContent = text;
+  $("status").className = error ? "error" : "";
+}
+
+async function loadConfig() {
+  const r = await fetch("/v1/config");
+  state.config = await r.json();
+  $("served").textContent = `${state.config.preset} · ${state.config.width}x${state.config.height} · ` +
+                            `${state.config.fps} fps · SP-${state.config.sp}`;
+  $("chunks").value = state.config.default_chunks;
+  if (!state.imageUrl) state.imageUrl = defaultImage(state.config.width, state.config.height);
+}
+
+function defaultImage(w, h) {
+  // A generated first frame (sky, ground, a path), so the page works without choosing a file.
+  const c = document.createElement("canvas");
+  c.width = w; c.height = h;
+  const g = c.getContext("2d");
+  const sky = g.createLinearGradient(0, 0, 0, h / 2);
+  sky.addColorStop(0, "#6fa8ff"); sky.addColorStop(1, "#cfe3ff");
+  g.fillStyle = sky; g.fillRect(0, 0, w, h / 2);
+  g.fillStyle = "#3f7a3a"; g.fillRect(0, h / 2, w, h / 2);
+  g.fillStyle = "#a08060";
+  g.beginPath(); g.moveTo(w * 0.45, h / 2); g.lineTo(w * 0.55, h / 2); g.lineTo(w * 0.8, h); g.lineTo(w * 0.2, h);
+  g.fill();
+  return c.toDataURL("image/png");
+}
+
+$("image").addEventListener("change", () => {
+  const file = $("image").files[0];
+  if (!file) return;
+  const reader = new FileReader();
+  reader.onload = () => {
+    state.imageUrl = reader.result;
+    $("preview").src = reader.result;
+    $("preview").style.display = "block";
+  };
+  reader.readAsDataURL(file);
+});
+
+function resetStats() {
+  Object.assign(state, { startedAt: performance.now(), firstChunkAt: 0, lastChunkAt: 0, intervals: [], chunks: 0,
+                         videoSeconds: 0, acks: 0, queue: [] });
+  for (const id of ["s-interval", "s-rtf", "s-buffer", "s-ttfc"]) $(id).textContent = "–";
+  $("s-chunks").textContent = "0"; $("s-acks").textContent = "0";
+}
+
+function appendNext() {
+  const sb = state.sourceBuffer;
+  if (!sb || sb.updating || state.queue.length === 0) return;
+  sb.appendBuffer(state.queue.shift());
+}
+
+function setupMedia(mime) {
+  if (!window.MediaSource || !MediaSource.isTypeSupported(mime)) {
+    setStatus(`this browser cannot play ${mime}`, true);
+    return false;
+  }
+  const ms = new MediaSource();
+  state.mediaSource = ms;
+  $("video").src = URL.createObjectURL(ms);
+  ms.addEventListener("sourceopen", () => {
+    state.sourceBuffer = ms.addSourceBuffer(mime);
+    state.sourceBuffer.mode = "segments";
+    state.sourceBuffer.addEventListener("updateend", () => {
+      appendNext();
+      const v = $("video");
+      if (v.paused && v.buffered.length) v.play().catch(() => {});
+    });
+    appendNext();
+  });
+  return true;
+}
+
+function onChunk(meta, data) {
+  const now = performance.now();
+  state.chunks += 1;
+  if (!state.firstChunkAt) {
+    state.firstChunkAt = now;
+    $("s-ttfc").textContent = `${((now - state.startedAt) / 1000).toFixed(2)} s`;
+  } else {
+    state.intervals.push(now - state.lastChunkAt);
+    const recent = state.intervals.slice(-8);
+    $("s-interval").textContent = `${(recent.reduce((a, b) => a + b, 0) / recent.length / 1000).toFixed(2)} s`;
+  }
+  state.lastChunkAt = now;
+  state.videoSeconds += meta.num_frames / state.config.fps;
+  $("s-rtf").textContent = (((now - state.firstChunkAt) / 1000 + 1e-9) /
+                            Math.max(state.videoSeconds - meta.num_frames / state.config.fps, 1e-9)).toFixed(2);
+  $("s-chunks").textContent = state.chunks;
+  state.queue.push(data);
+  appendNext();
+  state.startedEvents.push(...meta.started_event_ids);
+  if (meta.started_event_ids.length) log(`chunk ${meta.generation_chunk_index}: started ${meta.started_event_ids.join(", ")}`);
+  sendHeldKeys();
+}
+
+function sendInteraction(event) {
+  if (!state.ws || state.ws.readyState !== WebSocket.OPEN || !state.running) return;
+  const id = `ui-${++state.eventSeq}`;
+  state.ws.send(JSON.stringify({ type: "session.interaction", interaction: { event_id: id, event } }));
+  return id;
+}
+
+function heldKeys() {
+  return [...state.held].sort().join("");
+}
+
+function sendHeldKeys() {
+  // Held keys drive the next chunk (one key set per latent frame); a release sends one empty set.
+  const keys = heldKeys();
+  $("s-keys").textContent = keys || "–";
+  if (!keys && !state.lastSentKeys) return;
+  sendInteraction({ keys: [keys, keys, keys] });
+  state.lastSentKeys = keys;
+}
+
+function press(key, down) {
+  if (!KEYS.has(key)) return;
+  const had = state.held.has(key);
+  if (down) state.held.add(key); else state.held.delete(key);
+  document.querySelectorAll(`[data-key="${key}"]`).forEach((b) => b.classList.toggle("held", down));
+  if (had !== down) sendHeldKeys();
+}
+
+document.addEventListener("keydown", (e) => {
+  if (e.target.tagName === "TEXTAREA" || e.target.tagName === "INPUT") return;
+  const key = ARROWS[e.key] || e.key.toLowerCase();
+  if (KEYS.has(key)) { e.preventDefault(); press(key, true); }
+});
+document.addEventListener("keyup", (e) => {
+  const key = ARROWS[e.key] || e.key.toLowerCase();
+  if (KEYS.has(key)) press(key, false);
+});
+document.querySelectorAll("[data-key]").forEach((b) => {
+  b.addEventListener("pointerdown", () => press(b.dataset.key, true));
+  b.addEventListener("pointerup", () => press(b.dataset.key, false));
+  b.addEventListener("pointerleave", () => press(b.dataset.key, false));
+});
+
+setInterval(() => {
+  const v = $("video");
+  if (v.buffered.length) $("s-buffer").textContent = `${(v.buffered.end(v.buffered.length - 1) - v.currentTime).toFixed(2)} s`;
+  const q = v.getVideoPlaybackQuality ? v.getVideoPlaybackQuality() : null;
+  if (q) $("s-frames").textContent = q.totalVideoFrames;
+}, 250);
+
+function start() {
+  if (!state.config) return;
+  resetStats();
+  const proto = location.protocol === "https:" ? "wss" : "ws";
+  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime/video`);
+  ws.binaryType = "arraybuffer";
+  state.ws = ws;
+  let pendingMeta = null;
+  ws.onopen = () => {
+    const chunks = Math.max(1, parseInt($("chunks").value || "1", 10));
+    const msg = { type: "session.start", model: "lingbot-world", prompt: $("prompt").value,
+                  image_reference: { image_url: state.imageUrl }, width: state.config.width,
+                  height: state.config.height, fps: state.config.fps, seed: parseInt($("seed").value || "0", 10),
+                  extra_params: {} };
+    if ($("endless").checked) msg.extra_params.endless = true; else msg.num_frames = (3 * chunks - 1) * 4 + 1;
+    ws.send(JSON.stringify(msg));
+    setStatus("starting…");
+    $("start").disabled = true; $("stop").disabled = false;
+  };
+  ws.onmessage = (e) => {
+    if (typeof e.data !== "string") { onChunk(pendingMeta, e.data); return; }
+    const msg = JSON.parse(e.data);
+    if (msg.type === "video.start") {
+      state.running = true;
+      setStatus(`session ${msg.request_id.slice(0, 8)}`);
+      setupMedia(msg.config.mime);
+    } else if (msg.type === "video.chunk_metadata") {
+      pendingMeta = msg;
+    } else if (msg.type === "session.interaction.queued") {
+      state.acks += 1; $("s-acks").textContent = state.acks;
+    } else if (msg.type === "session.done") {
+      setStatus(`done: ${msg.chunks} chunks${msg.stopped ? " (stopped)" : ""}`);
+      log(`session done after ${msg.chunks} chunks`);
+    } else if (msg.type === "error") {
+      state.errors.push(msg);
+      setStatus(`${msg.code}: ${msg.message}`, true);
+      log(`error ${msg.code}: ${msg.message}`);
+    }
+  };
+  ws.onclose = (e) => {
+    state.running = false;
+    $("start").disabled = false; $("stop").disabled = true;
+    if (e.code !== 1000 && e.code !== 1005) log(`connection closed (${e.code}${e.reason ? ": " + e.reason : ""})`);
+    const ms = state.mediaSource;
+    const finish = () => { try { if (ms && ms.readyState === "open") ms.endOfStream(); } catch (err) {} };
+    if (state.sourceBuffer && (state.sourceBuffer.updating || state.queue.length)) {
+      const wait = setInterval(() => {
+        if (!state.sourceBuffer.updating && !state.queue.length) { clearInterval(wait); finish(); }
+      }, 100);
+    } else finish();
+  };
+}
+
+$("start").addEventListener("click", start);
+$("stop").addEventListener("click", () => {
+  if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify({ type: "session.stop" }));
+});
+setInterval(() => {
+  if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify({ type: "session.ping", t: Date.now() }));
+}, 10000);
+
+loadConfig().catch((err) => setStatus(`cannot reach the server: ${err}`, true));

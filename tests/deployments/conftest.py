@@ -1,0 +1,29 @@
+"""One real Ray Serve app (tiny, CPU, SP-2 over gloo) for the serving tests of this package.
+
+Ray start-up dominates, so the cluster lives for the whole package; the port is fixed, so Serve tests
+run serially. Settings are the embedded default with short timeouts and one group of 2 sessions."""
+import os
+
+import pytest
+
+PORT = 18765
+URL = f"ws://127.0.0.1:{PORT}/v1/realtime/video"
+HTTP = f"http://127.0.0.1:{PORT}"
+TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2, min_groups=1, max_groups=1,
+                     start_timeout_s=3, admission_wait_s=3, retry_after_s=7, stall_timeout_s=60,
+                     pacing_lead_s=30, graceful_shutdown_timeout_s=5)
+
+
+@pytest.fixture(scope="package")
+def serve_app():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(TEST_SETTINGS), name="lingbot", route_prefix="/")
+    yield URL
+    serve.shutdown()
+    ray.shutdown()

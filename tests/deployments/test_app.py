@@ -1,0 +1,228 @@
+"""The Ray Serve application end to end: a real Serve app, real WebSocket clients (websockets)."""
+import asyncio
+import base64
+import io
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from lingbot.client import RealtimeClient, frames_for_chunks, image_data_url
+from lingbot.video import read_frames
+from tests.deployments.conftest import HTTP
+
+W, H = 112, 64
+
+
+def png_url(seed=0) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.RandomState(seed).randint(0, 255, (80, 140, 3), dtype=np.uint8)).save(buf, "PNG")
+    return image_data_url(buf.getvalue(), "image/png")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def session(url, chunks, seed=0, script=None, on_chunk=None, prompt="a forest path", **extra):
+    async with RealtimeClient(url) as client:
+        await client.start(prompt, png_url(), W, H, chunks, seed=seed, script=script, **extra)
+
+        async def hook(result, meta):
+            if on_chunk is not None:
+                await on_chunk(client, result, meta)
+        return await client.receive_session(hook)
+
+
+def chunk_frames(result):
+    """Decoded frames split by chunk."""
+    frames = read_frames(result.video)
+    out, start = [], 0
+    for meta in result.chunks:
+        out.append(frames[start:start + meta["num_frames"]])
+        start += meta["num_frames"]
+    assert start == len(frames)
+    return out
+
+
+def test_session_of_n_chunks(serve_app):
+    result = run(session(serve_app, 3))
+    assert result.error is None, result.error
+    assert result.start["type"] == "video.start" and result.start["format"] == "m4s"
+    assert result.start["config"]["mime"].startswith('video/mp4; codecs="avc1.')
+    assert [c["generation_chunk_index"] for c in result.chunks] == [0, 1, 2]
+    assert [c["transport_chunk_index"] for c in result.chunks] == [0, 1, 2]
+    assert [c["num_frames"] for c in result.chunks] == [9, 12, 12]
+    assert [c["byte_length"] for c in result.chunks] == [len(d) for d in result.data]
+    assert result.done == {"type": "session.done", "chunks": 3, "stopped": False}
+    frames = read_frames(result.video)
+    assert frames.shape == (12 * 3 - 3, H, W, 3)
+    assert result.close_code == 1000
+
+
+def test_interaction_changes_frames_from_its_chunk_and_runs_repeat(serve_app):
+    plain = run(session(serve_app, 4, seed=5))
+
+    async def steer(client, result, meta):
+        if meta["generation_chunk_index"] == 0:
+            await client.interact("turn-1", keys=["l", "l", "l"])
+
+    steered = run(session(serve_app, 4, seed=5, on_chunk=steer))
+    assert steered.error is None
+    assert any(m["type"] == "session.interaction.queued" and m["event_id"] == "turn-1" for m in steered.messages)
+    starts = [c["generation_chunk_index"] for c in steered.chunks if "turn-1" in c["started_event_ids"]]
+    assert len(starts) == 1 and starts[0] >= 1
+    k = starts[0]
+    assert "turn-1" in steered.chunks[k]["active_event_ids"] and "turn-1" in steered.chunks[k]["completed_event_ids"]
+    a, b = chunk_frames(plain), chunk_frames(steered)
+    for i in range(k):
+        assert np.array_equal(a[i], b[i]), f"chunk {i} changed before the interaction started"
+    for i in range(k, 4):
+        assert np.abs(a[i].astype(int) - b[i].astype(int)).mean() > 1.0, f"chunk {i} did not change"
+    # the same seed and the same controls give the same frames
+    script = [["w", "w", "wa"], ["", "l", "l"], ["i", "", ""]]
+    first = run(session(serve_app, 3, seed=9, script=script))
+    second = run(session(serve_app, 3, seed=9, script=script))
+    assert np.array_equal(read_frames(first.video), read_frames(second.video))
+    assert not np.array_equal(read_frames(first.video), read_frames(run(session(serve_app, 3, seed=9)).video))
+
+
+def test_two_sessions_capacity_and_release(serve_app):
+    async def scenario():
+        held = asyncio.Event()
+
+        async def long_session(tag):
+            async def mark(client, result, meta):
+                held.set()
+            return await session(serve_app, 4, seed=tag, on_chunk=mark)
+
+        first = asyncio.create_task(long_session(1))
+        second = asyncio.create_task(long_session(2))
+        await held.wait()
+        await asyncio.sleep(0.5)
+        # a third client finds both slots taken: refused after admission_wait_s with 1013
+        refused = await session(serve_app, 2, seed=3)
+        results = await asyncio.gather(first, second)
+        return refused, results
+
+    refused, results = run(scenario())
+    assert refused.error["code"] == "capacity_exhausted" and refused.error["retry_after_s"] == 7
+    assert refused.close_code == 1013
+    for r in results:
+        assert r.error is None and r.done["chunks"] == 4
+        assert read_frames(r.video).shape == (45, H, W, 3)
+
+    async def disconnect_then_admit():
+        async with RealtimeClient(serve_app) as a, RealtimeClient(serve_app) as b:
+            await a.start("a", png_url(), W, H, None)            # endless
+            await b.start("b", png_url(), W, H, None)
+            for c in (a, b):
+                while json.loads(await c.ws.recv())["type"] != "video.chunk_metadata":
+                    pass
+            await a.ws.close()                                    # client gone mid-session
+            await asyncio.sleep(1.0)
+            admitted = await session(serve_app, 2, seed=4)
+            await b.send({"type": "session.stop"})
+            rest = await b.receive_session()
+            return admitted, rest
+
+    admitted, rest = run(disconnect_then_admit())
+    assert admitted.error is None and admitted.done["chunks"] == 2
+    assert rest.done is not None and rest.done["stopped"] is True
+
+
+async def expect_error(url, messages, code, close=None, raw=None):
+    async with RealtimeClient(url) as client:
+        for m in messages:
+            await client.ws.send(m if isinstance(m, (str, bytes)) else json.dumps(m))
+        while True:
+            msg = json.loads(await asyncio.wait_for(client.ws.recv(), 20))
+            if msg["type"] == "error":
+                break
+        assert msg["code"] == code, msg
+        assert msg["message"] and "Traceback" not in msg["message"]
+        if close is not None:
+            try:
+                await asyncio.wait_for(client.ws.recv(), 10)
+                raise AssertionError("connection stayed open")
+            except Exception as e:
+                assert getattr(getattr(e, "rcvd", None), "code", None) == close, e
+        return msg
+
+
+def start_msg(**overrides):
+    msg = {"type": "session.start", "prompt": "p", "image_reference": {"image_url": png_url()}, "width": W,
+           "height": H, "num_frames": frames_for_chunks(2), "seed": 0}
+    msg.update(overrides)
+    return msg
+
+
+def test_bad_input_is_refused_and_others_are_untouched(serve_app):
+    not_image = "data:image/png;base64," + base64.b64encode(b"definitely not a png").decode()
+
+    async def scenario():
+        live = asyncio.create_task(session(serve_app, 5, seed=11))
+        await asyncio.sleep(2)
+        cases = [
+            (["{not json"], "invalid_json", None),
+            ([{"type": "session.dance"}], "unknown_type", None),
+            ([{"type": "session.interaction", "interaction": {"event_id": "x", "event": {"keys": ["w"]}}}],
+             "not_started", None),
+            ([{k: v for k, v in start_msg().items() if k != "prompt"}], "missing_field", 1008),
+            ([start_msg(image_reference={"image_url": not_image})], "invalid_image", 1008),
+            ([start_msg(image_reference={"image_url": "https://example.com/a.png"})], "invalid_image", 1008),
+            ([start_msg(width=100)], "invalid_size", 1008),
+            ([start_msg(num_frames=20)], "invalid_num_frames", 1008),
+            ([json.dumps(start_msg(prompt="x" * (5 * 2 ** 20)))], "message_too_large", 1009),
+            ([b"\x00\x01"], "unsupported_message", None),
+        ]
+        codes = []
+        for messages, code, close in cases:
+            codes.append((await expect_error(serve_app, messages, code, close))["code"])
+        # a bad control inside a running session is refused without ending it
+        async with RealtimeClient(serve_app) as client:
+            await client.start("p", png_url(), W, H, 2)
+
+            async def bad_control(result, meta):
+                c = client
+                if meta["generation_chunk_index"] == 0:
+                    await c.send({"type": "session.interaction",
+                                  "interaction": {"event_id": "e1", "event": {"keys": ["wq"]}}})
+                    await c.send({"type": "session.interaction", "interaction": {"event_id": "e2", "event": {
+                        "multi_modal_data": {"camera": {"mode": "orbit", "data": {}}}}}})
+            in_session = await client.receive_session(bad_control)
+        return codes, in_session, await live
+
+    codes, in_session, live = run(scenario())
+    assert len(codes) == 10
+    errors = [m for m in in_session.messages if m["type"] == "error"]
+    assert [e["code"] for e in errors] == ["invalid_field", "invalid_field"]
+    assert [e["event_id"] for e in errors] == ["e1", "e2"]
+    assert in_session.done["chunks"] == 2
+    assert live.error is None and live.done["chunks"] == 5
+    assert read_frames(live.video).shape == (57, H, W, 3)
+    with urllib.request.urlopen(f"{HTTP}/healthz", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
+
+
+def test_start_timeout(serve_app):
+    async def idle():
+        async with RealtimeClient(serve_app) as client:
+            await client.send({"type": "session.ping", "t": 1})
+            pong = json.loads(await client.ws.recv())
+            return pong, await client.receive_session(timeout=30)
+
+    pong, result = run(idle())
+    assert pong == {"type": "session.pong", "t": 1}
+    assert result.error["code"] == "start_timeout" and result.close_code == 1008
+
+
+def test_http_endpoints(serve_app):
+    with urllib.request.urlopen(f"{HTTP}/readyz", timeout=10) as r:
+        assert json.loads(r.read()) == {"ready": True, "groups": 1}
+    with urllib.request.urlopen(f"{HTTP}/v1/config", timeout=10) as r:
+        assert json.loads(r.read())["width"] == W
+    with urllib.request.urlopen(f"{HTTP}/", timeout=10) as r:
+        assert b"LingBot-World" in r.read()
