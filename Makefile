@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU take the CPU build of torch (a plain `torch` pulls a CUDA build).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.5" || echo "torch==2.13.0")
 
-.PHONY: install test perf clean
+.PHONY: install test serve perf clean browser
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-test: install
+test: install browser
 	$(PY) -m pytest -q tests
+
+# The browser tests drive Debian's Chromium (root installs it; elsewhere install `chromium` yourself).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+# Serve the embedded default (tiny random weights, CPU, SP-2 over gloo) on local Ray: http://127.0.0.1:8000/
+serve: install
+	@echo "lingbot-serve: starting local Ray + Serve; open http://127.0.0.1:8000/ when 'Application lingbot is ready'"
+	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run serve_config.yaml
 
 perf: install
 	$(PY) perf/chunk_time.py

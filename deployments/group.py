@@ -178,7 +178,7 @@ class WorldGroup:
         state.delivered(fragment["frames"], done_at)
         engine_s = root["engine_s"]
         timings = dict(root["timings"])
-        timings.update(encode=fragment["encode_s"], send_to_muxer=root["send_s"],
+        timings.update(encode=fragment["encode_s"], root_to_muxer=fragment["transfer_s"],
                        outside_engine=(done_at - t0) - engine_s)
         for stage, seconds in timings.items():
             self.metrics.stage.observe(seconds, tags={"stage": stage})

@@ -27,11 +27,13 @@ class Muxer:
             self.encoders[session_id] = encoder
         return encoder.mime
 
-    def encode(self, session_id: str, index: int, frames: np.ndarray) -> dict:
+    def encode(self, session_id: str, index: int, frames: np.ndarray, sent_at: float) -> dict:
+        """Encode one chunk. `sent_at` is rank 0's perf_counter when it sent the frames (CLOCK_MONOTONIC is
+        shared by the processes of one node, so the difference is the root -> muxer transfer time)."""
         t0 = time.perf_counter()
         data = self.encoders[session_id].encode_chunk(frames)
         return {"index": index, "data": data, "frames": int(frames.shape[0]), "encode_s": time.perf_counter() - t0,
-                "received_at": t0}
+                "transfer_s": t0 - sent_at}
 
     def close(self, session_id: str) -> None:
         with self.lock:

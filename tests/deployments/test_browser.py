@@ -1,0 +1,48 @@
+"""The web page in a real browser (Debian's headless Chromium driven by Playwright): it starts a session,
+the <video> plays the fMP4 stream through Media Source Extensions, and a key press reaches the server."""
+import asyncio
+import shutil
+
+import pytest
+
+from tests.deployments.conftest import HTTP
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--autoplay-policy=no-user-gesture-required"]
+
+
+def test_page_plays_and_sends_keys(serve_app, tmp_path):
+    from playwright.async_api import async_playwright
+
+    async def scenario():
+        async with async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=CHROMIUM, args=FLAGS,
+                                              ignore_default_args=["--headless"])
+            page = await browser.new_page()
+            await page.goto(f"{HTTP}/")
+            await page.wait_for_function("window.lingbot.config !== null", timeout=30000)
+            await page.fill("#chunks", "8")
+            await page.click("#start")
+            await page.wait_for_function("window.lingbot.chunks >= 2", timeout=90000)
+            t_before = await page.evaluate("document.getElementById('video').currentTime")
+            await page.keyboard.down("d")
+            await page.wait_for_function("window.lingbot.acks >= 1", timeout=30000)
+            await page.keyboard.up("d")
+            await page.wait_for_function("window.lingbot.startedEvents.includes('ui-1')", timeout=90000)
+            await page.wait_for_function("window.lingbot.chunks >= 6", timeout=90000)
+            await asyncio.sleep(1.0)
+            info = await page.evaluate("""() => { const v = document.getElementById('video');
+                return {time: v.currentTime, frames: v.getVideoPlaybackQuality().totalVideoFrames,
+                        errors: window.lingbot.errors, mediaError: v.error && v.error.code,
+                        buffered: v.buffered.length ? v.buffered.end(v.buffered.length - 1) : 0}; }""")
+            await page.screenshot(path=str(tmp_path / "page.png"))
+            await browser.close()
+            return t_before, info
+
+    t_before, info = asyncio.run(scenario())
+    assert info["errors"] == [] and info["mediaError"] is None
+    assert info["time"] > t_before and info["time"] > 0.5          # playback advanced
+    assert info["frames"] >= 20                                     # frames were decoded
+    assert info["buffered"] >= (9 + 12 * 4) / 16 - 0.1              # the chunks were appended as they came
