@@ -7,6 +7,7 @@ import os
 import pytest
 
 PORT = 18765
+METRICS_PORT = 18767
 URL = f"ws://127.0.0.1:{PORT}/v1/realtime/video"
 HTTP = f"http://127.0.0.1:{PORT}"
 TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2, min_groups=1, max_groups=1,
@@ -21,7 +22,8 @@ def serve_app():
     from ray import serve
 
     from deployments.app import build_app
-    ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(TEST_SETTINGS), name="lingbot", route_prefix="/")
     yield URL

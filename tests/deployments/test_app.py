@@ -226,3 +226,23 @@ def test_http_endpoints(serve_app):
         assert json.loads(r.read())["width"] == W
     with urllib.request.urlopen(f"{HTTP}/", timeout=10) as r:
         assert b"LingBot-World" in r.read()
+
+
+def test_metrics_reach_the_metrics_endpoint(serve_app):
+    """Ray exports recorded metrics on the node's endpoint ~10 s later; run a session, then poll."""
+    import time
+
+    from tests.deployments.conftest import METRICS_PORT
+    run(session(serve_app, 2))
+    run(expect_error(serve_app, ["{not json"], "invalid_json"))
+    wanted = ["lingbot_active_sessions", "lingbot_chunk_interval_seconds", "lingbot_stage_seconds",
+              "lingbot_video_rtf", "lingbot_sessions_total", "lingbot_refusals_total", 'stage="probe_0"',
+              'stage="decode"', 'stage="root_to_muxer"', 'code="invalid_json"']
+    seen: set = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(seen) < len(wanted):
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        seen |= {name for name in wanted if name in text}
+        time.sleep(2)
+    assert seen == set(wanted), f"not exported: {set(wanted) - seen}"
