@@ -51,6 +51,7 @@ class StartRequest:
     flow_shift: Optional[float]
     action_script: list[tuple[str, ...]]  # keys per chunk (3 latent frames each)
     model: Optional[str] = None
+    profile: bool = False                 # stage timings with device synchronisation (extra_params.profile_stages)
 
 
 @dataclass
@@ -193,9 +194,12 @@ def parse_start(msg: dict, served_size: tuple[int, int], default_chunks: int, ma
                 raise ProtocolError("invalid_field", f"camera_action_script[{i}] has {len(frames)} key sets; each "
                                     f"chunk has 3 latent frames", close=CLOSE_POLICY)
             script.append(tuple(frames))
+    profile = extra.get("profile_stages", False)
+    if not isinstance(profile, bool):
+        raise ProtocolError("invalid_field", "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
     image = decode_image(url, width, height)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
-                        None if shift is None else float(shift), script, msg.get("model"))
+                        None if shift is None else float(shift), script, msg.get("model"), profile)
 
 
 def parse_interaction(msg: dict) -> Interaction:

@@ -110,7 +110,12 @@ class RankWorker:
         if controls.prompt is not None:
             session.dit.set_prompt(controls.prompt, controls.prompt_transition_chunks)
         t0 = time.perf_counter()
-        chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop)
+        engine = self.pipeline.engine
+        engine.profile = controls.profile            # device sync at stage boundaries only while profiling
+        try:
+            chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop)
+        finally:
+            engine.profile = False
         if chunk is None:
             return {"stopped": True}
         out = {"stopped": False, "timings": chunk.timings, "engine_s": time.perf_counter() - t0}

@@ -27,6 +27,7 @@ class ChunkControls:
     camera: Optional[object] = None             # lingbot.camera.CameraEvent
     prompt: Optional[str] = None
     prompt_transition_chunks: int = 0
+    profile: bool = False                       # synchronise the device at stage boundaries (exact stage times)
 
 
 @dataclass
@@ -105,7 +106,7 @@ class SessionState:
         k = self.next_chunk
         events = {eid: _Progress(p.event_id, p.camera_chunks, None if p.keys is None else list(p.keys),
                                  p.prompt_chunks) for eid, p in self.events.items()}
-        controls = ChunkControls()
+        controls = ChunkControls(profile=self.start.profile)
         started, completed = [], []
         for inter in self.pending:
             started.append(inter.event_id)

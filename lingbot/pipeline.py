@@ -108,14 +108,18 @@ class VideoSession:
         t0 = time.perf_counter()
         pipeline = self.pipeline
         pending = self.decoder_cache.copy()           # committed only if the decode succeeds
-        if pipeline.comm is not None and pipeline.comm.world_size > 1:
+        sharded = pipeline.comm is not None and pipeline.comm.world_size > 1
+        if sharded:
             from .parallel.pixels import assemble_frames
             a, b = pipeline.latent_columns
-            shard = pipeline.vae.decode(result.latents[None, ..., a:b], pending)[0]     # [3, F, H, W_r]
-            frames = assemble_frames(shard, pipeline.comm, pipeline.pixel_widths, pipeline.pixel_mode)
+            video = pipeline.vae.decode(result.latents[None, ..., a:b], pending)[0]     # [3, F, H, W_r]
         else:
             video = pipeline.vae.decode(result.latents[None], pending)[0]                # [3, F, H, W]
+        t1 = self.dit.mark_stage(result.timings, "decode", t0)
+        if sharded:
+            frames = assemble_frames(video, pipeline.comm, pipeline.pixel_widths, pipeline.pixel_mode)
+        else:
             frames = frames_to_uint8(video)
         self.decoder_cache = pending
-        self.dit.mark_stage(result.timings, "decode", t0)
+        self.dit.mark_stage(result.timings, "pixels", t1)
         return VideoChunk(result.index, frames, result.timings)

@@ -81,3 +81,67 @@ def sp_pixel_bytes_per_chunk(height: int, width: int, frames: int, latent_width:
         return 0
     shard_w = split_sizes(latent_width, world_size)[rank] * (width // latent_width)
     return frames * height * shard_w * 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# VAE FLOPs (counted by torch's FlopCounterMode on the meta device: shapes only, no weights, exact)
+# ---------------------------------------------------------------------------------------------------
+def vae_chunk_flops(preset: Preset) -> dict[str, float]:
+    """FLOPs of the VAE per chunk: decode (chunk 0 and steady), condition encode (chunk 0 and later)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lingbot.vae import CausalCache, WanVAE
+    f = preset.transformer.num_frames_per_block
+    lh, lw = preset.latent_hw
+    out = {}
+    with torch.device("meta"):
+        vae = WanVAE(preset.vae)
+        for name, fn in [
+            ("decode_first", lambda c: vae.decode(torch.zeros(1, 16, f, lh, lw), c)),
+            ("decode_steady", lambda c: vae.decode(torch.zeros(1, 16, f, lh, lw), c)),
+            ("encode_first", lambda c: vae.encode(torch.zeros(1, 3, 4 * f - 3, preset.height, preset.width), c)),
+            ("encode_steady", lambda c: vae.encode(torch.zeros(1, 3, 4 * f, preset.height, preset.width), c)),
+        ]:
+            if name.endswith("first"):
+                cache = CausalCache()
+            with FlopCounterMode(display=False) as counter:
+                fn(cache)
+            out[name] = float(counter.get_total_flops())
+    return out
+
+
+def chunk_flops(preset: Preset, chunk: int, condition_encoded: bool = True) -> dict[str, float]:
+    """Every FLOP of one chunk: DiT (prepare + probes + commit), VAE decode, condition encode (0 once the
+    encoder's fixed point is reached)."""
+    dit = preset_chunk_flops(preset, chunk).total
+    vae = vae_chunk_flops(preset)
+    decode = vae["decode_first"] if chunk == 0 else vae["decode_steady"]
+    encode = 0.0 if not condition_encoded else (vae["encode_first"] if chunk == 0 else vae["encode_steady"])
+    return {"dit": dit, "decode": decode, "condition": encode, "total": dit + decode + encode}
+
+
+def matmul_peak(device: str = "cpu", dtype: str = "float32", n: int = 2048, seconds: float = 2.0) -> float:
+    """Measured matmul throughput (FLOP/s) of the device: square n x n matmuls for about `seconds`."""
+    import time
+
+    import torch
+
+    from lingbot.config import parse_dtype
+    dev = torch.device(device)
+    a = torch.randn(n, n, device=dev, dtype=parse_dtype(dtype))
+    b = torch.randn(n, n, device=dev, dtype=parse_dtype(dtype))
+
+    def sync():
+        if dev.type != "cpu":
+            torch.accelerator.synchronize(dev)
+    for _ in range(3):
+        a @ b
+    sync()
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(4):
+            a @ b
+        iters += 4
+        sync()
+    return 2 * n ** 3 * iters / (time.perf_counter() - start)
