@@ -1,0 +1,92 @@
+"""A/B harness: one workload with a switch on and off, alternating in one run; prints the off/on ratio of
+the steady chunk time with its spread across rounds.
+
+    python perf/ab.py --switch camera_cache      [--rounds 4] [--chunks 10] [--preset tiny]
+    python perf/ab.py --switch fixed_point_skip  --chunks 16
+    python perf/ab.py --switch pixel_mode --sp 2            (root_uint8_p2p vs root_float)
+
+Workload: one in-process pipeline session of --chunks chunks per measurement (condition, DiT, decode,
+pixels), steady = chunks >= --steady-from (default: 6, or after the fixed point for fixed_point_skip).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from lingbot.camera import Controls  # noqa: E402
+from lingbot.parallel import Comm  # noqa: E402
+
+SWITCHES = {
+    # name: (what "on" means, setter(pipeline, on))
+    "camera_cache": ("camera modulation once per chunk (off: in every forward)",
+                     lambda p, on: setattr(p.engine, "cache_camera_modulation", on)),
+    "fixed_point_skip": ("condition encoder stops at its fixed point (off: encodes every chunk)",
+                         lambda p, on: setattr(p, "skip_fixed_point", on)),
+    "pixel_mode": ("root_uint8_p2p (off: root_float)",
+                   lambda p, on: setattr(p, "pixel_mode", "root_uint8_p2p" if on else "root_float")),
+}
+
+
+def rounds(comm, preset: str, switch: str, chunks: int, n_rounds: int, steady_from: int) -> dict:
+    from lingbot.checkpoint import build_pipeline
+    torch.set_grad_enabled(False)
+    pipe = build_pipeline(preset, comm=comm)
+    p = pipe.preset
+    image = torch.rand(3, p.height, p.width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    setter = SWITCHES[switch][1]
+    out = {True: [], False: []}
+    for r in range(n_rounds):
+        order = (True, False) if r % 2 == 0 else (False, True)       # alternate which side goes first
+        for on in order:
+            setter(pipe, on)
+            session = pipe.new_session(image, "a harbour at dawn", seed=r)
+            times = []
+            for k in range(chunks):
+                t0 = time.perf_counter()
+                session.step(Controls(keys=("w", "", "l")))
+                times.append(time.perf_counter() - t0)
+            out[on].append(statistics.median(times[steady_from:]))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--switch", choices=sorted(SWITCHES), required=True)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--sp", type=int, default=1)
+    ap.add_argument("--chunks", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steady-from", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.switch == "pixel_mode" and args.sp < 2:
+        ap.error("pixel_mode needs --sp >= 2")
+    chunks = args.chunks or (16 if args.switch == "fixed_point_skip" else 10)
+    steady_from = args.steady_from if args.steady_from is not None else (11 if args.switch == "fixed_point_skip" else 6)
+    if chunks <= steady_from:
+        ap.error(f"--chunks must exceed the steady start {steady_from}")
+    if args.sp > 1:
+        from lingbot.parallel.launch import run_local
+        result = run_local(rounds, args.sp, args.preset, args.switch, chunks, args.rounds, steady_from,
+                           timeout_s=900)[0]
+    else:
+        torch.set_num_threads(os.cpu_count() or 1)
+        result = rounds(Comm(), args.preset, args.switch, chunks, args.rounds, steady_from)
+    ratios = [off / on for on, off in zip(result[True], result[False])]
+    print(f"A/B {args.switch}: {SWITCHES[args.switch][0]}; {args.preset}, SP-{args.sp}, {args.rounds} alternating "
+          f"rounds, steady chunks {steady_from}..{chunks - 1}")
+    print(f"  on : median {statistics.median(result[True]) * 1e3:8.1f} ms   rounds "
+          + ", ".join(f"{v * 1e3:.1f}" for v in result[True]))
+    print(f"  off: median {statistics.median(result[False]) * 1e3:8.1f} ms   rounds "
+          + ", ".join(f"{v * 1e3:.1f}" for v in result[False]))
+    print(f"  off/on = {statistics.median(ratios):.3f} (spread {min(ratios):.3f} .. {max(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Realtime metric arithmetic against hand-computed cases."""
+import math
+
+import pytest
+
+from perf.realtime_metrics import aggregate, latency_summary, percentile, sample_std, session_metrics, \
+    simulate_playback
+
+
+def test_percentiles_and_std_by_hand():
+    assert percentile([10, 20, 30, 40], 0.5) == 25
+    assert percentile([40, 10, 30, 20], 0.9) == pytest.approx(37.0)      # pos 2.7: 30 + 0.7 * 10
+    assert percentile([5], 0.99) == 5
+    assert math.isnan(percentile([], 0.5))
+    assert sample_std([2, 4, 4, 4, 5, 5, 7, 9]) == pytest.approx(math.sqrt(32 / 7))
+    assert sample_std([3]) == 0.0
+    s = latency_summary([100, 200, 300])
+    assert (s["count"], s["mean_ms"], s["median_ms"], s["min_ms"], s["max_ms"]) == (3, 200, 200, 100, 300)
+    assert s["p95_ms"] == pytest.approx(290) and s["std_ms"] == pytest.approx(100)
+
+
+def _chunks(arrivals):
+    return [{"index": i, "arrival_s": t, "num_frames": 9 if i == 0 else 12, "byte_length": 100}
+            for i, t in enumerate(arrivals)]
+
+
+def test_player_simulation_by_hand():
+    # fps 12: chunk 0 plays 0.75 s, later chunks 1.0 s. Arrivals 1.0, 1.5, 3.0, 3.5
+    p = simulate_playback(_chunks([1.0, 1.5, 3.0, 3.5]), fps=12, buffer_chunks=1)
+    # cursor: 1.0 -> 1.75; chunk 1 at 1.5 ok -> 2.75; chunk 2 at 3.0: stall 0.25, cursor 3.0 -> 4.0; chunk 3 ok -> 5.0
+    assert p["underrun_count"] == 1 and p["first_underrun_chunk"] == 2
+    assert p["total_stall_ms"] == pytest.approx(250)
+    assert p["playback_span_s"] == pytest.approx(4.0)
+    assert p["stall_ratio"] == pytest.approx(0.25 / 4.0)
+    p2 = simulate_playback(_chunks([1.0, 1.5, 3.0, 3.5]), fps=12, buffer_chunks=2)
+    # start at chunk 1's arrival 1.5: 1.5 -> 2.25 -> 3.25; chunk 2 at 3.0 ok -> 4.25; chunk 3 ok -> 5.25
+    assert p2["underrun_count"] == 0 and p2["playback_span_s"] == pytest.approx(3.75)
+
+
+def test_session_metrics_by_hand():
+    arrivals = [0.5] + [0.5 + 0.7 * i for i in range(1, 8)] + [0.5 + 0.7 * 7 + 0.9]   # 9 chunks
+    m = session_metrics(_chunks(arrivals), wall_s=6.5, fps=16, warmup_chunks=6)
+    assert m["ttfc_ms"] == pytest.approx(500)
+    assert m["total_frames"] == 9 + 12 * 8 and m["video_seconds"] == pytest.approx(105 / 16)
+    assert m["video_rtf"] == pytest.approx(6.5 / (105 / 16)) and m["video_rtfx"] == pytest.approx(105 / 16 / 6.5)
+    assert m["chunk_deadline_ms"] == pytest.approx(750)
+    assert m["interval_all"]["count"] == 8 and m["interval_steady"]["count"] == 3      # chunks 6, 7, 8
+    assert m["interval_steady"]["max_ms"] == pytest.approx(900)
+    assert m["slo_attainment"] == pytest.approx(2 / 3) and m["slo_violations"] == 1
+    assert m["steady_video_rtf"] == pytest.approx((0.7 + 0.7 + 0.9) / (36 / 16))
+    short = session_metrics(_chunks([0.5, 1.0, 1.5]), wall_s=2.0, fps=16)
+    assert not short["steady_state_reached"] and "slo_attainment" not in short
+
+
+def test_aggregate():
+    a = session_metrics(_chunks([0.5 + 0.5 * i for i in range(8)]), wall_s=4.0, fps=16)
+    b = session_metrics(_chunks([1.0 + 1.0 * i for i in range(8)]), wall_s=8.0, fps=16)
+    agg = aggregate([a, b])
+    assert agg["sessions"] == 2 and agg["ttfc_ms_max"] == pytest.approx(1000)
+    assert agg["video_rtf_best"] == a["video_rtf"] and agg["video_rtf_worst"] == b["video_rtf"]
+    assert agg["steady_interval_ms_mean"] == pytest.approx(750) and agg["steady_interval_ms_spread"] == pytest.approx(500)
+    assert aggregate([a])["sessions"] == 1 and aggregate([a])["video_rtf"] == a["video_rtf"]
