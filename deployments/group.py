@@ -33,6 +33,14 @@ log = logging.getLogger("ray.serve")
 IDLE_POLL_S = 0.05
 
 
+class SessionFailure(Exception):
+    """A failure that concerns one session only (the group and its other sessions carry on)."""
+
+    def __init__(self, session_id: str, message: str):
+        super().__init__(message)
+        self.session_id = session_id
+
+
 class WorldGroup:
     def __init__(self, settings: dict):
         s = self.settings = ServeSettings(**settings)
@@ -62,6 +70,7 @@ class WorldGroup:
                                                scheduling_strategy=pinned(s.muxer_bundle)).remote(*self.size)
         ray.get(self.muxer.drain.remote())
         self.scheduler = Scheduler(s.pacing_lead_s)
+        self.reserved = 0                              # admitted or being admitted
         self.outboxes: dict[str, asyncio.Queue] = {}
         self.loop_task: Optional[asyncio.Task] = None
         self.wake: Optional[asyncio.Event] = None
@@ -83,16 +92,19 @@ class WorldGroup:
         if self.broken:
             yield {"type": "error", "code": "internal_error", "message": "the group is restarting; retry"}
             return
-        if len(self.scheduler.sessions) >= self.capacity:
+        if self.reserved >= self.capacity:             # checked and taken before any await: no over-admission
             yield {"type": "error", "code": "capacity_exhausted", "message": "group is full"}
             return
+        self.reserved += 1
         sid = request["session_id"]
         start: StartRequest = request["start"]
         state = SessionState(sid, start, self.frames_per_chunk, self.settings.max_queued_controls)
         try:
             mime = await self.muxer.open.remote(sid, start.fps)
-            await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
-                                                         start.flow_shift) for r in self.ranks])
+            opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
+                                                                  start.flow_shift) for r in self.ranks])
+            if not all(opened):
+                return                                 # cancelled while opening: the finally cleans up
             outbox: asyncio.Queue = asyncio.Queue()
             self.outboxes[sid] = outbox
             self.scheduler.add(state)
@@ -106,6 +118,7 @@ class WorldGroup:
                 if item["type"] in ("done", "error"):
                     break
         finally:
+            self.reserved -= 1
             state.stopped = True
             for r in self.ranks:
                 r.stop.remote(sid)                   # a running chunk ends at its next step, on every rank
@@ -142,36 +155,46 @@ class WorldGroup:
 
     async def _loop(self) -> None:
         while self.scheduler.sessions:
-            await self._drain_controls()
-            state, wait = self.scheduler.pick()
-            if state is None:
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), timeout=min(wait, IDLE_POLL_S))
-                except asyncio.TimeoutError:
-                    pass
-                continue
             try:
+                await self._drain_controls()
+                state, wait = self.scheduler.pick()
+                if state is None:
+                    self.wake.clear()
+                    try:
+                        await asyncio.wait_for(self.wake.wait(), timeout=min(wait, IDLE_POLL_S))
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
                 await self._run_chunk(state)
-            except Exception as e:             # a rank failed: the process group is gone with it
+                self._report_gpu()
+            except SessionFailure as e:               # one session's chunk could not be delivered
+                log.warning("group %s: session %s failed: %s", self.id, e.session_id, e)
+                self._post(e.session_id, {"type": "error", "code": "internal_error",
+                                          "message": "this session failed; please start a new one"})
+                self.scheduler.remove(e.session_id)
+            except Exception as e:                    # a rank or the muxer failed: the group is gone with it
                 self.broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                log.error("group %s: chunk failed, failing its sessions: %s", self.id, self.broken)
+                log.error("group %s: failing its sessions: %s", self.id, self.broken)
                 for sid in list(self.outboxes):
                     self._post(sid, {"type": "error", "code": "internal_error",
                                      "message": "the model group failed while generating; please retry"})
                 return
-            self._report_gpu()
 
     async def _run_chunk(self, state: SessionState) -> None:
         plan = state.plan_next_chunk()
         t0 = time.monotonic()
         calls = [r.run_chunk.remote(state.id, plan.index, plan.controls, self.muxer if i == 0 else None)
                  for i, r in enumerate(self.ranks)]
-        results = await asyncio.gather(*calls)
+        results = await asyncio.gather(*calls)       # a failure here is a rank's: the group breaks
         root = results[0]
         if root["stopped"] or state.stopped:
             return
-        fragment = await root["fragment"]
+        try:
+            fragment = await root["fragment"]
+        except Exception as e:
+            raise SessionFailure(state.id, f"encoding failed: {type(e).__name__}") from e
+        if fragment is None or state.stopped:        # the session ended while its chunk was being encoded
+            return
         done_at = time.monotonic()
         state.commit_plan(plan)
         stalls_before = state.stalls

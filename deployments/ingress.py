@@ -51,6 +51,7 @@ class Connection:
         self.lease = None
         self.mailbox = None
         self.chunks_sent = 0
+        self.sequence = 0
         self.last_traffic = time.monotonic()
         self.last_interaction = time.monotonic()
         self.started_at = time.monotonic()
@@ -114,18 +115,22 @@ class Connection:
                 await self.refuse(ProtocolError("unknown_type", f"unknown message type {kind!r}"))
 
     async def admit_and_stream(self, start) -> None:
-        s = self.settings
         self.lease = self.ingress.group.options(stream=True).session.remote(
             {"session_id": self.session_id, "start": start})
         try:
+            await self._admitted_session(start)
+        finally:
+            self.lease.cancel()                  # every path (done, stop, refusal, disconnect) ends the lease
+
+    async def _admitted_session(self, start) -> None:
+        s = self.settings
+        try:
             first = await asyncio.wait_for(self.lease.__anext__(), timeout=s.admission_wait_s)
         except (asyncio.TimeoutError, StopAsyncIteration):
-            self.lease.cancel()
             await self.refuse(ProtocolError("capacity_exhausted", "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
             return
         if first["type"] != "admitted":
-            self.lease.cancel()
             close = CLOSE_TRY_AGAIN if first.get("code") == "capacity_exhausted" else CLOSE_SERVER_ERROR
             await self.refuse(ProtocolError(first.get("code", "internal_error"), first.get("message", "refused"),
                                             close=close, retry_after_s=s.retry_after_s))
@@ -143,8 +148,8 @@ class Connection:
             stopped = await self.pump(reader)
         finally:
             reader.cancel()
-            self.lease.cancel()
         if stopped is not None and not self.closed:
+            self.lease.cancel()
             await self.ws.send_json({"type": "session.done", "chunks": self.chunks_sent, "stopped": stopped})
             await _close_quietly(self.ws, None, CLOSE_NORMAL)
 
@@ -227,6 +232,8 @@ class Connection:
                     await self.refuse(e)
                     continue
                 self.last_interaction = time.monotonic()
+                self.sequence += 1
+                interaction.seq = self.sequence
                 self.mailbox.post.remote(self.session_id, interaction)
                 await self.ws.send_json({"type": "session.interaction.queued", "event_id": interaction.event_id})
             elif kind == "session.start":

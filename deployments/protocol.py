@@ -24,6 +24,9 @@ CLOSE_SERVER_ERROR = 1011
 CLOSE_TRY_AGAIN = 1013
 
 
+MAX_IMAGE_PIXELS = 40_000_000      # a first frame is resized to the session size; this is plenty
+
+
 class ProtocolError(Exception):
     """A refusal: stable `code`, human `message`; `close` is the WebSocket close code, None = keep open."""
 
@@ -61,6 +64,7 @@ class Interaction:
     camera: Optional[CameraEvent] = None
     keys: Optional[list[str]] = None      # one key set per latent frame, from the next chunk on
     transition_chunks: Optional[float] = None
+    seq: int = 0                          # arrival order at the ingress (mailbox posts may land out of order)
 
 
 def chunks_for_frames(num_frames: int) -> Optional[int]:
@@ -75,12 +79,16 @@ def frames_for_chunks(chunks: int) -> int:
     return (3 * chunks - 1) * 4 + 1
 
 
+def _reject_constant(name: str):
+    raise ProtocolError("invalid_json", f"{name} is not a number JSON allows")
+
+
 def parse_json(text: str, limit: int) -> dict:
     if len(text.encode()) > limit:
         raise ProtocolError("message_too_large", f"message of {len(text.encode())} bytes exceeds the limit of "
                             f"{limit} bytes", close=CLOSE_TOO_BIG)
     try:
-        msg = json.loads(text)
+        msg = json.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError("invalid_json", f"message is not valid JSON: {e.msg} at position {e.pos}") from None
     if not isinstance(msg, dict):
@@ -95,7 +103,10 @@ def _require(obj: dict, key: str, kind, where: str):
         raise ProtocolError("missing_field", f"{where} needs field '{key}'")
     value = obj[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ProtocolError("invalid_field", f"{where} field '{key}' is out of range") from None
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise ProtocolError("invalid_field", f"{where} field '{key}' must be {kind.__name__}, got {type(value).__name__}")
     return value
@@ -112,16 +123,26 @@ def decode_image(url: str, width: int, height: int) -> np.ndarray:
         raise ProtocolError("invalid_image", "image data URL must be base64-encoded")
     try:
         raw = base64.b64decode(payload, validate=True)
-        image = Image.open(io.BytesIO(raw))
-        image.load()
     except (binascii.Error, ValueError):
         raise ProtocolError("invalid_image", "image data URL is not valid base64") from None
-    except (UnidentifiedImageError, OSError) as e:
+    try:
+        image = Image.open(io.BytesIO(raw))             # reads the header only
+        if image.width * image.height > MAX_IMAGE_PIXELS:   # refuse before decoding (decompression bombs)
+            raise ProtocolError("invalid_image", f"image {image.width}x{image.height} has more than "
+                                f"{MAX_IMAGE_PIXELS} pixels")
+        image.load()
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
         raise ProtocolError("invalid_image", f"image data URL is not a readable image ({type(e).__name__})") from None
-    if image.width * image.height > 64 * 2 ** 20:
-        raise ProtocolError("invalid_image", f"image {image.width}x{image.height} is too large")
     image = image.convert("RGB").resize((width, height), Image.BICUBIC)
     return np.asarray(image, dtype=np.uint8).copy()
+
+
+def _finite(value) -> float:
+    try:
+        out = float(value)
+    except OverflowError:
+        return math.inf
+    return out if math.isfinite(out) else math.inf
 
 
 def parse_keys_list(value: Any, where: str) -> list[str]:
@@ -178,9 +199,12 @@ def parse_start(msg: dict, served_size: tuple[int, int], default_chunks: int, ma
     if not (math.isfinite(fps) and 1 <= fps <= 120):
         raise ProtocolError("invalid_field", f"fps must be between 1 and 120, got {fps}", close=CLOSE_POLICY)
     seed = _require(msg, "seed", int, where) if msg.get("seed") is not None else 0
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise ProtocolError("invalid_field", f"seed must fit in 64 bits, got {seed}", close=CLOSE_POLICY)
     shift = extra.get("flow_shift")
-    if shift is not None and (not isinstance(shift, (int, float)) or isinstance(shift, bool) or not shift > 0):
-        raise ProtocolError("invalid_field", f"extra_params.flow_shift must be a number > 0, got {shift!r}",
+    if shift is not None and (not isinstance(shift, (int, float)) or isinstance(shift, bool)
+                              or not 0 < _finite(shift) <= 100):
+        raise ProtocolError("invalid_field", f"extra_params.flow_shift must be a number in (0, 100], got {shift!r}",
                             close=CLOSE_POLICY)
     script = []
     if extra.get("camera_action_script") is not None:
@@ -237,7 +261,7 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
             out.camera = CameraEvent(camera["mode"], tuple(float(v) for v in data["translation"]),
                                      tuple(float(v) for v in data["rotation"]),
                                      1.0 if transition is None else float(transition))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             detail = str(e) if isinstance(e, CameraError) else f"needs mode and data.translation [x,y,z], " \
                                                                  f"data.rotation [x,y,z,w] ({type(e).__name__}: {e})"
             raise ProtocolError("invalid_field", f"event.multi_modal_data.camera {detail}", event_id=event_id) from None

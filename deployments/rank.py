@@ -11,7 +11,10 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Optional
+
+MAX_TOMBSTONES = 10000
 
 import numpy as np
 import torch
@@ -28,8 +31,11 @@ class RankWorker:
         self.pipeline = None
         self.comm = None
         self.sessions: dict[str, Any] = {}
-        self.stopped: set[str] = set()
-        self.lock = threading.Lock()
+        # stopped/closed ids are kept (bounded): calls of a threaded actor run in any order, so a close can
+        # overtake its open, and a stop can land before, during or after the chunk it is meant for
+        self.stopped: OrderedDict[str, None] = OrderedDict()
+        self.lock = threading.Lock()       # sessions / stopped
+        self.work = threading.Lock()       # open_session and run_chunk never overlap
         torch.set_grad_enabled(False)
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -46,7 +52,7 @@ class RankWorker:
 
     def join(self, init_method: str) -> dict:
         """Join the group's process group and build the pipeline (every rank concurrently)."""
-        from lingbot.budget import group_capacity, session_footprint
+        from lingbot.budget import session_footprint, sessions_that_fit
         from lingbot.checkpoint import build_pipeline
         from lingbot.config import get_preset
         from lingbot.parallel import Comm
@@ -59,7 +65,8 @@ class RankWorker:
                                        pixel_mode=s.pixel_mode, skip_fixed_point=s.skip_fixed_point)
         preset = get_preset(s.preset)
         footprint = session_footprint(preset, self.world_size)
-        capacity = group_capacity(int(s.memory_budget_gib * 2 ** 30), footprint, s.max_sessions_per_group)
+        capacity = sessions_that_fit(preset, self.world_size, int(s.memory_budget_gib * 2 ** 30),
+                                     s.max_sessions_per_group)
         log.info("rank %d/%d ready on %s in %.1f s; %d sessions fit", self.rank, self.world_size, device,
                  time.monotonic() - t0, capacity)
         return {"capacity": capacity, "session_bytes": footprint.total, "device": str(device),
@@ -74,50 +81,64 @@ class RankWorker:
 
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
-                     flow_shift: Optional[float]) -> None:
-        pixels = torch.from_numpy(image).permute(2, 0, 1).float() / 255.0
-        session = self.pipeline.new_session((pixels - 0.5) / 0.5, prompt, seed)
-        if flow_shift is not None:
-            session.dit.sampler, session.dit.time = self.pipeline.engine.schedule(flow_shift)
+                     flow_shift: Optional[float]) -> bool:
+        """Build the session; False (and nothing kept) when it was stopped or closed meanwhile."""
+        with self.work:
+            if self._is_stopped(session_id):
+                return False
+            pixels = torch.from_numpy(image).permute(2, 0, 1).float() / 255.0
+            session = self.pipeline.new_session((pixels - 0.5) / 0.5, prompt, seed)
+            if flow_shift is not None:
+                session.dit.sampler, session.dit.time = self.pipeline.engine.schedule(flow_shift)
+            with self.lock:
+                if session_id in self.stopped:          # closed while we were building it
+                    return False
+                self.sessions[session_id] = session
+        return True
+
+    def _is_stopped(self, session_id: str) -> bool:
         with self.lock:
-            self.sessions[session_id] = session
-            self.stopped.discard(session_id)
+            return session_id in self.stopped
 
     def stop(self, session_id: str) -> None:
-        """Called on a second thread while run_chunk may be running: the chunk ends at the next step."""
+        """May run on another thread while run_chunk runs: the chunk ends at its next step."""
         with self.lock:
-            self.stopped.add(session_id)
+            self.stopped[session_id] = None
+            while len(self.stopped) > MAX_TOMBSTONES:
+                self.stopped.popitem(last=False)
 
     def close_session(self, session_id: str) -> None:
+        """Forget a session (its memory goes with the last reference); it can never be opened again."""
+        self.stop(session_id)
         with self.lock:
             self.sessions.pop(session_id, None)
-            self.stopped.discard(session_id)
 
     def run_chunk(self, session_id: str, index: int, controls, muxer=None) -> dict:
         """Run chunk `index` of a session: condition, 4 probes, commit, decode, pixels to the root."""
         from lingbot.camera import Controls
-        session = self.sessions.get(session_id)
+        with self.work:
+            session = self.sessions.get(session_id)
 
-        def should_stop() -> bool:
-            # the ranks agree (over the CPU control group): a stop, or a close that reached only some ranks
-            # first, ends the chunk at the same step everywhere; a lone rank would hang its collectives
-            return self.comm.any_true(session is None or session_id in self.stopped)
+            def should_stop() -> bool:
+                # the ranks agree (over the CPU control group): a stop, or a close that reached only some
+                # ranks so far, ends the chunk at the same step everywhere; a lone rank would hang its collectives
+                return self.comm.any_true(session is None or self._is_stopped(session_id))
 
-        if should_stop():
-            return {"stopped": True}
-        if session.chunk_index != index:
-            raise RuntimeError(f"session {session_id} is at chunk {session.chunk_index}, asked for {index}")
-        if controls.prompt is not None:
-            session.dit.set_prompt(controls.prompt, controls.prompt_transition_chunks)
-        t0 = time.perf_counter()
-        engine = self.pipeline.engine
-        engine.profile = controls.profile            # device sync at stage boundaries only while profiling
-        try:
-            chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop)
-        finally:
-            engine.profile = False
-        if chunk is None:
-            return {"stopped": True}
+            if should_stop():
+                return {"stopped": True}
+            if session.chunk_index != index:
+                raise RuntimeError(f"session {session_id} is at chunk {session.chunk_index}, asked for {index}")
+            t0 = time.perf_counter()
+            engine = self.pipeline.engine
+            engine.profile = controls.profile            # device sync at stage boundaries only while profiling
+            prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
+            try:
+                chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
+                                     prompt=prompt)
+            finally:
+                engine.profile = False
+            if chunk is None:
+                return {"stopped": True}
         out = {"stopped": False, "timings": chunk.timings, "engine_s": time.perf_counter() - t0}
         if chunk.frames is not None and muxer is not None:
             t1 = time.perf_counter()

@@ -54,7 +54,23 @@ def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
     return SessionFootprint(kv, text, camera, decoder, condition)
 
 
+PROMPT_CACHE_SIZE = 8        # prompts whose text K/V an engine keeps (shared by its sessions)
+
+
+def prompt_cache_bytes(preset: Preset, prompts: int = PROMPT_CACHE_SIZE) -> int:
+    """The engine's prompt LRU at its full size (+2: a prompt transition's start and blend)."""
+    cfg = preset.transformer
+    esize = torch.empty((), dtype=preset.torch_dtype).element_size()
+    return (prompts + 2) * 2 * cfg.num_layers * preset.text.max_length * cfg.dim * esize
+
+
 def group_capacity(budget_bytes: int, footprint: SessionFootprint, max_sessions: int) -> int:
     """Sessions that fit in `budget_bytes` (what is left on one rank after weights and activations),
     capped at max_sessions."""
     return max(0, min(max_sessions, budget_bytes // footprint.total))
+
+
+def sessions_that_fit(preset: Preset, world_size: int, budget_bytes: int, max_sessions: int) -> int:
+    """Sessions one group admits: what is left of a rank's budget after the prompt cache, per session."""
+    return group_capacity(budget_bytes - prompt_cache_bytes(preset), session_footprint(preset, world_size),
+                          max_sessions)

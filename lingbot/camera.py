@@ -204,17 +204,23 @@ class Controls:
 class CameraState:
     """Everything the rig carries from chunk to chunk (immutable: a failed chunk changes nothing)."""
     pose: np.ndarray                        # the anchor: last committed absolute pose [4, 4]
-    pitch_deg: float = 0.0                  # cumulative keyboard pitch (for the clamp)
-    motion: Optional[CameraEvent] = None    # the active SE3 event
+    motion: Optional[CameraEvent] = None    # the active SE3 event (a finished target is dropped)
     motion_start: Optional[np.ndarray] = None
     motion_step: int = 0
 
 
-def keyboard_step(pose: np.ndarray, pitch_deg: float, keys: str) -> tuple[np.ndarray, float]:
-    """Apply one latent frame's keys to an absolute pose. Returns (new pose, new cumulative pitch)."""
+def pitch_of(pose: np.ndarray) -> float:
+    """Elevation of the view direction in degrees (+ = up, OpenCV y down): asin(-R[1, 2]).
+    For R = Ry(yaw) . Rx(pitch) this is exactly `pitch`; it also holds after SE3 events moved the camera."""
+    return math.degrees(math.asin(min(1.0, max(-1.0, -pose[1, 2]))))
+
+
+def keyboard_step(pose: np.ndarray, keys: str) -> tuple[np.ndarray, float]:
+    """Apply one latent frame's keys to an absolute pose. Returns (new pose, its pitch in degrees)."""
     keys = parse_keys(keys)
+    pitch_deg = pitch_of(pose)
     d_pitch = PITCH_STEP_DEG * (("i" in keys) - ("k" in keys))
-    new_pitch = min(max(pitch_deg + d_pitch, -PITCH_LIMIT_DEG), PITCH_LIMIT_DEG)
+    new_pitch = min(max(pitch_deg + d_pitch, -PITCH_LIMIT_DEG), PITCH_LIMIT_DEG) if d_pitch else pitch_deg
     d_yaw = YAW_STEP_DEG * (("l" in keys) - ("j" in keys))
     r = rot_y(d_yaw) @ pose[:3, :3] @ rot_x(new_pitch - pitch_deg)
     # movement stays in the yaw plane (non-degenerate: the pitch clamp keeps the view off the vertical)
@@ -251,15 +257,18 @@ class CameraRig:
         keys = controls.keys if controls is not None and controls.keys is not None else ("",) * frames
         if len(keys) != frames:
             raise CameraError(f"{len(keys)} key sets for a chunk of {frames} latent frames")
-        pose, pitch, step = state.pose, state.pitch_deg, state.motion_step
+        pose, step, motion = state.pose, state.motion_step, state.motion
         poses = []
         for frame_keys in keys:
-            if state.motion is not None:
+            if motion is not None:
                 step += 1
-                pose = self._motion_pose(state.motion, state.motion_start, pose, step, frames)
-            pose, pitch = keyboard_step(pose, pitch, frame_keys)
+                pose = self._motion_pose(motion, state.motion_start, pose, step, frames)
+                if motion.mode == "target" and (motion.transition_chunks == 0
+                                                or step >= max(1, round(motion.transition_chunks * frames))):
+                    motion = None                      # arrived: keys move the camera from here on
+            pose, _ = keyboard_step(pose, frame_keys)
             poses.append(pose)
-        return np.stack(poses), dataclasses.replace(state, pose=pose, pitch_deg=pitch, motion_step=step)
+        return np.stack(poses), dataclasses.replace(state, pose=pose, motion=motion, motion_step=step)
 
     @staticmethod
     def _motion_pose(event: CameraEvent, start: np.ndarray, current: np.ndarray, step: int,

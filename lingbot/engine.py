@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
@@ -16,6 +17,7 @@ from typing import Callable, Optional, Protocol
 import torch
 from torch import Tensor
 
+from .budget import PROMPT_CACHE_SIZE
 from .camera import CameraRig, Controls, camera_patches
 from .config import Preset
 from .kv_cache import KVWindow, LRUCache
@@ -78,7 +80,7 @@ class WorldEngine:
     """Weights, text encoder and shared caches on one device."""
 
     def __init__(self, preset: Preset, model: CausalWanModel, text_encoder: Optional[TextEncoder],
-                 device: torch.device | str = "cpu", prompt_cache_size: int = 8,
+                 device: torch.device | str = "cpu", prompt_cache_size: int = PROMPT_CACHE_SIZE,
                  cache_camera_modulation: bool = True, profile: bool = False):
         self.preset = preset
         self.config = model.config
@@ -93,7 +95,7 @@ class WorldEngine:
         _, ph, pw = self.config.patch_size
         self.latent_hw = (lh, lw)
         self.token_grid_hw = (lh // ph, lw // pw)
-        self._schedules: dict[float, tuple[DMDSampler, list[TimeConditioning]]] = {}
+        self._schedules = LRUCache(8)                 # flow shift -> (sampler, time embeddings)
         self.sampler, self.time = self.schedule(None)
 
     def schedule(self, shift: Optional[float]) -> tuple[DMDSampler, list[TimeConditioning]]:
@@ -101,15 +103,15 @@ class WorldEngine:
         (None: the preset's). The timesteps are fixed, so they are embedded once per shift and kept
         (static buffers, shared/DESIGN.md §5 item 7)."""
         shift = self.preset.sampler.shift if shift is None else float(shift)
-        if shift not in self._schedules:
-            if not shift > 0:
-                raise ValueError(f"flow_shift must be > 0, got {shift}")
+        if not (math.isfinite(shift) and shift > 0):
+            raise ValueError(f"flow_shift must be a finite number > 0, got {shift}")
+
+        def build():
             sampler = DMDSampler(dataclasses.replace(self.preset.sampler, shift=shift))
             with torch.no_grad():
                 steps = sampler.timesteps + [sampler.commit_timestep]
-                time_cond = [self.model.time_conditioning(torch.tensor([t], device=self.device)) for t in steps]
-            self._schedules[shift] = (sampler, time_cond)
-        return self._schedules[shift]
+                return sampler, [self.model.time_conditioning(torch.tensor([t], device=self.device)) for t in steps]
+        return self._schedules.get_or_compute(shift, build)
 
     @property
     def tokens_per_frame(self) -> int:
@@ -193,13 +195,16 @@ class Session:
         return now
 
     @torch.no_grad()
-    def run_chunk(self, controls: Optional[Controls] = None,
-                  should_stop: Callable[[], bool] = lambda: False) -> Optional[ChunkResult]:
+    def run_chunk(self, controls: Optional[Controls] = None, should_stop: Callable[[], bool] = lambda: False,
+                  prompt: Optional[tuple[str, int]] = None) -> Optional[ChunkResult]:
         """Run the next chunk. Returns None if should_stop() turns true between steps; a stopped or failed
-        chunk changes nothing lasting (the RNG is rewound; camera and condition are committed only at the
-        end), so the same chunk can be run again."""
+        chunk changes nothing lasting (the RNG and the prompt are rewound; camera and condition are committed
+        only at the end), so the same chunk can be run again. `prompt` = (text, transition_chunks) switches
+        the prompt from this chunk on."""
         rng_state, text, transition = self.generator.get_state(), self.text, self._transition
         try:
+            if prompt is not None:
+                self.set_prompt(*prompt)
             self._transition = self._advance_text()
             result = self._run_chunk(controls, should_stop)
         except BaseException:

@@ -9,6 +9,7 @@ min(window, k+1) chunks: no block tables, no gathers, no metadata copies.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Callable, Hashable
 
@@ -98,27 +99,30 @@ class KVWindow:
 
 
 class LRUCache:
-    """A small least-recently-used map (prompt -> text K/V) with hit/miss counters."""
+    """A small least-recently-used map (prompt -> text K/V) with hit/miss counters; thread-safe (the compute
+    of a missing key runs under the lock, so two threads never compute the same prompt twice)."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"LRU capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._items: OrderedDict[Hashable, object] = OrderedDict()
+        self._lock = threading.RLock()
         self.hits = 0
         self.misses = 0
 
     def get_or_compute(self, key: Hashable, compute: Callable[[], object]):
-        if key in self._items:
-            self.hits += 1
-            self._items.move_to_end(key)
-            return self._items[key]
-        self.misses += 1
-        value = compute()
-        self._items[key] = value
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-        return value
+        with self._lock:
+            if key in self._items:
+                self.hits += 1
+                self._items.move_to_end(key)
+                return self._items[key]
+            self.misses += 1
+            value = compute()
+            self._items[key] = value
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+            return value
 
     def __len__(self) -> int:
         return len(self._items)

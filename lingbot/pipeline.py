@@ -90,6 +90,7 @@ class VideoSession:
                                                 pipeline.skip_fixed_point)
         self.dit = pipeline.engine.new_session(self.condition, prompt=prompt, seed=seed, rig=rig)
         self.decoder_cache = CausalCache()
+        self.failed: Optional[str] = None
 
     @property
     def chunk_index(self) -> int:
@@ -98,13 +99,25 @@ class VideoSession:
     def reset(self) -> None:
         self.dit.reset()                      # also resets the condition encoder and the camera
         self.decoder_cache.reset()
+        self.failed = None
 
     @torch.no_grad()
-    def step(self, controls: Optional[Controls] = None,
-             should_stop: Callable[[], bool] = lambda: False) -> Optional[VideoChunk]:
-        result = self.dit.run_chunk(controls, should_stop)
+    def step(self, controls: Optional[Controls] = None, should_stop: Callable[[], bool] = lambda: False,
+             prompt: Optional[tuple[str, int]] = None) -> Optional[VideoChunk]:
+        """One chunk. A stopped or failed DiT chunk changes nothing lasting; a failure after it (decode,
+        pixels) leaves the DiT one chunk ahead of the decoder, so the session is marked failed (reset() clears)."""
+        if self.failed:
+            raise RuntimeError(f"session failed earlier ({self.failed}); reset it")
+        result = self.dit.run_chunk(controls, should_stop, prompt)
         if result is None:
             return None
+        try:
+            return self._decode(result)
+        except BaseException as e:
+            self.failed = f"{type(e).__name__} while decoding chunk {result.index}"
+            raise
+
+    def _decode(self, result) -> VideoChunk:
         t0 = time.perf_counter()
         pipeline = self.pipeline
         pending = self.decoder_cache.copy()           # committed only if the decode succeeds

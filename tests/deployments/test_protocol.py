@@ -174,3 +174,29 @@ def test_control_queue_is_bounded():
     s.max_queued = 2
     assert s.queue(Interaction("1", keys=["w"])) and s.queue(Interaction("2", keys=["w"]))
     assert not s.queue(Interaction("3", keys=["w"]))
+
+
+def test_out_of_range_values_are_refused():
+    with pytest.raises(ProtocolError, match="seed must fit in 64 bits"):
+        start(seed=2 ** 64)
+    with pytest.raises(ProtocolError, match="field .fps. is out of range"):
+        start(fps=10 ** 400)
+    with pytest.raises(ProtocolError, match="flow_shift must be a number in"):
+        start(extra_params={"flow_shift": 1e300 * 10})
+    with pytest.raises(ProtocolError, match="Infinity is not a number JSON allows") as info:
+        parse_json('{"type": "session.start", "fps": Infinity}', 1000)
+    assert info.value.code == "invalid_json"
+    with pytest.raises(ProtocolError, match="translation") as info:
+        parse_interaction({"interaction": {"event_id": "e", "event": {"multi_modal_data": {"camera": {
+            "mode": "target", "data": {"translation": [10 ** 400, 0, 0], "rotation": [0, 0, 0, 1]}}}}}})
+    assert info.value.code == "invalid_field"
+
+
+def test_decompression_bomb_is_refused_before_decoding():
+    buf = io.BytesIO()
+    Image.new("L", (10000, 5000)).save(buf, "PNG")          # 50 MP of one colour: a few kB of PNG
+    assert len(buf.getvalue()) < 200_000
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    with pytest.raises(ProtocolError, match="has more than 40000000 pixels") as info:
+        start(image_reference={"image_url": url})
+    assert info.value.code == "invalid_image"

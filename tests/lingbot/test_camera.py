@@ -23,43 +23,47 @@ def test_rotation_matrices_by_hand():
     ("w", (0, 0, 0.05)), ("s", (0, 0, -0.05)), ("d", (0.05, 0, 0)), ("a", (-0.05, 0, 0)),
     ("wd", (0.05, 0, 0.05)), ("ws", (0, 0, 0)), ("", (0, 0, 0))])
 def test_keyboard_translation(keys, translation):
-    pose, pitch = keyboard_step(I4, 0.0, keys)
+    pose, pitch = keyboard_step(I4, keys)
     np.testing.assert_allclose(pose[:3, 3], translation, atol=1e-15)
     np.testing.assert_allclose(pose[:3, :3], np.eye(3), atol=1e-15)
     assert pitch == 0.0
 
 
 def test_keyboard_yaw_turns_right_and_moves_along_new_heading():
-    pose, _ = keyboard_step(I4, 0.0, "lw")
+    pose, _ = keyboard_step(I4, "lw")
     np.testing.assert_allclose(pose[:3, :3], [[C6, 0, S6], [0, 1, 0], [-S6, 0, C6]], atol=1e-15)
     np.testing.assert_allclose(pose[:3, 3], [0.05 * S6, 0, 0.05 * C6], atol=1e-15)
-    pose, _ = keyboard_step(I4, 0.0, "j")
+    pose, _ = keyboard_step(I4, "j")
     np.testing.assert_allclose(pose[:3, :3], [[C6, 0, -S6], [0, 1, 0], [S6, 0, C6]], atol=1e-15)
 
 
 def test_keyboard_pitch_up_keeps_movement_horizontal():
-    pose, pitch = keyboard_step(I4, 0.0, "iw")
-    assert pitch == 4.0
+    pose, pitch = keyboard_step(I4, "iw")
+    assert pitch == pytest.approx(4.0, abs=1e-12)
     np.testing.assert_allclose(pose[:3, :3] @ [0, 0, 1], [0, -S4, C4], atol=1e-15)   # looks up (y is down)
     np.testing.assert_allclose(pose[:3, 3], [0, 0, 0.05], atol=1e-15)
     # R' = Ry(yaw) . R . Rx(pitch): yaw about the world axis after pitch about the camera axis
-    pose2, _ = keyboard_step(pose, pitch, "l")
+    pose2, _ = keyboard_step(pose, "l")
     np.testing.assert_allclose(pose2[:3, :3], rot_y(6) @ rot_x(4), atol=1e-15)
 
 
 def test_pitch_is_clamped_at_85_degrees():
-    pose, pitch = I4, 0.0
+    pose = I4
     pitches = []
     for _ in range(23):
-        pose, pitch = keyboard_step(pose, pitch, "i")
+        pose, pitch = keyboard_step(pose, "i")
         pitches.append(pitch)
-    assert pitches[20] == 84.0 and pitches[21] == 85.0 and pitches[22] == 85.0
-    np.testing.assert_allclose(pose[:3, :3], rot_x(85), atol=1e-12)
-    pose, pitch = keyboard_step(pose, pitch, "k")
-    assert pitch == 81.0
-    np.testing.assert_allclose(pose[:3, :3], rot_x(81), atol=1e-12)
-    _, pitch = keyboard_step(I4, -84.0, "k")
-    assert pitch == -85.0
+    assert pitches[20] == pytest.approx(84.0) and pitches[21] == pytest.approx(85.0)
+    assert pitches[22] == pytest.approx(85.0)
+    np.testing.assert_allclose(pose[:3, :3], rot_x(85), atol=1e-9)
+    pose, pitch = keyboard_step(pose, "k")
+    assert pitch == pytest.approx(81.0)
+    np.testing.assert_allclose(pose[:3, :3], rot_x(81), atol=1e-9)
+    down = np.eye(4)
+    down[:3, :3] = rot_y(30) @ rot_x(-84)
+    pose, pitch = keyboard_step(down, "k")
+    assert pitch == pytest.approx(-85.0)
+    np.testing.assert_allclose(pose[:3, :3], rot_y(30) @ rot_x(-85), atol=1e-9)
 
 
 def test_bad_keys_are_refused():
@@ -141,6 +145,10 @@ def test_target_mode_interpolates_over_transition_chunks():
     rig.commit((poses, state))
     later, _ = rig.plan(None, 3)                                          # stays at the target
     np.testing.assert_allclose(later[:, :3, 3], [[0, 0, 3]] * 3, atol=1e-12)
+    assert state.motion is None                                           # arrived: the event is done
+    moved, _ = rig.plan(Controls(keys=("w", "w", "w")), 3)                # keys move on from the target
+    np.testing.assert_allclose(moved[:, 2, 3], [3, 3, 3], atol=1e-12)      # yaw 90: forward is +x
+    np.testing.assert_allclose(moved[:, 0, 3], [0.05, 0.10, 0.15], atol=1e-12)
     snap, _ = CameraRig.default(112, 64).plan(
         Controls(camera=CameraEvent("target", (1.0, 0.0, 0.0), (0, 0, 0, 1), 0)), 3)
     np.testing.assert_allclose(snap[:, :3, 3], [[1, 0, 0]] * 3, atol=0)
