@@ -21,7 +21,7 @@ from ray import serve
 from lingbot.config import get_preset
 
 from .metrics import Metrics
-from .protocol import (CLOSE_NORMAL, CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN, ProtocolError,
+from .protocol import (CLOSE_NORMAL, CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, authorized,
                        parse_interaction, parse_json, parse_start)
 from .settings import ServeSettings
 
@@ -76,6 +76,9 @@ class Connection:
         return parse_json(message.get("text") or "", limit)
 
     async def run(self) -> None:
+        if not authorized(dict(self.ws.headers), dict(self.ws.query_params), self.settings.api_key_set):
+            await self.refuse(ProtocolError("unauthorized", "a valid API key is required", close=CLOSE_POLICY))
+            return
         start = await self.wait_for_start()
         if start is None:
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hmac
 import io
 import json
 import math
@@ -272,3 +273,14 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
     if out.prompt is None and out.camera is None and out.keys is None:
         raise ProtocolError("invalid_field", "event needs prompt, multi_modal_data.camera or keys", event_id=event_id)
     return out
+
+
+def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
+    """True when no keys are configured, or the client presents one: `Authorization: Bearer KEY` (or
+    `X-API-Key: KEY`) for programs, `?api_key=KEY` for pages (browsers cannot set WebSocket headers)."""
+    if not keys:
+        return True
+    auth = headers.get("authorization", "")
+    presented = {auth[7:].strip() if auth.lower().startswith("bearer ") else "", headers.get("x-api-key", ""),
+                 query.get("api_key", "")}
+    return any(hmac.compare_digest(k, p) for k in keys for p in presented if p)

@@ -53,6 +53,7 @@ class ServeSettings:
     group_start_timeout_s: float = 300.0     # rank actors up and joined in the process group
     collective_timeout_s: float = 120.0
     metrics_interval_s: float = 5.0
+    api_keys: str = ""                       # comma-separated; when set, clients must present one (see README)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -94,6 +95,10 @@ class ServeSettings:
         for name, value in list(args.items()):
             args[name] = _coerce(name, value, known[name].type)
         return cls(**args)
+
+    @property
+    def api_key_set(self) -> frozenset:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import mimetypes
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,15 +52,17 @@ class SessionResult:
 
 
 class RealtimeClient:
-    def __init__(self, url: str, open_timeout: float = 30.0):
+    def __init__(self, url: str, open_timeout: float = 30.0, api_key: Optional[str] = None):
         self.url = url
         self.open_timeout = open_timeout
+        self.api_key = api_key
         self.ws = None
 
     async def __aenter__(self):
         import websockets
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         self.ws = await websockets.connect(self.url, compression=None, max_size=2 ** 26,
-                                           open_timeout=self.open_timeout)
+                                           open_timeout=self.open_timeout, additional_headers=headers)
         return self
 
     async def __aexit__(self, *exc):
@@ -139,7 +142,7 @@ def _parse_keys(script: str, chunks: int) -> list[list[str]]:
 async def _main(args) -> int:
     from PIL import Image
     from tqdm import tqdm
-    async with RealtimeClient(args.url) as client:
+    async with RealtimeClient(args.url, api_key=args.api_key) as client:
         width, height = args.width, args.height
         if width is None or height is None:
             import urllib.request
@@ -183,6 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--fps", type=float, default=16.0)
     p.add_argument("--width", type=int, default=None, help="default: the server's size (GET /v1/config)")
     p.add_argument("--height", type=int, default=None)
+    p.add_argument("--api-key", default=os.environ.get("LINGBOT_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $LINGBOT_API_KEY)")
     p.add_argument("-o", "--output", required=True, help="output .mp4 (fragmented)")
     args = p.parse_args(argv)
     if args.chunks < 1:

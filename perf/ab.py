@@ -5,8 +5,9 @@ the steady chunk time with its spread across rounds.
     python perf/ab.py --switch fixed_point_skip  --chunks 16
     python perf/ab.py --switch pixel_mode --sp 2            (root_uint8_p2p vs root_float)
 
-Workload: one in-process pipeline session of --chunks chunks per measurement (condition, DiT, decode,
-pixels), steady = chunks >= --steady-from (default: 6, or after the fixed point for fixed_point_skip).
+Workload: one in-process session of --chunks chunks per measurement, the whole pipeline (condition, DiT,
+decode, pixels) or the DiT alone (--workload dit, the default for camera_cache); steady = chunks >=
+--steady-from (default: 6, or after the fixed point for fixed_point_skip).
 """
 from __future__ import annotations
 
@@ -34,23 +35,34 @@ SWITCHES = {
 }
 
 
-def rounds(comm, preset: str, switch: str, chunks: int, n_rounds: int, steady_from: int) -> dict:
+def rounds(comm, preset: str, switch: str, chunks: int, n_rounds: int, steady_from: int,
+           workload: str = "pipeline") -> dict:
+    """workload 'pipeline': whole chunks (condition, DiT, decode, pixels); 'dit': the DiT session alone
+    (prepare, probes, commit) on given condition latents."""
     from lingbot.checkpoint import build_pipeline
+    from lingbot.engine import LatentCondition
     torch.set_grad_enabled(False)
     pipe = build_pipeline(preset, comm=comm)
     p = pipe.preset
-    image = torch.rand(3, p.height, p.width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(3, p.height, p.width, generator=g) * 2 - 1
+    latents = torch.randn(16, 3 * chunks, *p.latent_hw, generator=g)
     setter = SWITCHES[switch][1]
     out = {True: [], False: []}
     for r in range(n_rounds):
         order = (True, False) if r % 2 == 0 else (False, True)       # alternate which side goes first
         for on in order:
             setter(pipe, on)
-            session = pipe.new_session(image, "a harbour at dawn", seed=r)
+            if workload == "dit":
+                session = pipe.engine.new_session(LatentCondition(latents), prompt="a harbour at dawn", seed=r)
+                step = session.run_chunk
+            else:
+                session = pipe.new_session(image, "a harbour at dawn", seed=r)
+                step = session.step
             times = []
             for k in range(chunks):
                 t0 = time.perf_counter()
-                session.step(Controls(keys=("w", "", "l")))
+                step(Controls(keys=("w", "", "l")))
                 times.append(time.perf_counter() - t0)
             out[on].append(statistics.median(times[steady_from:]))
     return out
@@ -64,7 +76,12 @@ def main(argv=None) -> None:
     ap.add_argument("--chunks", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steady-from", type=int, default=None)
+    ap.add_argument("--workload", choices=["pipeline", "dit"], default=None,
+                    help="default: dit for camera_cache, pipeline otherwise")
     args = ap.parse_args(argv)
+    workload = args.workload or ("dit" if args.switch == "camera_cache" else "pipeline")
+    if workload == "dit" and args.switch != "camera_cache":
+        ap.error(f"{args.switch} acts outside the DiT: use --workload pipeline")
     if args.switch == "pixel_mode" and args.sp < 2:
         ap.error("pixel_mode needs --sp >= 2")
     chunks = args.chunks or (16 if args.switch == "fixed_point_skip" else 10)
@@ -73,14 +90,14 @@ def main(argv=None) -> None:
         ap.error(f"--chunks must exceed the steady start {steady_from}")
     if args.sp > 1:
         from lingbot.parallel.launch import run_local
-        result = run_local(rounds, args.sp, args.preset, args.switch, chunks, args.rounds, steady_from,
+        result = run_local(rounds, args.sp, args.preset, args.switch, chunks, args.rounds, steady_from, workload,
                            timeout_s=900)[0]
     else:
         torch.set_num_threads(os.cpu_count() or 1)
-        result = rounds(Comm(), args.preset, args.switch, chunks, args.rounds, steady_from)
+        result = rounds(Comm(), args.preset, args.switch, chunks, args.rounds, steady_from, workload)
     ratios = [off / on for on, off in zip(result[True], result[False])]
-    print(f"A/B {args.switch}: {SWITCHES[args.switch][0]}; {args.preset}, SP-{args.sp}, {args.rounds} alternating "
-          f"rounds, steady chunks {steady_from}..{chunks - 1}")
+    print(f"A/B {args.switch}: {SWITCHES[args.switch][0]}; {args.preset}, SP-{args.sp}, {workload} workload, "
+          f"{args.rounds} alternating rounds, steady chunks {steady_from}..{chunks - 1}")
     print(f"  on : median {statistics.median(result[True]) * 1e3:8.1f} ms   rounds "
           + ", ".join(f"{v * 1e3:.1f}" for v in result[True]))
     print(f"  off: median {statistics.median(result[False]) * 1e3:8.1f} ms   rounds "

@@ -171,7 +171,8 @@ function start() {
   if (!state.config) return;
   resetStats();
   const proto = location.protocol === "https:" ? "wss" : "ws";
-  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime/video`);
+  const key = new URLSearchParams(location.search).get("api_key");     // open /?api_key=KEY on servers that need one
+  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime/video${key ? "?api_key=" + encodeURIComponent(key) : ""}`);
   ws.binaryType = "arraybuffer";
   state.ws = ws;
   let pendingMeta = null;

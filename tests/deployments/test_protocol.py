@@ -200,3 +200,15 @@ def test_decompression_bomb_is_refused_before_decoding():
     with pytest.raises(ProtocolError, match="has more than 40000000 pixels") as info:
         start(image_reference={"image_url": url})
     assert info.value.code == "invalid_image"
+
+
+def test_api_keys():
+    from deployments.protocol import authorized
+    keys = ServeSettings.from_args({"api_keys": "k1, k2"}).api_key_set
+    assert keys == {"k1", "k2"}
+    assert authorized({}, {}, frozenset())                                  # no keys configured: open
+    assert authorized({"authorization": "Bearer k2"}, {}, keys)
+    assert authorized({"x-api-key": "k1"}, {}, keys)
+    assert authorized({}, {"api_key": "k1"}, keys)
+    assert not authorized({"authorization": "Bearer nope"}, {"api_key": ""}, keys)
+    assert not authorized({}, {}, keys)
