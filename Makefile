@@ -28,9 +28,13 @@ serve: install
 	@echo "lingbot-serve: starting local Ray + Serve; open http://127.0.0.1:8000/ when 'Application lingbot is ready'"
 	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run serve_config.yaml
 
+# In-process benchmarks (perf/README.md has the rest, incl. the WebSocket benchmark perf/realtime.py)
 perf: install
 	$(PY) perf/chunk_time.py
 	$(PY) perf/pipeline_time.py
+	$(PY) perf/sp_time.py
+	$(PY) perf/ab.py --switch fixed_point_skip
+	$(PY) perf/cost.py
 	$(PY) perf/flops.py
 
 clean:
