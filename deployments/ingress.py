@@ -75,6 +75,22 @@ class Connection:
             raise ProtocolError("unsupported_message", "binary messages are not accepted from clients")
         return parse_json(message.get("text") or "", limit)
 
+    async def next_message(self, deadline: float, limit: int) -> Optional[dict]:
+        """The next client message that needs handling, read until `deadline` (monotonic; raises
+        asyncio.TimeoutError after it). Pings are answered and bad messages refused here; None means a
+        refusal closed the connection."""
+        while True:
+            try:
+                msg = await self.receive_text(max(deadline - time.monotonic(), 0.001), limit)
+            except ProtocolError as e:
+                await self.refuse(e)
+                if self.closed:
+                    return None
+                continue
+            if msg["type"] != "session.ping":
+                return msg
+            await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
+
     async def run(self) -> None:
         if not authorized(dict(self.ws.headers), dict(self.ws.query_params), self.settings.api_key_set):
             await self.refuse(ProtocolError("unauthorized", "a valid API key is required", close=CLOSE_POLICY))
@@ -88,22 +104,16 @@ class Connection:
         s = self.settings
         deadline = time.monotonic() + s.start_timeout_s
         while True:
-            left = deadline - time.monotonic()
             try:
-                msg = await self.receive_text(max(left, 0.001), s.max_start_bytes)
+                msg = await self.next_message(deadline, s.max_start_bytes)
             except asyncio.TimeoutError:
                 await self.refuse(ProtocolError("start_timeout", f"no session.start within {s.start_timeout_s:g} s "
                                                 "of connecting", close=CLOSE_POLICY))
                 return None
-            except ProtocolError as e:
-                await self.refuse(e)
-                if self.closed:
-                    return None
-                continue
+            if msg is None:
+                return None
             kind = msg["type"]
-            if kind == "session.ping":
-                await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
-            elif kind == "session.start":
+            if kind == "session.start":
                 try:
                     return await asyncio.to_thread(parse_start, msg, self.ingress.size, s.default_chunks,
                                                    s.max_chunks, s.fps)
@@ -195,22 +205,26 @@ class Connection:
         finally:
             next_item.cancel()
 
+    def _next_limit(self) -> tuple[float, str, str]:
+        """The earliest of the session's time limits: (monotonic deadline, code, message)."""
+        s = self.settings
+        return min([(self.last_traffic + s.stall_timeout_s, "stall_timeout",
+                     f"no client message for {s.stall_timeout_s:g} s (send session.ping to keep the session)"),
+                    (self.last_interaction + s.idle_timeout_s, "idle_timeout",
+                     f"no interaction for {s.idle_timeout_s:g} s"),
+                    (self.started_at + s.max_lifetime_s, "max_lifetime",
+                     f"session reached its maximum lifetime of {s.max_lifetime_s:g} s")])
+
     async def read_controls(self) -> Optional[bool]:
         """Client messages during the session. Returns True on session.stop, None when the connection
         ends (disconnect or a timeout refusal)."""
         s = self.settings
         while True:
-            now = time.monotonic()
-            limits = [(self.last_traffic + s.stall_timeout_s, "stall_timeout",
-                       f"no client message for {s.stall_timeout_s:g} s (send session.ping to keep the session)"),
-                      (self.last_interaction + s.idle_timeout_s, "idle_timeout",
-                       f"no interaction for {s.idle_timeout_s:g} s"),
-                      (self.started_at + s.max_lifetime_s, "max_lifetime",
-                       f"session reached its maximum lifetime of {s.max_lifetime_s:g} s")]
-            until, code, text = min(limits)
+            until, _, _ = self._next_limit()
             try:
-                msg = await self.receive_text(max(until - now, 0.001), s.max_control_bytes)
+                msg = await self.next_message(until, s.max_control_bytes)
             except asyncio.TimeoutError:
+                until, code, text = self._next_limit()       # pings may have moved the stall limit meanwhile
                 if time.monotonic() >= until:
                     await self.refuse(ProtocolError(code, text, close=CLOSE_POLICY))
                     return None
@@ -218,15 +232,10 @@ class Connection:
             except WebSocketDisconnect:
                 self.closed = True
                 return None
-            except ProtocolError as e:
-                await self.refuse(e)
-                if self.closed:
-                    return None
-                continue
+            if msg is None:
+                return None
             kind = msg["type"]
-            if kind == "session.ping":
-                await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
-            elif kind == "session.stop":
+            if kind == "session.stop":
                 return True
             elif kind == "session.interaction":
                 try:
