@@ -246,3 +246,32 @@ def test_metrics_reach_the_metrics_endpoint(serve_app):
         seen |= {name for name in wanted if name in text}
         time.sleep(2)
     assert seen == set(wanted), f"not exported: {set(wanted) - seen}"
+
+
+def test_stall_timeout_counts_pings(serve_app):
+    """An endless session lives on while the client pings (no other traffic), and ends with stall_timeout
+    15 s after the client falls silent."""
+    import time
+
+    async def scenario():
+        async with RealtimeClient(serve_app) as client:
+            await client.start("p", png_url(), W, H, None)               # endless
+            t0 = time.monotonic()
+            chunks_while_pinging = 0
+            while time.monotonic() - t0 < 20:                             # longer than the 15 s limit
+                await client.send({"type": "session.ping", "t": 0})
+                deadline = time.monotonic() + 3
+                while time.monotonic() < deadline:
+                    try:
+                        raw = await asyncio.wait_for(client.ws.recv(), deadline - time.monotonic())
+                    except asyncio.TimeoutError:
+                        break
+                    chunks_while_pinging += isinstance(raw, bytes)
+            silent = time.monotonic()
+            rest = await client.receive_session(timeout=40)
+            return chunks_while_pinging, rest, time.monotonic() - silent
+
+    chunks, rest, waited = run(scenario())
+    assert chunks >= 5
+    assert rest.error["code"] == "stall_timeout" and rest.close_code == 1008
+    assert 10 < waited < 25
