@@ -17,7 +17,6 @@ class Muxer:
     def __init__(self, width: int, height: int):
         self.width, self.height = width, height
         self.encoders: dict[str, FragmentedMp4Encoder] = {}
-        self.fps: dict[str, float] = {}
         self.controls: dict[str, list] = defaultdict(list)
         self.closed: OrderedDict[str, None] = OrderedDict()   # calls run in any order: a close may overtake its open
         self.lock = threading.Lock()

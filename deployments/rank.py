@@ -141,12 +141,6 @@ class RankWorker:
                 return {"stopped": True}
         out = {"stopped": False, "timings": chunk.timings, "engine_s": time.perf_counter() - t0}
         if chunk.frames is not None and muxer is not None:
-            t1 = time.perf_counter()
             frames = chunk.frames.cpu().numpy()                   # the one device -> host copy, uint8
             out["fragment"] = muxer.encode.remote(session_id, index, frames, time.perf_counter())
-            out["frames"] = int(frames.shape[0])
-            out["send_s"] = time.perf_counter() - t1
         return out
-
-    def health(self) -> dict:
-        return {"rank": self.rank, "sessions": len(self.sessions)}

@@ -62,7 +62,6 @@ class SessionState:
         self.next_chunk = 0
         self.frames_delivered = 0
         self.first_delivery: Optional[float] = None
-        self.last_interaction = self.created
         self.pending: deque[Interaction] = deque()
         self.events: dict[str, _Progress] = {}
         self.stopped = False
@@ -92,12 +91,11 @@ class SessionState:
         self.frames_delivered += frames
 
     # ---- interactions -------------------------------------------------------------------------
-    def queue(self, interaction: Interaction, now: Optional[float] = None) -> bool:
+    def queue(self, interaction: Interaction) -> bool:
         """Queue an interaction for the next chunk boundary; False when the queue is full."""
         if len(self.pending) >= self.max_queued:
             return False
         self.pending.append(interaction)
-        self.last_interaction = time.monotonic() if now is None else now
         return True
 
     def plan_next_chunk(self) -> ChunkPlan:

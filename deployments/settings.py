@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from lingbot.config import PRESETS, ConfigError
@@ -54,7 +54,6 @@ class ServeSettings:
     collective_timeout_s: float = 120.0
     metrics_interval_s: float = 5.0
     api_keys: str = ""                       # comma-separated; when set, clients must present one (see README)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -90,7 +89,7 @@ class ServeSettings:
             raise ConfigError(f"unknown serve settings {unknown}; known: {sorted(known)}")
         for name, f in known.items():
             env = os.environ.get(ENV_PREFIX + name.upper())
-            if env is not None and name != "extra":
+            if env is not None:
                 args[name] = env
         for name, value in list(args.items()):
             args[name] = _coerce(name, value, known[name].type)
@@ -121,7 +120,7 @@ class ServeSettings:
 
 def _coerce(name: str, value: Any, annotation: str):
     text = str(annotation)
-    if value is None or name == "extra":
+    if value is None:
         return value
     try:
         if text.startswith("bool"):
