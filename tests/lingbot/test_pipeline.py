@@ -66,3 +66,21 @@ def test_generate_cli_with_sp2(tmp_path, image_file):
     assert main(args) == 0
     assert read_frames(out).shape == (21, 64, 112, 3)
     assert main(args[:-2] + ["--device", "cuda", "-o", str(out)]) == 2          # --sp is for local CPU ranks
+
+
+def test_a_failed_decode_fails_the_session_until_reset(tiny, tiny_pipeline):
+    session = tiny_pipeline.new_session(random_image(tiny), "a harbour", seed=1)
+    session.step()
+
+    def boom(module, inputs, output):
+        raise RuntimeError("injected decode failure")
+    handle = tiny_pipeline.vae.decoder.conv_out.register_forward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="injected decode failure"):
+            session.step()
+    finally:
+        handle.remove()
+    with pytest.raises(RuntimeError, match="session failed earlier \\(RuntimeError while decoding chunk 1\\)"):
+        session.step()
+    session.reset()
+    assert session.step().frames.shape == (9, 64, 112, 3)
