@@ -363,24 +363,14 @@ def save_vae(vae: WanVAE, folder: str | Path) -> Path:
 
 def load_vae(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> WanVAE:
     """Strictly load a diffusers-format `vae/` folder: every key must match by name and shape."""
-    from .weights import WeightsError, read_state_dict
+    from .weights import WeightsError, check_state_dict, read_state_dict
     folder = Path(folder)
     if not (folder / "config.json").exists():
         raise WeightsError(f"{folder / 'config.json'} is missing: is {folder} a vae/ folder?")
     cfg = VAEConfig.from_json_dict(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
         vae = WanVAE(cfg)
-    expected = vae.state_dict()
-    state = read_state_dict(folder)
-    missing, unknown = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing:
-        raise WeightsError(f"vae checkpoint {folder} is missing key {missing[0]!r}")
-    if unknown:
-        raise WeightsError(f"vae checkpoint {folder} has unknown key {unknown[0]!r}")
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise WeightsError(f"vae key {name!r} has shape {list(t.shape)}, expected {list(expected[name].shape)}")
-        state[name] = t.to(dtype)
+    state = check_state_dict(vae.state_dict(), read_state_dict(folder), folder, dtype)
     vae.load_state_dict(state, strict=True, assign=True)
     # non-persistent buffers were created on meta: rebuild them on the target device
     vae.latents_mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)

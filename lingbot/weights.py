@@ -88,6 +88,24 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     raise WeightsError(f"no {INDEX_NAME} or {WEIGHTS_NAME} in {folder}")
 
 
+def check_state_dict(expected: dict, state: dict, source, dtype: torch.dtype) -> dict:
+    """Strict match of a checkpoint's tensors against a model's: a missing, unknown or mis-shaped key is a
+    WeightsError naming it. Returns the tensors cast to `dtype`, ready for load_state_dict(assign=True)."""
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing:
+        raise WeightsError(f"checkpoint {source} is missing key {missing[0]!r}"
+                           + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
+    if unknown:
+        raise WeightsError(f"checkpoint {source} has unknown key {unknown[0]!r}"
+                           + (f" (and {len(unknown) - 1} more: {unknown[1:6]})" if len(unknown) > 1 else ""))
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise WeightsError(f"key {name!r} has shape {list(tensor.shape)} in {source}, "
+                               f"the config expects {list(expected[name].shape)}")
+    return {name: tensor.to(dtype) for name, tensor in state.items()}
+
+
 def load_transformer(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> CausalWanModel:
     """Strictly load `folder` (a diffusers-format transformer/ directory) into our model."""
     folder = Path(folder)
@@ -96,21 +114,7 @@ def load_transformer(folder: str | Path, dtype: torch.dtype = torch.bfloat16, de
     config = TransformerConfig.from_json_file(folder / "config.json")
     with torch.device("meta"):
         model = CausalWanModel(config)
-    expected = model.state_dict()
-    state = read_state_dict(folder)
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
-    if missing:
-        raise WeightsError(f"checkpoint {folder} is missing key {missing[0]!r}"
-                           + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
-    if unknown:
-        raise WeightsError(f"checkpoint {folder} has unknown key {unknown[0]!r}"
-                           + (f" (and {len(unknown) - 1} more: {unknown[1:6]})" if len(unknown) > 1 else ""))
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise WeightsError(f"key {name!r} has shape {list(tensor.shape)} in {folder}, "
-                               f"the config expects {list(expected[name].shape)}")
-        state[name] = tensor.to(dtype)
+    state = check_state_dict(model.state_dict(), read_state_dict(folder), folder, dtype)
     model.load_state_dict(state, strict=True, assign=True)
     log.info("loaded %d tensors from %s", len(state), folder)
     return model.to(device).eval().requires_grad_(False)
