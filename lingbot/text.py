@@ -84,12 +84,9 @@ def build_random_text_encoder(config: TextEncoderConfig, seed: int) -> TextEncod
                       num_layers=config.num_layers, num_heads=config.num_heads, feed_forward_proj="gated-gelu",
                       relative_attention_num_buckets=32, relative_attention_max_distance=128,
                       pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    generator_state = torch.random.get_rng_state()
-    try:
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = UMT5EncoderModel(umt5)
-    finally:
-        torch.random.set_rng_state(generator_state)
     return TextEncoder(build_byte_tokenizer(config.max_length), model, config.max_length)
 
 

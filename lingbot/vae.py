@@ -339,16 +339,13 @@ VAE_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def build_random_vae(cfg: VAEConfig, seed: int, dtype: torch.dtype = torch.float32) -> WanVAE:
-    state = torch.random.get_rng_state()
-    try:
+    with torch.random.fork_rng(devices=[]):          # seeded, and the global RNG is left as it was
         torch.manual_seed(seed)
         vae = WanVAE(cfg)
         # RMS-norm gammas start at 1 (PyTorch init); randomise them so tests see the real weight paths
         for name, p in vae.named_parameters():
             if name.endswith("gamma"):
                 p.data.uniform_(0.5, 1.5)
-    finally:
-        torch.random.set_rng_state(state)
     return vae.to(dtype).eval().requires_grad_(False)
 
 

@@ -29,12 +29,9 @@ class WeightsError(ValueError):
 def build_random_transformer(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32,
                              device="cpu") -> CausalWanModel:
     """The model with seeded random weights (PyTorch's default init), independent of the global RNG."""
-    state = torch.random.get_rng_state()
-    try:
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CausalWanModel(config)
-    finally:
-        torch.random.set_rng_state(state)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
