@@ -58,6 +58,15 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + sizes[index]
 
 
+def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
+    """Zero-pad x along `dim` to `size` (collectives of equal shapes carry uneven shards)."""
+    if x.shape[dim] >= size:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+
+
 class Comm:
     """One rank's view of its sequence-parallel group (world_size 1 is a valid, silent group)."""
 
@@ -158,21 +167,13 @@ class Comm:
 
     def all_gather_uneven(self, x: Tensor, dim: int, sizes: Sequence[int], kind: str = "all_gather") -> Tensor:
         """Gather shards whose size along `dim` differs by rank (padded to the largest, then trimmed)."""
-        largest = max(sizes)
-        if x.shape[dim] < largest:
-            pad_shape = list(x.shape)
-            pad_shape[dim] = largest - x.shape[dim]
-            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        x = _pad_to(x, dim, max(sizes))
         parts = self.all_gather(x, kind)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
     def gather_to_root(self, x: Tensor, dim: int, sizes: Sequence[int], kind: str = "gather") -> Optional[Tensor]:
         """Uneven shards along `dim` -> the whole tensor at rank 0 (None elsewhere)."""
-        largest = max(sizes)
-        if x.shape[dim] < largest:
-            pad_shape = list(x.shape)
-            pad_shape[dim] = largest - x.shape[dim]
-            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        x = _pad_to(x, dim, max(sizes))
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_root else None
         if not self.is_root:
