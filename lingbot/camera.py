@@ -183,6 +183,12 @@ class CameraEvent:
     def matrix(self) -> np.ndarray:
         return make_pose(quat_to_matrix(self.rotation), self.translation)
 
+    def transition_frames(self, frames_per_chunk: int) -> int:
+        """Latent frames a target move takes (0: snap at once)."""
+        if self.transition_chunks == 0:
+            return 0
+        return max(1, round(self.transition_chunks * frames_per_chunk))
+
 
 def parse_keys(frame_keys: str) -> str:
     """Normalise one latent frame's key set ('wa', 'W', '') and reject unknown keys."""
@@ -263,8 +269,7 @@ class CameraRig:
             if motion is not None:
                 step += 1
                 pose = self._motion_pose(motion, state.motion_start, pose, step, frames)
-                if motion.mode == "target" and (motion.transition_chunks == 0
-                                                or step >= max(1, round(motion.transition_chunks * frames))):
+                if motion.mode == "target" and step >= motion.transition_frames(frames):
                     motion = None                      # arrived: keys move the camera from here on
             pose, _ = keyboard_step(pose, frame_keys)
             poses.append(pose)
@@ -276,9 +281,7 @@ class CameraRig:
         """Pose at latent frame `step` (1-based) of the active event."""
         if event.mode == "velocity":
             return current @ event.matrix()
-        if event.transition_chunks == 0:
-            return event.matrix()
-        total = max(1, round(event.transition_chunks * frames_per_chunk))
+        total = event.transition_frames(frames_per_chunk)
         if step >= total:
             return event.matrix()
         alpha = step / total
