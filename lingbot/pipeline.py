@@ -120,19 +120,17 @@ class VideoSession:
     def _decode(self, result) -> VideoChunk:
         t0 = time.perf_counter()
         pipeline = self.pipeline
-        pending = self.decoder_cache.copy()           # committed only if the decode succeeds
         sharded = pipeline.comm is not None and pipeline.comm.world_size > 1
         if sharded:
             from .parallel.pixels import assemble_frames
             a, b = pipeline.latent_columns
-            video = pipeline.vae.decode(result.latents[None, ..., a:b], pending)[0]     # [3, F, H, W_r]
+            video = pipeline.vae.decode(result.latents[None, ..., a:b], self.decoder_cache)[0]     # [3, F, H, W_r]
         else:
-            video = pipeline.vae.decode(result.latents[None], pending)[0]                # [3, F, H, W]
+            video = pipeline.vae.decode(result.latents[None], self.decoder_cache)[0]                # [3, F, H, W]
         t1 = self.dit.mark_stage(result.timings, "decode", t0)
         if sharded:
             frames = assemble_frames(video, pipeline.comm, pipeline.pixel_widths, pipeline.pixel_mode)
         else:
             frames = frames_to_uint8(video)
-        self.decoder_cache = pending
         self.dit.mark_stage(result.timings, "pixels", t1)
         return VideoChunk(result.index, frames, result.timings)
