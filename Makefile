@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU take the CPU build of torch (a plain `torch` pulls a CUDA build).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.5" || echo "torch==2.13.0")
 
-.PHONY: install test serve perf clean browser
+.PHONY: install lint test serve perf clean browser
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-test: install browser
+# The linter (ruff, configured in pyproject.toml) runs first: a lint failure fails the test command.
+lint: install
+	$(PY) -m ruff check .
+
+test: lint browser
 	$(PY) -m pytest -q tests
 
 # The browser tests drive Debian's Chromium (root installs it; elsewhere install `chromium` yourself).
@@ -30,12 +34,12 @@ serve: install
 
 # In-process benchmarks (perf/README.md has the rest, incl. the WebSocket benchmark perf/realtime.py)
 perf: install
-	$(PY) perf/chunk_time.py
-	$(PY) perf/pipeline_time.py
-	$(PY) perf/sp_time.py
-	$(PY) perf/ab.py --switch fixed_point_skip
-	$(PY) perf/cost.py
-	$(PY) perf/flops.py
+	$(PY) -m perf.chunk_time
+	$(PY) -m perf.pipeline_time
+	$(PY) -m perf.sp_time
+	$(PY) -m perf.ab --switch fixed_point_skip
+	$(PY) -m perf.cost
+	$(PY) -m perf.flops
 
 clean:
 	rm -rf $(VENV) build *.egg-info

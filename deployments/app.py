@@ -5,26 +5,19 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
+from lingbot.config import ConfigError
+
 from .group import WorldGroup
 from .ingress import Ingress
 from .settings import ServeSettings
 
 
-def group_capacity(s: ServeSettings) -> int:
-    """Sessions per group from the config alone (the same numbers the ranks compute at start-up)."""
-    from lingbot.budget import sessions_that_fit
-    from lingbot.config import ConfigError, get_preset
-    capacity = sessions_that_fit(get_preset(s.preset), s.sp, int(s.memory_budget_gib * 2 ** 30),
-                                 s.max_sessions_per_group)
-    if capacity < 1:
-        raise ConfigError(f"memory_budget_gib {s.memory_budget_gib} fits no session of {s.preset} at sp {s.sp}")
-    return capacity
-
-
 def build_app(args: dict | None = None) -> Application:
     s = ServeSettings.from_args(args)
     settings = s.to_dict()
-    capacity = group_capacity(s)
+    capacity = s.sessions_per_group()
+    if capacity < 1:
+        raise ConfigError(f"memory_budget_gib {s.memory_budget_gib} fits no session of {s.preset} at sp {s.sp}")
     group = serve.deployment(
         WorldGroup, name="WorldGroup",
         ray_actor_options={"num_cpus": s.replica_cpus},

@@ -1,18 +1,18 @@
-"""WorldGroup: one Serve replica = one sequence-parallel group (shared/DESIGN.md §1, §3).
+"""WorldGroup: one Serve replica = one sequence-parallel group (docs/architecture.md).
 
 The replica owns a placement group [replica] + one bundle per rank + [muxer] (STRICT_PACK, bundles from
 ServeSettings.placement_bundles), starts the rank actors pinned to their bundles, joins them in one
-process group, and starts the muxer. Each session is one long-lived streaming call (`session`): the
-lease that Serve counts for routing and autoscaling. A background loop runs the sessions' chunks one
-at a time, earliest playback deadline first, within the pacing lead; every chunk is one call to every
-rank. Controls arrive through the muxer's mailbox, not through Serve's routing.
+process group, and starts the muxer (H.264) and the control mailbox (client controls). Each session is
+one long-lived streaming call (`session`): the lease that Serve counts for routing and autoscaling. A
+background loop runs the sessions' chunks one at a time, earliest playback deadline first, within the
+pacing lead; every chunk is one call to every rank. A second task long-polls the mailbox and wakes the
+loop when a control arrives.
 """
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import logging
-import math
 import time
 import uuid
 from typing import Optional
@@ -21,16 +21,28 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .metrics import Metrics, gpu_stats
+from .mailbox import ControlMailbox
+from .messages import (
+    Admitted,
+    ChunkReady,
+    ChunkReply,
+    DeviceStats,
+    Fragment,
+    GroupEvent,
+    RankInfo,
+    SessionDone,
+    SessionError,
+    SessionRequest,
+)
+from .metrics import Metrics
 from .muxer import Muxer
-from .protocol import Interaction, StartRequest
 from .rank import RankWorker
-from .sessions import Scheduler, SessionState
+from .sessions import ScheduledSession, Scheduler
 from .settings import ServeSettings
 
 log = logging.getLogger("ray.serve")
 
-IDLE_POLL_S = 0.05
+MAILBOX_POLL_S = 5.0       # a long poll: the mailbox answers at once when a control arrives
 
 
 class SessionFailure(Exception):
@@ -39,6 +51,11 @@ class SessionFailure(Exception):
     def __init__(self, session_id: str, message: str):
         super().__init__(message)
         self.session_id = session_id
+
+
+def gpu_metric_tags(group: str, stats: list[Optional[DeviceStats]]) -> list[tuple[DeviceStats, dict]]:
+    """(stats, tags) of every rank that reported its device, tagged with the rank that measured it."""
+    return [(st, {"group": group, "rank": str(rank)}) for rank, st in enumerate(stats) if st is not None]
 
 
 class WorldGroup:
@@ -54,30 +71,34 @@ class WorldGroup:
 
         t0 = time.monotonic()
         rank_actor = ray.remote(RankWorker)
-        self.ranks = [rank_actor.options(num_cpus=s.rank_cpus, num_gpus=s.rank_gpus, max_concurrency=4,
+        self.ranks = [rank_actor.options(**s.rank_actor_options(), max_concurrency=4,
                                          scheduling_strategy=pinned(s.rank_bundle(r))).remote(settings, r, s.sp)
                       for r in range(s.sp)]
         init_method = ray.get(self.ranks[0].address.remote(), timeout=s.group_start_timeout_s)
         joins = [r.join.remote(init_method) for r in self.ranks]       # all first, then wait: they rendezvous
-        infos = ray.get(joins, timeout=s.group_start_timeout_s)
-        self.capacity = min(i["capacity"] for i in infos)
+        infos: list[RankInfo] = ray.get(joins, timeout=s.group_start_timeout_s)
+        self.capacity = min(i.capacity for i in infos)
         if self.capacity < 1:
-            raise RuntimeError(f"no session fits: one needs {infos[0]['session_bytes'] / 2 ** 30:.2f} GiB per rank, "
+            raise RuntimeError(f"no session fits: one needs {infos[0].session_bytes / 2 ** 30:.2f} GiB per rank, "
                                f"memory_budget_gib is {s.memory_budget_gib}")
-        self.size = (infos[0]["width"], infos[0]["height"])
-        self.frames_per_chunk = infos[0]["frames_per_chunk"]
+        self.size = (infos[0].width, infos[0].height)
+        self.frames_per_chunk = infos[0].frames_per_chunk
         self.muxer = ray.remote(Muxer).options(num_cpus=s.muxer_cpus, max_concurrency=8,
                                                scheduling_strategy=pinned(s.muxer_bundle)).remote(*self.size)
-        ray.get(self.muxer.drain.remote())
+        # the mailbox only relays small messages: it takes no CPU of its own and lives in the replica's bundle
+        self.mailbox = ray.remote(ControlMailbox).options(num_cpus=0,
+                                                          scheduling_strategy=pinned(s.replica_bundle)).remote()
+        ray.get([self.muxer.ready.remote(), self.mailbox.ready.remote()], timeout=s.group_start_timeout_s)
         self.scheduler = Scheduler(s.pacing_lead_s)
         self.reserved = 0                              # admitted or being admitted
         self.outboxes: dict[str, asyncio.Queue] = {}
         self.loop_task: Optional[asyncio.Task] = None
+        self.controls_task: Optional[asyncio.Task] = None
         self.wake: Optional[asyncio.Event] = None
         self.broken: Optional[str] = None
-        self.metrics = Metrics("group")
+        self.metrics = Metrics()
         self.last_metrics = 0.0
-        log.info("group %s: %d ranks on %s ready in %.1f s, capacity %d sessions", self.id, s.sp, infos[0]["device"],
+        log.info("group %s: %d ranks on %s ready in %.1f s, capacity %d sessions", self.id, s.sp, infos[0].device,
                  time.monotonic() - t0, self.capacity)
 
     # ---- Serve hooks ----------------------------------------------------------------------------
@@ -86,19 +107,18 @@ class WorldGroup:
             raise RuntimeError(f"group {self.id} is broken: {self.broken}")
 
     # ---- the session lease --------------------------------------------------------------------
-    async def session(self, request: dict):
-        """Streaming call held for the whole session: yields 'admitted', then one item per chunk, then
-        'done' (or 'error'). Cancelling it (client gone, stop) frees the session within one step."""
+    async def session(self, request: SessionRequest):
+        """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
+        SessionDone (or SessionError). Cancelling it (client gone, stop) frees the session within one step."""
         if self.broken:
-            yield {"type": "error", "code": "internal_error", "message": "the group is restarting; retry"}
+            yield SessionError("internal_error", "the group is restarting; retry")
             return
         if self.reserved >= self.capacity:             # checked and taken before any await: no over-admission
-            yield {"type": "error", "code": "capacity_exhausted", "message": "group is full"}
+            yield SessionError("capacity_exhausted", "group is full")
             return
         self.reserved += 1
-        sid = request["session_id"]
-        start: StartRequest = request["start"]
-        state = SessionState(sid, start, self.frames_per_chunk, self.settings.max_queued_controls)
+        sid, start = request.session_id, request.start
+        state = ScheduledSession(sid, start, self.frames_per_chunk, self.settings.max_queued_controls)
         try:
             mime = await self.muxer.open.remote(sid, start.fps)
             opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
@@ -108,15 +128,14 @@ class WorldGroup:
             outbox: asyncio.Queue = asyncio.Queue()
             self.outboxes[sid] = outbox
             self.scheduler.add(state)
-            self._ensure_loop()
+            self._ensure_tasks()
             self.metrics.active_sessions.set(len(self.scheduler.sessions), tags={"group": self.id})
-            yield {"type": "admitted", "group": self.id, "mailbox": self.muxer, "mime": mime,
-                   "capacity": self.capacity}
+            yield Admitted(self.id, self.mailbox, mime, self.capacity)
             while True:
-                item = await outbox.get()
-                yield item
-                if item["type"] in ("done", "error"):
-                    break
+                event = await outbox.get()
+                yield event
+                if isinstance(event, SessionDone) or (isinstance(event, SessionError) and event.event_id is None):
+                    break                              # an error about one interaction leaves the session on
         finally:
             self.reserved -= 1
             state.stopped = True
@@ -127,70 +146,83 @@ class WorldGroup:
             for r in self.ranks:
                 r.close_session.remote(sid)
             self.muxer.close.remote(sid)
+            self.mailbox.close.remote(sid)
             self.metrics.active_sessions.set(len(self.scheduler.sessions), tags={"group": self.id})
 
-    # ---- the chunk loop -----------------------------------------------------------------------
-    def _ensure_loop(self) -> None:
+    # ---- the chunk loop and the control pump --------------------------------------------------
+    def _ensure_tasks(self) -> None:
+        # Fresh contexts: the tasks' actor calls must not count as children of the session request that
+        # happened to start them, or cancelling that request (client gone) would cancel every session's chunk.
+        loop = asyncio.get_running_loop()
         if self.loop_task is None or self.loop_task.done():
             self.wake = asyncio.Event()
-            # A fresh context: the loop's rank calls must not count as children of the session request that
-            # happened to start it, or cancelling that request (client gone) would cancel every session's chunk.
-            self.loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
+            self.loop_task = loop.create_task(self._loop(), context=contextvars.Context())
+        if self.controls_task is None or self.controls_task.done():
+            self.controls_task = loop.create_task(self._receive_controls(), context=contextvars.Context())
         self.wake.set()
 
-    async def _drain_controls(self) -> None:
-        for sid, items in (await self.muxer.drain.remote()).items():
-            state = self.scheduler.sessions.get(sid)
-            for item in items:
-                if state is None:
-                    break
-                if isinstance(item, Interaction) and not state.queue(item):
-                    self._post(sid, {"type": "error", "code": "too_many_controls", "event_id": item.event_id,
-                                     "message": f"more than {state.max_queued} interactions queued; slow down"})
-
-    def _post(self, sid: str, item: dict) -> None:
+    def _post(self, sid: str, event: GroupEvent) -> None:
         box = self.outboxes.get(sid)
         if box is not None:
-            box.put_nowait(item)
+            box.put_nowait(event)
+
+    async def _receive_controls(self) -> None:
+        """Long-poll the mailbox while sessions run; queue each control on its session and wake the loop."""
+        try:
+            while self.scheduler.sessions and not self.broken:
+                batch = await self.mailbox.take.remote(MAILBOX_POLL_S)
+                for sid, interactions in batch.items():
+                    state = self.scheduler.sessions.get(sid)
+                    for interaction in interactions if state is not None else ():
+                        if not state.queue(interaction):
+                            self._post(sid, SessionError("too_many_controls",
+                                                         f"more than {state.max_queued} interactions queued; slow down",
+                                                         interaction.event_id))
+                if batch:
+                    self.wake.set()
+        except Exception as e:                        # the mailbox died: the group is gone with it
+            self._fail_group(e)
+
+    def _fail_group(self, error: Exception) -> None:
+        self.broken = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        log.error("group %s: failing its sessions: %s", self.id, self.broken)
+        for sid in list(self.outboxes):
+            self._post(sid, SessionError("internal_error", "the model group failed while generating; please retry"))
+        self.wake.set()
 
     async def _loop(self) -> None:
-        while self.scheduler.sessions:
+        while self.scheduler.sessions and not self.broken:
             try:
-                await self._drain_controls()
                 state, wait = self.scheduler.pick()
                 if state is None:
                     self.wake.clear()
                     try:
-                        await asyncio.wait_for(self.wake.wait(), timeout=min(wait, IDLE_POLL_S))
+                        await asyncio.wait_for(self.wake.wait(), timeout=wait)
                     except asyncio.TimeoutError:
                         pass
                     continue
                 await self._run_chunk(state)
-                self._report_gpu()
+                await self._report_devices()
             except SessionFailure as e:               # one session's chunk could not be delivered
                 log.warning("group %s: session %s failed: %s", self.id, e.session_id, e)
-                self._post(e.session_id, {"type": "error", "code": "internal_error",
-                                          "message": "this session failed; please start a new one"})
+                self._post(e.session_id, SessionError("internal_error",
+                                                      "this session failed; please start a new one"))
                 self.scheduler.remove(e.session_id)
             except Exception as e:                    # a rank or the muxer failed: the group is gone with it
-                self.broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                log.error("group %s: failing its sessions: %s", self.id, self.broken)
-                for sid in list(self.outboxes):
-                    self._post(sid, {"type": "error", "code": "internal_error",
-                                     "message": "the model group failed while generating; please retry"})
+                self._fail_group(e)
                 return
 
-    async def _run_chunk(self, state: SessionState) -> None:
+    async def _run_chunk(self, state: ScheduledSession) -> None:
         plan = state.plan_next_chunk()
         t0 = time.monotonic()
         calls = [r.run_chunk.remote(state.id, plan.index, plan.controls, self.muxer if i == 0 else None)
                  for i, r in enumerate(self.ranks)]
-        results = await asyncio.gather(*calls)       # a failure here is a rank's: the group breaks
-        root = results[0]
-        if root["stopped"] or state.stopped:
+        replies: list[ChunkReply] = await asyncio.gather(*calls)     # a failure here is a rank's: the group breaks
+        root = replies[0]
+        if root.stopped or state.stopped:
             return
         try:
-            fragment = await root["fragment"]
+            fragment: Optional[Fragment] = await root.fragment
         except Exception as e:
             raise SessionFailure(state.id, f"encoding failed: {type(e).__name__}") from e
         if fragment is None or state.stopped:        # the session ended while its chunk was being encoded
@@ -198,29 +230,28 @@ class WorldGroup:
         done_at = time.monotonic()
         state.commit_plan(plan)
         stalls_before = state.stalls
-        state.delivered(fragment["frames"], done_at)
-        engine_s = root["engine_s"]
-        timings = dict(root["timings"])
-        timings.update(encode=fragment["encode_s"], root_to_muxer=fragment["transfer_s"],
-                       outside_engine=(done_at - t0) - engine_s)
+        state.delivered(fragment.frames, done_at)
+        timings = dict(root.timings)
+        timings.update(encode=fragment.encode_s, root_to_muxer=fragment.transfer_s,
+                       outside_engine=(done_at - t0) - root.engine_s)
         for stage, seconds in timings.items():
             self.metrics.stage.observe(seconds, tags={"stage": stage})
-        video_s = fragment["frames"] / state.start.fps
+        video_s = fragment.frames / state.start.fps
         self.metrics.rtf.set((done_at - t0) / video_s, tags={"group": self.id})
         if state.stalls > stalls_before:
             self.metrics.stalls.inc(tags={"group": self.id})
-        self._post(state.id, {"type": "chunk", "index": plan.index, "data": fragment["data"],
-                              "num_frames": fragment["frames"], "started": plan.started, "active": plan.active,
-                              "completed": plan.completed, "timings": timings, "wall_s": done_at - t0})
+        self._post(state.id, ChunkReady(plan.index, fragment.data, fragment.frames, plan.started, plan.active,
+                                        plan.completed, timings, done_at - t0))
         if state.finished:
-            self._post(state.id, {"type": "done", "chunks": state.next_chunk})
+            self._post(state.id, SessionDone(state.next_chunk))
 
-    def _report_gpu(self) -> None:
+    async def _report_devices(self) -> None:
+        """Every metrics_interval_s: each rank's own accelerator utilisation and memory, tagged by rank."""
         now = time.monotonic()
-        if now - self.last_metrics < self.settings.metrics_interval_s or self.settings.device != "cuda":
+        if now - self.last_metrics < self.settings.metrics_interval_s or self.settings.device == "cpu":
             return
         self.last_metrics = now
-        for stat in gpu_stats():
-            tags = {"group": self.id, "rank": str(stat["index"])}
-            self.metrics.gpu_util.set(stat["utilization"], tags=tags)
-            self.metrics.gpu_memory.set(stat["memory_used"], tags=tags)
+        stats = await asyncio.gather(*[r.device_stats.remote() for r in self.ranks])
+        for st, tags in gpu_metric_tags(self.id, stats):
+            self.metrics.gpu_util.set(st.utilization, tags=tags)
+            self.metrics.gpu_memory.set(st.memory_used, tags=tags)

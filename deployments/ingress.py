@@ -1,8 +1,9 @@
 """Ingress: the WebSocket endpoint, health checks and the web page (CPU only).
-`WS /v1/realtime/video` speaks the vLLM-Omni realtime video protocol (shared/DESIGN.md §6) plus keyboard
+`WS /v1/realtime/video` speaks the vLLM-Omni realtime video protocol (docs/architecture.md) plus keyboard
 keys in interactions. Per connection: wait for session.start (start_timeout_s), validate it, then hold
 one streaming call to a WorldGroup (the session's lease) and relay its chunks as a JSON
-video.chunk_metadata + one binary fMP4 message each. Client controls go straight to the group's mailbox.
+video.chunk_metadata + one binary fMP4 message each. Client controls go straight to the group's control
+mailbox (not through Serve's routing).
 Every refusal is an `error` with a stable code; the shared process never crashes on client input.
 """
 
@@ -20,9 +21,19 @@ from ray import serve
 
 from lingbot.config import get_preset
 
+from .messages import Admitted, ChunkReady, SessionDone, SessionError, SessionRequest
 from .metrics import Metrics
-from .protocol import (CLOSE_NORMAL, CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, authorized,
-                       parse_interaction, parse_json, parse_start)
+from .protocol import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_SERVER_ERROR,
+    CLOSE_TRY_AGAIN,
+    ProtocolError,
+    authorized,
+    parse_interaction,
+    parse_json,
+    parse_start,
+)
 from .settings import ServeSettings
 
 log = logging.getLogger("ray.serve")
@@ -115,8 +126,8 @@ class Connection:
             kind = msg["type"]
             if kind == "session.start":
                 try:
-                    return await asyncio.to_thread(parse_start, msg, self.ingress.size, s.default_chunks,
-                                                   s.max_chunks, s.fps)
+                    return await asyncio.to_thread(parse_start, msg, self.ingress.size, self.ingress.geometry,
+                                                   s.default_chunks, s.max_chunks, s.fps)
                 except ProtocolError as e:
                     if e.close is None:
                         e.close = CLOSE_POLICY
@@ -128,8 +139,7 @@ class Connection:
                 await self.refuse(ProtocolError("unknown_type", f"unknown message type {kind!r}"))
 
     async def admit_and_stream(self, start) -> None:
-        self.lease = self.ingress.group.options(stream=True).session.remote(
-            {"session_id": self.session_id, "start": start})
+        self.lease = self.ingress.group.options(stream=True).session.remote(SessionRequest(self.session_id, start))
         try:
             await self._admitted_session(start)
         finally:
@@ -143,17 +153,17 @@ class Connection:
             await self.refuse(ProtocolError("capacity_exhausted", "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
             return
-        if first["type"] != "admitted":
-            close = CLOSE_TRY_AGAIN if first.get("code") == "capacity_exhausted" else CLOSE_SERVER_ERROR
-            await self.refuse(ProtocolError(first.get("code", "internal_error"), first.get("message", "refused"),
-                                            close=close, retry_after_s=s.retry_after_s))
+        if not isinstance(first, Admitted):
+            close = CLOSE_TRY_AGAIN if first.code == "capacity_exhausted" else CLOSE_SERVER_ERROR
+            await self.refuse(ProtocolError(first.code, first.message, close=close, retry_after_s=s.retry_after_s))
             return
-        self.mailbox = first["mailbox"]
+        self.mailbox = first.mailbox
         self.ingress.metrics.sessions_total.inc(tags={"component": "ingress"})
         self.started_at = time.monotonic()
+        geometry = self.ingress.geometry
         config = {"width": start.width, "height": start.height, "fps": start.fps, "num_frames": start.num_frames,
-                  "chunks": start.chunks, "endless": start.chunks is None, "mime": first["mime"],
-                  "frames_per_chunk": [9, 12], "seed": start.seed}
+                  "chunks": start.chunks, "endless": start.chunks is None, "mime": first.mime,
+                  "frames_per_chunk": [geometry.pixel_frames(0), geometry.pixel_frames(1)], "seed": start.seed}
         await self.ws.send_json({"type": "video.start", "request_id": self.session_id, "format": "m4s",
                                  "config": config})
         reader = asyncio.create_task(self.read_controls())
@@ -176,29 +186,29 @@ class Connection:
                 if reader in done:
                     return reader.result()              # stop, timeout or disconnect
                 try:
-                    item = next_item.result()
+                    event = next_item.result()
                 except StopAsyncIteration:
                     return False
-                if item["type"] == "chunk":
+                if isinstance(event, ChunkReady):
                     now = time.monotonic()
                     if last is not None:
                         self.ingress.metrics.chunk_interval.observe(now - last, tags={"group": "all"})
                     last = now
-                    data = item["data"]
                     await self.ws.send_json({
-                        "type": "video.chunk_metadata", "kind": "media", "generation_chunk_index": item["index"],
-                        "transport_chunk_index": self.chunks_sent, "num_frames": item["num_frames"],
-                        "byte_length": len(data), "started_event_ids": item["started"],
-                        "active_event_ids": item["active"], "completed_event_ids": item["completed"],
-                        "timings": {k: round(v, 5) for k, v in item["timings"].items()}})
-                    await self.ws.send_bytes(data)
+                        "type": "video.chunk_metadata", "kind": "media", "generation_chunk_index": event.index,
+                        "transport_chunk_index": self.chunks_sent, "num_frames": event.num_frames,
+                        "byte_length": len(event.data), "started_event_ids": event.started,
+                        "active_event_ids": event.active, "completed_event_ids": event.completed,
+                        "timings": {k: round(v, 5) for k, v in event.timings.items()}})
+                    await self.ws.send_bytes(event.data)
                     self.chunks_sent += 1
-                elif item["type"] == "done":
+                elif isinstance(event, SessionDone):
                     return False
-                elif item["type"] == "error":
-                    await self.refuse(ProtocolError(item["code"], item["message"],
-                                                    close=None if item.get("event_id") else CLOSE_SERVER_ERROR,
-                                                    **({"event_id": item["event_id"]} if item.get("event_id") else {})))
+                elif isinstance(event, SessionError):
+                    if event.event_id is None:
+                        await self.refuse(ProtocolError(event.code, event.message, close=CLOSE_SERVER_ERROR))
+                    else:
+                        await self.refuse(ProtocolError(event.code, event.message, event_id=event.event_id))
                     if self.closed:
                         return None
                 next_item = asyncio.ensure_future(self.lease.__anext__())
@@ -261,7 +271,8 @@ class Ingress:
         self.settings = ServeSettings(**settings)
         preset = get_preset(self.settings.preset)
         self.size = (preset.width, preset.height)
-        self.metrics = Metrics("ingress")
+        self.geometry = preset.geometry
+        self.metrics = Metrics()
         self.live = 0
 
     # ---- HTTP ---------------------------------------------------------------------------------

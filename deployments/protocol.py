@@ -1,4 +1,4 @@
-"""The realtime video protocol (vLLM-Omni `WS /v1/realtime/video` compatible, shared/DESIGN.md §6):
+"""The realtime video protocol (vLLM-Omni `WS /v1/realtime/video` compatible, docs/architecture.md "The protocol"):
 parsing and validation of client messages into typed requests, and the stable error codes.
 
 Plain Python (no Ray): the ingress uses it, and tests check every refusal without a server."""
@@ -7,15 +7,16 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import io
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 from lingbot.camera import CameraError, CameraEvent, parse_keys
+from lingbot.config import ChunkGeometry
+from lingbot.io.images import open_image, resize_image
 
 # close codes
 CLOSE_NORMAL = 1000
@@ -23,9 +24,6 @@ CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_SERVER_ERROR = 1011
 CLOSE_TRY_AGAIN = 1013
-
-
-MAX_IMAGE_PIXELS = 40_000_000      # a first frame is resized to the session size; this is plenty
 
 
 class ProtocolError(Exception):
@@ -53,7 +51,7 @@ class StartRequest:
     fps: float
     seed: int
     flow_shift: Optional[float]
-    action_script: list[tuple[str, ...]]  # keys per chunk (3 latent frames each)
+    action_script: list[tuple[str, ...]]  # keys per chunk (one set per latent frame)
     model: Optional[str] = None
     profile: bool = False                 # stage timings with device synchronisation (extra_params.profile_stages)
 
@@ -66,18 +64,6 @@ class Interaction:
     keys: Optional[list[str]] = None      # one key set per latent frame, from the next chunk on
     transition_chunks: Optional[float] = None
     seq: int = 0                          # arrival order at the ingress (mailbox posts may land out of order)
-
-
-def chunks_for_frames(num_frames: int) -> Optional[int]:
-    """num_frames = (3N - 1) * 4 + 1 -> N, else None."""
-    if num_frames < 9 or (num_frames - 1) % 4:
-        return None
-    latent = (num_frames - 1) // 4 + 1
-    return latent // 3 if latent % 3 == 0 else None
-
-
-def frames_for_chunks(chunks: int) -> int:
-    return (3 * chunks - 1) * 4 + 1
 
 
 def _reject_constant(name: str):
@@ -108,14 +94,14 @@ def _require(obj: dict, key: str, kind, where: str):
             value = float(value)
         except OverflowError:
             raise ProtocolError("invalid_field", f"{where} field '{key}' is out of range") from None
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ProtocolError("invalid_field", f"{where} field '{key}' must be {kind.__name__}, got {type(value).__name__}")
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ProtocolError("invalid_field",
+                            f"{where} field '{key}' must be {kind.__name__}, got {type(value).__name__}")
     return value
 
 
 def decode_image(url: str, width: int, height: int) -> np.ndarray:
-    """A data: URL (base64) of an image -> uint8 [height, width, 3], resized bicubic."""
-    from PIL import Image, UnidentifiedImageError
+    """A data: URL (base64) of an image -> uint8 [height, width, 3], resized as on every path (lingbot.io.images)."""
     if not url.startswith("data:"):
         raise ProtocolError("invalid_image", "image_reference.image_url must be a data: URL (http(s) URLs are not "
                             "fetched by this server)")
@@ -127,15 +113,10 @@ def decode_image(url: str, width: int, height: int) -> np.ndarray:
     except (binascii.Error, ValueError):
         raise ProtocolError("invalid_image", "image data URL is not valid base64") from None
     try:
-        image = Image.open(io.BytesIO(raw))             # reads the header only
-        if image.width * image.height > MAX_IMAGE_PIXELS:   # refuse before decoding (decompression bombs)
-            raise ProtocolError("invalid_image", f"image {image.width}x{image.height} has more than "
-                                f"{MAX_IMAGE_PIXELS} pixels")
-        image.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
-        raise ProtocolError("invalid_image", f"image data URL is not a readable image ({type(e).__name__})") from None
-    image = image.convert("RGB").resize((width, height), Image.BICUBIC)
-    return np.asarray(image, dtype=np.uint8).copy()
+        image = open_image(raw)
+    except ValueError as e:
+        raise ProtocolError("invalid_image", f"image data URL: {e}") from None
+    return resize_image(image, width, height)
 
 
 def _finite(value) -> float:
@@ -163,8 +144,8 @@ def parse_keys_list(value: Any, where: str) -> list[str]:
     return out
 
 
-def parse_start(msg: dict, served_size: tuple[int, int], default_chunks: int, max_chunks: int,
-                default_fps: float) -> StartRequest:
+def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
+                max_chunks: int, default_fps: float) -> StartRequest:
     where = "session.start"
     prompt = _require(msg, "prompt", str, where)
     width = _require(msg, "width", int, where) if "width" in msg else served_size[0]
@@ -186,13 +167,13 @@ def parse_start(msg: dict, served_size: tuple[int, int], default_chunks: int, ma
         chunks = None
     elif msg.get("num_frames") is None:
         chunks = default_chunks
-        num_frames = frames_for_chunks(chunks)
+        num_frames = geometry.video_frames(chunks)
     else:
         num_frames = _require(msg, "num_frames", int, where)
-        chunks = chunks_for_frames(num_frames)
+        chunks = geometry.chunks_for(num_frames)
         if chunks is None:
-            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is not of the form (3N - 1) * 4 + 1 "
-                                f"(9 + 12k: 9, 21, 33, ...)", close=CLOSE_POLICY)
+            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is not of the form "
+                                f"{geometry.describe()}", close=CLOSE_POLICY)
         if chunks > max_chunks:
             raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is more than {max_chunks} chunks",
                                 close=CLOSE_POLICY)
@@ -211,13 +192,14 @@ def parse_start(msg: dict, served_size: tuple[int, int], default_chunks: int, ma
     if extra.get("camera_action_script") is not None:
         chunks_script = extra["camera_action_script"]
         if not isinstance(chunks_script, list):
-            raise ProtocolError("invalid_field", "extra_params.camera_action_script must be [chunk][3][keys]",
+            raise ProtocolError("invalid_field", f"extra_params.camera_action_script must be "
+                                f"[chunk][{geometry.latent_frames}][keys]",
                                 close=CLOSE_POLICY)
         for i, chunk in enumerate(chunks_script):
             frames = parse_keys_list(chunk, f"camera_action_script[{i}]")
-            if len(frames) != 3:
+            if len(frames) != geometry.latent_frames:
                 raise ProtocolError("invalid_field", f"camera_action_script[{i}] has {len(frames)} key sets; each "
-                                    f"chunk has 3 latent frames", close=CLOSE_POLICY)
+                                    f"chunk has {geometry.latent_frames} latent frames", close=CLOSE_POLICY)
             script.append(tuple(frames))
     profile = extra.get("profile_stages", False)
     if not isinstance(profile, bool):

@@ -1,9 +1,9 @@
-"""One rank of a group: the engine on its device (plain Python; the group makes it a Ray actor).
+"""One rank of a group: the pipeline on its device (plain Python; the group makes it a Ray actor).
 
 Every chunk is one call to every rank (`run_chunk`); the rank runs all steps of the chunk without
 returning, checking between steps whether its session was stopped (`stop` arrives on a second thread:
 the actor runs with max_concurrency > 1). Rank 0 sends the chunk's uint8 frames straight to the
-muxer and returns the reference to the encoded fragment.
+muxer and returns the reference to the encoded fragment. The rank only calls the pipeline's API.
 """
 from __future__ import annotations
 
@@ -11,31 +11,33 @@ import logging
 import socket
 import threading
 import time
-from collections import OrderedDict
-from typing import Any, Optional
-
-MAX_TOMBSTONES = 10000
+from typing import Optional
 
 import numpy as np
 import torch
+
+from lingbot.camera import Controls
+from lingbot.runtime.pipeline import WorldSession
+
+from .messages import ChunkControls, ChunkReply, DeviceStats, RankInfo
+from .sessions import Tombstones
+from .settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
 
 class RankWorker:
     def __init__(self, settings: dict, rank: int, world_size: int):
-        from .settings import ServeSettings
         self.settings = ServeSettings(**settings)
         self.rank = rank
         self.world_size = world_size
+        self.device = self._device()
         self.pipeline = None
         self.comm = None
-        self.sessions: dict[str, Any] = {}
-        # stopped/closed ids are kept (bounded): calls of a threaded actor run in any order, so a close can
-        # overtake its open, and a stop can land before, during or after the chunk it is meant for
-        self.stopped: OrderedDict[str, None] = OrderedDict()
-        self.lock = threading.Lock()       # sessions / stopped
-        self.work = threading.Lock()       # open_session and run_chunk never overlap
+        self.sessions: dict[str, WorldSession] = {}
+        self.stopped = Tombstones()         # stopped or closed sessions: a close can overtake its open
+        self.lock = threading.Lock()        # sessions / stopped
+        self.work = threading.Lock()        # open_session and run_chunk never overlap
         torch.set_grad_enabled(False)
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -50,27 +52,23 @@ class RankWorker:
             pass
         return f"tcp://{ip}:{free_port('0.0.0.0')}"
 
-    def join(self, init_method: str) -> dict:
+    def join(self, init_method: str) -> RankInfo:
         """Join the group's process group and build the pipeline (every rank concurrently)."""
-        from lingbot.budget import session_footprint, sessions_that_fit
-        from lingbot.checkpoint import build_pipeline
-        from lingbot.config import get_preset
+        from lingbot.builder import build_pipeline
         from lingbot.parallel import Comm
+        from lingbot.runtime.budget import session_footprint
         s = self.settings
-        device = self._device()
         t0 = time.monotonic()
-        self.comm = Comm.init(self.rank, self.world_size, init_method, device, s.collective_timeout_s) \
-            if self.world_size > 1 else Comm(device=device)
-        self.pipeline = build_pipeline(s.preset, s.model_path, device=device, comm=self.comm,
+        self.comm = Comm.init(self.rank, self.world_size, init_method, self.device, s.collective_timeout_s) \
+            if self.world_size > 1 else Comm(device=self.device)
+        self.pipeline = build_pipeline(s.preset, s.model_path, device=self.device, comm=self.comm,
                                        pixel_mode=s.pixel_mode, skip_fixed_point=s.skip_fixed_point)
-        preset = get_preset(s.preset)
-        footprint = session_footprint(preset, self.world_size)
-        capacity = sessions_that_fit(preset, self.world_size, int(s.memory_budget_gib * 2 ** 30),
-                                     s.max_sessions_per_group)
-        log.info("rank %d/%d ready on %s in %.1f s; %d sessions fit", self.rank, self.world_size, device,
+        preset = self.pipeline.preset
+        capacity = s.sessions_per_group()
+        log.info("rank %d/%d ready on %s in %.1f s; %d sessions fit", self.rank, self.world_size, self.device,
                  time.monotonic() - t0, capacity)
-        return {"capacity": capacity, "session_bytes": footprint.total, "device": str(device),
-                "width": preset.width, "height": preset.height, "frames_per_chunk": preset.transformer.num_frames_per_block}
+        return RankInfo(capacity, session_footprint(preset, self.world_size).total, str(self.device), preset.width,
+                        preset.height, preset.transformer.num_frames_per_block)
 
     def _device(self) -> torch.device:
         kind = self.settings.device
@@ -79,6 +77,18 @@ class RankWorker:
         # Ray sets CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES per actor: the bundle's device is index 0
         return torch.device(f"{kind}:0")
 
+    def device_stats(self) -> Optional[DeviceStats]:
+        """This rank's own accelerator (None on CPU). Asked through torch, which numbers devices as this
+        process sees them, so the stats are this rank's device whatever index the node gives it."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            free, total = torch.cuda.mem_get_info(self.device)
+            return DeviceStats(float(torch.cuda.utilization(self.device)), total - free)
+        except Exception as e:                # a driver hiccup (or no NVML) must not take the rank down
+            log.warning("rank %d: device stats unavailable: %s", self.rank, e)
+            return None
+
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
                      flow_shift: Optional[float]) -> bool:
@@ -86,10 +96,7 @@ class RankWorker:
         with self.work:
             if self._is_stopped(session_id):
                 return False
-            pixels = torch.from_numpy(image).permute(2, 0, 1).float() / 255.0
-            session = self.pipeline.new_session((pixels - 0.5) / 0.5, prompt, seed)
-            if flow_shift is not None:
-                session.dit.sampler, session.dit.time = self.pipeline.engine.schedule(flow_shift)
+            session = self.pipeline.new_session(image, prompt, seed, flow_shift=flow_shift)
             with self.lock:
                 if session_id in self.stopped:          # closed while we were building it
                     return False
@@ -103,19 +110,16 @@ class RankWorker:
     def stop(self, session_id: str) -> None:
         """May run on another thread while run_chunk runs: the chunk ends at its next step."""
         with self.lock:
-            self.stopped[session_id] = None
-            while len(self.stopped) > MAX_TOMBSTONES:
-                self.stopped.popitem(last=False)
+            self.stopped.add(session_id)
 
     def close_session(self, session_id: str) -> None:
         """Forget a session (its memory goes with the last reference); it can never be opened again."""
-        self.stop(session_id)
         with self.lock:
+            self.stopped.add(session_id)
             self.sessions.pop(session_id, None)
 
-    def run_chunk(self, session_id: str, index: int, controls, muxer=None) -> dict:
+    def run_chunk(self, session_id: str, index: int, controls: ChunkControls, muxer=None) -> ChunkReply:
         """Run chunk `index` of a session: condition, 4 probes, commit, decode, pixels to the root."""
-        from lingbot.camera import Controls
         with self.work:
             session = self.sessions.get(session_id)
 
@@ -125,22 +129,17 @@ class RankWorker:
                 return self.comm.any_true(session is None or self._is_stopped(session_id))
 
             if should_stop():
-                return {"stopped": True}
+                return ChunkReply(stopped=True)
             if session.chunk_index != index:
                 raise RuntimeError(f"session {session_id} is at chunk {session.chunk_index}, asked for {index}")
             t0 = time.perf_counter()
-            engine = self.pipeline.engine
-            engine.profile = controls.profile            # device sync at stage boundaries only while profiling
             prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
-            try:
-                chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
-                                     prompt=prompt)
-            finally:
-                engine.profile = False
+            chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
+                                 prompt=prompt, profile=controls.profile)
             if chunk is None:
-                return {"stopped": True}
-        out = {"stopped": False, "timings": chunk.timings, "engine_s": time.perf_counter() - t0}
+                return ChunkReply(stopped=True)
+        reply = ChunkReply(stopped=False, timings=chunk.timings, engine_s=time.perf_counter() - t0)
         if chunk.frames is not None and muxer is not None:
             frames = chunk.frames.cpu().numpy()                   # the one device -> host copy, uint8
-            out["fragment"] = muxer.encode.remote(session_id, index, frames, time.perf_counter())
-        return out
+            reply.fragment = muxer.encode.remote(session_id, index, frames, time.perf_counter())
+        return reply

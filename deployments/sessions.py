@@ -1,6 +1,7 @@
 """A group's sessions: interaction lifecycle, per-chunk controls, earliest-deadline-first pacing.
 
-Plain Python (no Ray): the WorldGroup replica owns one `Scheduler`; tests drive it directly.
+Plain Python (no Ray): the WorldGroup replica owns one `Scheduler` of `ScheduledSession`s; tests drive it
+directly. `Tombstones` remembers ended sessions for the actors whose calls may arrive out of order.
 
 Playback clock: a session's player starts when its first chunk is delivered; chunk k (k >= 1) is due
 when the video delivered before it has played out: deadline = first_delivery + frames_delivered / fps.
@@ -11,23 +12,29 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Optional
 
+from .messages import ChunkControls
 from .protocol import Interaction, StartRequest
 
-FRAMES_PER_LATENT = 4
 
+class Tombstones:
+    """Ids of sessions that ended, newest kept (bounded). Calls to a threaded or async actor run in any order:
+    a close can overtake its open, a stop can land before, during or after the chunk it is meant for."""
 
-@dataclass
-class ChunkControls:
-    """What every rank applies to one chunk (plain data, sent with the chunk call)."""
-    keys: Optional[tuple[str, ...]] = None
-    camera: Optional[object] = None             # lingbot.camera.CameraEvent
-    prompt: Optional[str] = None
-    prompt_transition_chunks: int = 0
-    profile: bool = False                       # synchronise the device at stage boundaries (exact stage times)
+    def __init__(self, capacity: int = 10000):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, session_id: str) -> None:
+        self._ids[session_id] = None
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._ids
 
 
 @dataclass
@@ -51,7 +58,9 @@ class ChunkPlan:
     completed: list[str]
 
 
-class SessionState:
+class ScheduledSession:
+    """A session as its group schedules it: start request, pacing clock, queued and running interactions."""
+
     def __init__(self, session_id: str, start: StartRequest, frames_per_chunk: int = 3,
                  max_queued_controls: int = 64, now: Optional[float] = None):
         self.id = session_id
@@ -124,7 +133,7 @@ class SessionState:
             if inter.prompt is not None:
                 for other in events.values():
                     other.prompt_chunks = None if other.prompt_chunks is None else 0
-                chunks = int(math.ceil(inter.transition_chunks or 0))
+                chunks = math.ceil(inter.transition_chunks or 0)
                 controls.prompt, controls.prompt_transition_chunks = inter.prompt, chunks
                 prog.prompt_chunks = max(1, chunks)
             events[inter.event_id] = prog
@@ -163,15 +172,15 @@ class Scheduler:
 
     def __init__(self, pacing_lead_s: float):
         self.pacing_lead_s = pacing_lead_s
-        self.sessions: dict[str, SessionState] = {}
+        self.sessions: dict[str, ScheduledSession] = {}
 
-    def add(self, state: SessionState) -> None:
+    def add(self, state: ScheduledSession) -> None:
         self.sessions[state.id] = state
 
-    def remove(self, session_id: str) -> Optional[SessionState]:
+    def remove(self, session_id: str) -> Optional[ScheduledSession]:
         return self.sessions.pop(session_id, None)
 
-    def pick(self, now: Optional[float] = None) -> tuple[Optional[SessionState], float]:
+    def pick(self, now: Optional[float] = None) -> tuple[Optional[ScheduledSession], float]:
         """(session to run now, 0) or (None, seconds to wait before the earliest becomes due)."""
         now = time.monotonic() if now is None else now
         ready = [s for s in self.sessions.values() if not s.finished]

@@ -7,10 +7,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lingbot.config import PRESETS, ConfigError
-from lingbot.parallel.pixels import PIXEL_MODES
+from lingbot.config import PRESETS, ConfigError, get_preset
+from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
 ENV_PREFIX = "LINGBOT_"
+# Ray's resource for one accelerator of each device kind (NPUs are their own resource, not GPUs)
+ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 
 
 @dataclass(frozen=True)
@@ -20,12 +22,12 @@ class ServeSettings:
     model_path: Optional[str] = None
     device: str = "cpu"                      # cpu | cuda | npu
     sp: int = 2                              # ranks per group (sequence-parallel degree)
-    pixel_mode: str = "root_uint8_p2p"
+    pixel_mode: str = DEFAULT_PIXEL_MODE
     skip_fixed_point: bool = True
     # placement (resources per bundle: [replica] + sp x [rank] + [muxer])
     replica_cpus: float = 0.05
     rank_cpus: float = 0.3
-    rank_gpus: float = 0.0                   # 1 per rank on GPU nodes
+    rank_devices: float = 0.0                # accelerators per rank (GPUs for cuda, NPUs for npu): 1
     muxer_cpus: float = 0.1
     ingress_cpus: float = 0.05
     # capacity: sessions per group = min(max_sessions_per_group, what fits in memory_budget_gib per rank)
@@ -67,8 +69,10 @@ class ServeSettings:
             raise ConfigError(f"sp {self.sp} does not divide the {heads} attention heads of {self.preset}")
         if self.pixel_mode not in PIXEL_MODES:
             raise ConfigError(f"pixel_mode {self.pixel_mode!r} is not one of {list(PIXEL_MODES)}")
-        if self.device != "cpu" and self.rank_gpus <= 0:
-            raise ConfigError(f"device {self.device} needs rank_gpus > 0 (one device per rank)")
+        if self.device != "cpu" and self.rank_devices <= 0:
+            raise ConfigError(f"device {self.device} needs rank_devices > 0 (one device per rank)")
+        if self.device == "cpu" and self.rank_devices > 0:
+            raise ConfigError(f"device cpu takes no accelerators: set rank_devices to 0 (got {self.rank_devices})")
         if self.preset != "tiny" and not self.model_path:
             raise ConfigError(f"preset {self.preset} needs model_path (the diffusers-format checkpoint folder)")
         if not 1 <= self.min_groups <= self.max_groups:
@@ -80,14 +84,14 @@ class ServeSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
     @classmethod
-    def from_args(cls, args: Optional[dict[str, Any]] = None) -> "ServeSettings":
+    def from_args(cls, args: Optional[dict[str, Any]] = None) -> ServeSettings:
         """serve_config.yaml args, overridden by LINGBOT_<FIELD> environment variables."""
         args = dict(args or {})
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(args) - set(known))
         if unknown:
             raise ConfigError(f"unknown serve settings {unknown}; known: {sorted(known)}")
-        for name, f in known.items():
+        for name, _f in known.items():
             env = os.environ.get(ENV_PREFIX + name.upper())
             if env is not None:
                 args[name] = env
@@ -102,13 +106,40 @@ class ServeSettings:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def sessions_per_group(self) -> int:
+        """Sessions one group admits, from the config alone: min(max_sessions_per_group, what fits in
+        memory_budget_gib per rank). The app sizes autoscaling with it, and every rank reports it."""
+        from lingbot.runtime.budget import sessions_that_fit
+        return sessions_that_fit(get_preset(self.preset), self.sp, int(self.memory_budget_gib * 2 ** 30),
+                                 self.max_sessions_per_group)
+
+    @property
+    def rank_accelerators(self) -> dict[str, float]:
+        """Ray resources of one rank's accelerator: {"GPU": n} for cuda, {"NPU": n} for npu, {} for cpu."""
+        if self.device == "cpu":
+            return {}
+        return {ACCELERATOR_RESOURCE[self.device]: self.rank_devices}
+
     @property
     def placement_bundles(self) -> list[dict]:
         """[replica] + one bundle per rank + [muxer]: derived here, and only here."""
-        rank = {"CPU": self.rank_cpus}
-        if self.rank_gpus > 0:
-            rank["GPU"] = self.rank_gpus
+        rank = {"CPU": self.rank_cpus, **self.rank_accelerators}
         return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [{"CPU": self.muxer_cpus}]
+
+    def rank_actor_options(self) -> dict:
+        """Ray actor options of a rank (its bundle's resources): GPUs through num_gpus, which makes Ray set
+        CUDA_VISIBLE_DEVICES; other accelerators as named resources (Ray sets ASCEND_RT_VISIBLE_DEVICES)."""
+        options: dict = {"num_cpus": self.rank_cpus}
+        for name, amount in self.rank_accelerators.items():
+            if name == "GPU":
+                options["num_gpus"] = amount
+            else:
+                options.setdefault("resources", {})[name] = amount
+        return options
+
+    @property
+    def replica_bundle(self) -> int:
+        return 0
 
     def rank_bundle(self, rank: int) -> int:
         return 1 + rank

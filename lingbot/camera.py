@@ -1,6 +1,6 @@
 """Camera control: poses -> per-pixel rays [o, d] -> camera patches for `patch_embedding_wancamctrl`.
 
-Conventions (shared/DESIGN.md §2): poses are 4x4 camera-to-world matrices in OpenCV axes (x right,
+Conventions (docs/architecture.md, "Camera and keys"): poses are 4x4 camera-to-world matrices in OpenCV axes (x right,
 y down, z forward), one per latent frame. Each chunk's poses are preceded by an anchor (the previous
 chunk's last pose; identity for a new session) and turned into frame-to-frame relative transforms
 inv(P[i-1]) @ P[i]; live translations are divided by the 0.05 controller unit. Rays per pixel centre:
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -110,13 +111,13 @@ class Intrinsics:
     cx: float
     cy: float
 
-    def scaled(self, width: int, height: int, reference: tuple[int, int] = REFERENCE_SIZE) -> "Intrinsics":
+    def scaled(self, width: int, height: int, reference: tuple[int, int] = REFERENCE_SIZE) -> Intrinsics:
         """Intrinsics given at the 832x480 reference size, rescaled to width x height (no crop)."""
         sx, sy = width / reference[0], height / reference[1]
         return Intrinsics(self.fx * sx, self.fy * sy, self.cx * sx, self.cy * sy)
 
     @staticmethod
-    def keyboard(width: int, height: int) -> "Intrinsics":
+    def keyboard(width: int, height: int) -> Intrinsics:
         """Keyboard control: focal 500 px at the target size, principal point at the centre."""
         return Intrinsics(KEYBOARD_FOCAL, KEYBOARD_FOCAL, width / 2, height / 2)
 
@@ -148,7 +149,7 @@ def camera_patches(rays: Tensor, unshuffle: int = 8, patch: tuple[int, int] = (2
     pixel_unshuffle(8): channel c*64 + i*8 + j (row i, column j inside the 8x8 block) -> [384, F, H/8, W/8];
     then the 1x2x2 patch flattened in Conv3d weight order (channel, pt, ph, pw); tokens in (f, h, w) order.
     """
-    c, f, h, w = rays.shape
+    _c, f, _h, _w = rays.shape
     x = F.pixel_unshuffle(rays.permute(1, 0, 2, 3), unshuffle)          # [F, 384, H/8, W/8]
     ph, pw = patch
     hh, ww = x.shape[2] // ph, x.shape[3] // pw
@@ -197,6 +198,17 @@ def parse_keys(frame_keys: str) -> str:
     if bad:
         raise CameraError(f"unknown key(s) {''.join(bad)!r} in {frame_keys!r}; use W/A/S/D, I/J/K/L")
     return keys
+
+
+def parse_key_script(script: str, chunks: int, frames_per_chunk: int) -> list[tuple[str, ...]]:
+    """"w,w,wa,,j" (one key set per latent frame, comma-separated) -> key sets per chunk, padded with no
+    keys to chunks * frames_per_chunk latent frames."""
+    frames = [parse_keys(k) for k in script.split(",")] if script else []
+    total = chunks * frames_per_chunk
+    if len(frames) > total:
+        raise CameraError(f"the key script has {len(frames)} key sets but {chunks} chunks hold {total} latent frames")
+    frames += [""] * (total - len(frames))
+    return [tuple(frames[i:i + frames_per_chunk]) for i in range(0, total, frames_per_chunk)]
 
 
 @dataclass(frozen=True)
@@ -248,7 +260,7 @@ class CameraRig:
         self.reset()
 
     @classmethod
-    def default(cls, width: int, height: int) -> "CameraRig":
+    def default(cls, width: int, height: int) -> CameraRig:
         return cls(Intrinsics.keyboard(width, height))
 
     def reset(self) -> None:

@@ -1,11 +1,17 @@
-"""`lingbot` command line: thin entry points over the library (STYLE.md §14)."""
+"""`lingbot` command line: thin entry points over the library.
+
+    lingbot presets                                   list the model presets
+    lingbot write-checkpoint DIR [--preset tiny]      a random checkpoint in the real folder layout
+    lingbot generate --image I --prompt P -o out.mp4  image + prompt + key script -> H.264 MP4
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from .config import PRESETS, ConfigError
+from .config import LINGBOT_GEOMETRY, PRESETS, ConfigError
+from .parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
 log = logging.getLogger("lingbot")
 
@@ -19,21 +25,10 @@ def cmd_presets(args) -> None:
 
 
 def cmd_write_checkpoint(args) -> None:
-    from .checkpoint import write_random_checkpoint
     from .config import get_preset
+    from .io.weights import write_random_checkpoint
     folder = write_random_checkpoint(get_preset(args.preset), args.output, seed=args.seed)
     print(f"wrote {args.preset} with random weights to {folder}")
-
-
-def parse_key_script(script: str, chunks: int, frames_per_chunk: int = 3) -> list:
-    """"w,w,wa,,j" -> one key set per latent frame, padded with no keys to chunks * 3, as Controls."""
-    from .camera import Controls, parse_keys
-    frames = [parse_keys(k) for k in script.split(",")] if script else []
-    total = chunks * frames_per_chunk
-    if len(frames) > total:
-        raise ValueError(f"--keys has {len(frames)} key sets but {chunks} chunks hold {total} latent frames")
-    frames += [""] * (total - len(frames))
-    return [Controls(keys=tuple(frames[i:i + frames_per_chunk])) for i in range(0, total, frames_per_chunk)]
 
 
 def positive_int(text: str) -> int:
@@ -49,13 +44,15 @@ def _generate(comm, args) -> int:
 
     from tqdm import tqdm
 
-    from .checkpoint import build_pipeline
+    from .builder import build_pipeline
+    from .camera import Controls, parse_key_script
     from .config import get_preset
-    from .pipeline import load_image
-    from .video import H264Writer
+    from .io.images import load_image
+    from .io.video import H264Writer
     root = comm is None or comm.is_root
     preset = get_preset(args.preset)
-    controls = parse_key_script(args.keys, args.chunks, preset.transformer.num_frames_per_block)
+    controls = [Controls(keys=keys) for keys in
+                parse_key_script(args.keys, args.chunks, preset.transformer.num_frames_per_block)]
     image = load_image(args.image, preset.width, preset.height)
     pipeline = build_pipeline(preset, args.model_path, device=args.device, comm=comm, pixel_mode=args.pixel_mode,
                               skip_fixed_point=not args.no_fixed_point_skip)
@@ -109,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,w,wa,,j" (W/A/S/D move, '
                                               'I/K pitch, J/L yaw); missing frames get no keys')
-    p.add_argument("--chunks", type=positive_int, default=4, help="chunks to generate (12 * N - 3 frames)")
+    g = LINGBOT_GEOMETRY
+    p.add_argument("--chunks", type=positive_int, default=4,
+                   help=f"chunks to generate ({g.pixel_frames(0)} frames, then {g.pixel_frames(1)} per chunk)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=float, default=16.0)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ...")
@@ -117,8 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="always run the condition encoder (the reference path)")
     p.add_argument("--sp", type=positive_int, default=1,
                    help="sequence-parallel degree: spawn this many local gloo ranks on this CPU machine")
-    p.add_argument("--pixel-mode", default="root_uint8_p2p",
-                   choices=["native", "root_float", "root_uint8_allgather", "root_uint8_p2p"],
+    p.add_argument("--pixel-mode", default=DEFAULT_PIXEL_MODE, choices=PIXEL_MODES,
                    help="how decoded pixels reach rank 0 under --sp")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout (s) under --sp")
     p.add_argument("-o", "--output", required=True, help="output .mp4")

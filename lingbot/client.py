@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import json
 import mimetypes
 import os
@@ -20,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .camera import parse_key_script
+from .config import LINGBOT_GEOMETRY
+
 
 def image_data_url(path_or_bytes, mime: Optional[str] = None) -> str:
     if isinstance(path_or_bytes, (bytes, bytearray)):
@@ -28,10 +30,6 @@ def image_data_url(path_or_bytes, mime: Optional[str] = None) -> str:
         data = Path(path_or_bytes).read_bytes()
         mime = mime or mimetypes.guess_type(str(path_or_bytes))[0]
     return f"data:{mime or 'image/png'};base64,{base64.b64encode(data).decode()}"
-
-
-def frames_for_chunks(chunks: int) -> int:
-    return (3 * chunks - 1) * 4 + 1
 
 
 @dataclass
@@ -79,7 +77,7 @@ class RealtimeClient:
         if chunks is None:
             msg["extra_params"]["endless"] = True
         else:
-            msg["num_frames"] = frames_for_chunks(chunks)
+            msg["num_frames"] = LINGBOT_GEOMETRY.video_frames(chunks)
         if script:
             msg["extra_params"]["camera_action_script"] = script
         await self.send(msg)
@@ -133,12 +131,6 @@ class RealtimeClient:
         return result
 
 
-def _parse_keys(script: str, chunks: int) -> list[list[str]]:
-    frames = [k.strip().lower() for k in script.split(",")] if script else []
-    frames += [""] * (3 * chunks - len(frames))
-    return [frames[i:i + 3] for i in range(0, 3 * chunks, 3)]
-
-
 async def _main(args) -> int:
     from PIL import Image
     from tqdm import tqdm
@@ -151,7 +143,7 @@ async def _main(args) -> int:
                 served = json.loads(r.read())
             width, height = served["width"], served["height"]
         Image.open(args.image).verify()
-        script = _parse_keys(args.keys, args.chunks)
+        script = [list(keys) for keys in parse_key_script(args.keys, args.chunks, LINGBOT_GEOMETRY.latent_frames)]
         await client.start(args.prompt, image_data_url(args.image), width, height, args.chunks, args.fps, args.seed,
                            script=script)
         out = open(args.output, "wb")

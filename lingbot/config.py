@@ -1,7 +1,9 @@
 """Typed configuration: the transformer's config.json, the sampler, the text encoder and the presets.
 
 Field names of `TransformerConfig` mirror the 20 keys of the checkpoint's `transformer/config.json`
-(shared/DESIGN.md §2), so a real config loads by name and a written one round-trips.
+(docs/architecture.md, "The model"), so a real config loads by name and a written one round-trips.
+The chunk geometry (latent and pixel frames per chunk, frames for N chunks) is derived here, from a
+preset, and nowhere else.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -95,19 +97,20 @@ class TransformerConfig:
         return {"_class_name": "WanCausalCameraTransformer3DModel", **d}
 
     @classmethod
-    def from_json_dict(cls, d: dict) -> "TransformerConfig":
+    def from_json_dict(cls, d: dict) -> TransformerConfig:
         keys = {f.name for f in dataclasses.fields(cls)}
         given = {k: v for k, v in d.items() if not k.startswith("_")}
         unknown = sorted(set(given) - keys)
         if unknown:
-            raise ConfigError(f"transformer config.json has unknown keys {unknown}; expected the 20 keys of {sorted(keys)}")
+            raise ConfigError(f"transformer config.json has unknown keys {unknown}; "
+                              f"expected the 20 keys of {sorted(keys)}")
         missing = sorted(keys - set(given))
         if missing:
             raise ConfigError(f"transformer config.json is missing keys {missing}")
         return cls(**given)
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> "TransformerConfig":
+    def from_json_file(cls, path: str | Path) -> TransformerConfig:
         with open(path) as f:
             return cls.from_json_dict(json.load(f))
 
@@ -166,8 +169,8 @@ class VAEConfig:
     latents_std: tuple[float, ...] = WAN21_LATENTS_STD
 
     # keys diffusers writes that must keep their Wan 2.1 values here
-    _FIXED = {"decoder_base_dim": None, "is_residual": False, "in_channels": 3, "out_channels": 3,
-              "patch_size": None, "scale_factor_temporal": 4, "scale_factor_spatial": 8}
+    _FIXED: ClassVar[dict] = {"decoder_base_dim": None, "is_residual": False, "in_channels": 3, "out_channels": 3,
+                              "patch_size": None, "scale_factor_temporal": 4, "scale_factor_spatial": 8}
 
     def __post_init__(self):
         for name in ("dim_mult", "attn_scales", "temperal_downsample", "latents_mean", "latents_std"):
@@ -177,13 +180,23 @@ class VAEConfig:
         if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
             raise ConfigError(f"latents_mean/std need {self.z_dim} values each")
 
+    @property
+    def spatial_stride(self) -> int:
+        """Pixels per latent pixel along height and width: 2 per down/up-sampling stage (8)."""
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_stride(self) -> int:
+        """Pixel frames per latent frame after the first (4); a clip's first latent frame gives 1."""
+        return 2 ** sum(self.temperal_downsample)
+
     def to_json_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
         return {"_class_name": "AutoencoderKLWan", **d, **self._FIXED}
 
     @classmethod
-    def from_json_dict(cls, d: dict) -> "VAEConfig":
+    def from_json_dict(cls, d: dict) -> VAEConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in cls._FIXED.items():
             if key in d and d[key] != value:
@@ -192,6 +205,37 @@ class VAEConfig:
         if unknown:
             raise ConfigError(f"vae config.json has unknown keys {unknown}")
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """Frames per chunk. A chunk is `latent_frames` latent frames; the VAE gives `temporal_stride` pixel
+    frames per latent frame, except the first latent frame of a clip, which gives one. For LingBot-World:
+    chunk 0 = 9 pixel frames, every later chunk 12, and N chunks = (3N - 1) * 4 + 1 frames."""
+    latent_frames: int
+    temporal_stride: int
+
+    def pixel_frames(self, chunk: int) -> int:
+        """Pixel frames of chunk `chunk` (0-based)."""
+        frames = self.latent_frames * self.temporal_stride
+        return frames - self.temporal_stride + 1 if chunk == 0 else frames
+
+    def video_frames(self, chunks: int) -> int:
+        """Pixel frames of the first `chunks` chunks."""
+        return (self.latent_frames * chunks - 1) * self.temporal_stride + 1
+
+    def chunks_for(self, num_frames: int) -> Optional[int]:
+        """The N with video_frames(N) == num_frames, else None."""
+        if num_frames < self.video_frames(1) or (num_frames - 1) % self.temporal_stride:
+            return None
+        latent = (num_frames - 1) // self.temporal_stride + 1
+        return latent // self.latent_frames if latent % self.latent_frames == 0 else None
+
+    def describe(self) -> str:
+        """The frame-count rule in words, for error messages."""
+        n, s = self.latent_frames, self.temporal_stride
+        return (f"({n}N - 1) * {s} + 1: {', '.join(str(self.video_frames(k)) for k in (1, 2, 3))}, ... "
+                f"for N = 1, 2, 3, ...")
 
 
 @dataclass(frozen=True)
@@ -205,7 +249,6 @@ class Preset:
     dtype: str = "bfloat16"
     vae: VAEConfig = VAEConfig()
     vae_dtype: str = "float32"
-    vae_stride: tuple[int, int, int] = (4, 8, 8)
     weights_seed: Optional[int] = None  # random-weight presets: the seed of their weights
     description: str = ""
 
@@ -218,6 +261,15 @@ class Preset:
         return parse_dtype(self.dtype)
 
     @property
+    def vae_stride(self) -> tuple[int, int, int]:
+        """(time, height, width): pixel frames / pixels per latent frame / latent pixel (4, 8, 8)."""
+        return self.vae.temporal_stride, self.vae.spatial_stride, self.vae.spatial_stride
+
+    @property
+    def geometry(self) -> ChunkGeometry:
+        return ChunkGeometry(self.transformer.num_frames_per_block, self.vae.temporal_stride)
+
+    @property
     def latent_hw(self) -> tuple[int, int]:
         return self.height // self.vae_stride[1], self.width // self.vae_stride[2]
 
@@ -226,7 +278,7 @@ class Preset:
         h, w = self.latent_hw
         return (h // self.transformer.patch_size[1]) * (w // self.transformer.patch_size[2])
 
-    def with_size(self, height: int, width: int) -> "Preset":
+    def with_size(self, height: int, width: int) -> Preset:
         return dataclasses.replace(self, height=height, width=width)
 
 
@@ -269,3 +321,7 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+# Every LingBot-World preset shares this geometry; a client that does not know the server's preset uses it.
+LINGBOT_GEOMETRY = PRESETS["lingbot-world-v2-14b"].geometry

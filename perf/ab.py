@@ -1,9 +1,9 @@
 """A/B harness: one workload with a switch on and off, alternating in one run; prints the off/on ratio of
 the steady chunk time with its spread across rounds.
 
-    python perf/ab.py --switch camera_cache      [--rounds 4] [--chunks 10] [--preset tiny]
-    python perf/ab.py --switch fixed_point_skip  --chunks 16
-    python perf/ab.py --switch pixel_mode --sp 2            (root_uint8_p2p vs root_float)
+    python -m perf.ab --switch camera_cache      [--rounds 4] [--chunks 10] [--preset tiny]
+    python -m perf.ab --switch fixed_point_skip  --chunks 16
+    python -m perf.ab --switch pixel_mode --sp 2            (root_uint8_p2p vs root_float)
 
 Workload: one in-process session of --chunks chunks per measurement, the whole pipeline (condition, DiT,
 decode, pixels) or the DiT alone (--workload dit, the default for camera_cache); steady = chunks >=
@@ -14,20 +14,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from lingbot.camera import Controls  # noqa: E402
-from lingbot.parallel import Comm  # noqa: E402
+from lingbot.camera import Controls
+from lingbot.parallel import Comm
 
 SWITCHES = {
     # name: (what "on" means, setter(pipeline, on))
     "camera_cache": ("camera modulation once per chunk (off: in every forward)",
-                     lambda p, on: setattr(p.engine, "cache_camera_modulation", on)),
+                     lambda p, on: setattr(p.runner, "cache_camera_modulation", on)),
     "fixed_point_skip": ("condition encoder stops at its fixed point (off: encodes every chunk)",
                          lambda p, on: setattr(p, "skip_fixed_point", on)),
     "pixel_mode": ("root_uint8_p2p (off: root_float)",
@@ -39,8 +36,8 @@ def rounds(comm, preset: str, switch: str, chunks: int, n_rounds: int, steady_fr
            workload: str = "pipeline") -> dict:
     """workload 'pipeline': whole chunks (condition, DiT, decode, pixels); 'dit': the DiT session alone
     (prepare, probes, commit) on given condition latents."""
-    from lingbot.checkpoint import build_pipeline
-    from lingbot.engine import LatentCondition
+    from lingbot.builder import build_pipeline
+    from lingbot.runtime.condition import LatentCondition
     torch.set_grad_enabled(False)
     pipe = build_pipeline(preset, comm=comm)
     p = pipe.preset
@@ -54,13 +51,13 @@ def rounds(comm, preset: str, switch: str, chunks: int, n_rounds: int, steady_fr
         for on in order:
             setter(pipe, on)
             if workload == "dit":
-                session = pipe.engine.new_session(LatentCondition(latents), prompt="a harbour at dawn", seed=r)
+                session = pipe.runner.new_session(LatentCondition(latents), prompt="a harbour at dawn", seed=r)
                 step = session.run_chunk
             else:
                 session = pipe.new_session(image, "a harbour at dawn", seed=r)
                 step = session.step
             times = []
-            for k in range(chunks):
+            for _k in range(chunks):
                 t0 = time.perf_counter()
                 step(Controls(keys=("w", "", "l")))
                 times.append(time.perf_counter() - t0)

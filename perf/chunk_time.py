@@ -1,41 +1,37 @@
-"""Per-chunk wall time of the in-process engine (default: tiny on this machine's CPU).
+"""Per-chunk wall time of the in-process runner (default: tiny on this machine's CPU).
 
 Runs one session past warm-up (chunks 0..5 fill the window) and reports the steady-state median over
 `--steady` chunks, the stage split, and the camera-modulation cache A/B (on/off alternating, one run).
 
-    python perf/chunk_time.py [--preset tiny] [--steady 12] [--model-path DIR] [--device cpu]
+    python -m perf.chunk_time [--preset tiny] [--steady 12] [--model-path DIR] [--device cpu]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from lingbot.camera import Controls  # noqa: E402
-from lingbot.checkpoint import build_engine  # noqa: E402
-from lingbot.engine import LatentCondition  # noqa: E402
+from lingbot.builder import build_dit_runner
+from lingbot.camera import Controls
+from lingbot.runtime.condition import LatentCondition
 
 KEYS = [("w", "w", "w"), ("wa", "", "l"), ("", "i", "j")]
 
 
-def run_session(engine, chunks: int, seed: int = 0) -> list:
-    lh, lw = engine.latent_hw
-    frames = chunks * engine.config.num_frames_per_block
+def run_session(runner, chunks: int, seed: int = 0) -> list:
+    lh, lw = runner.latent_hw
+    frames = chunks * runner.config.num_frames_per_block
     cond = LatentCondition(torch.randn(16, frames, lh, lw, generator=torch.Generator().manual_seed(seed),
-                                       device="cpu").to(engine.device))
-    session = engine.new_session(cond, prompt="a lighthouse on a cliff at dusk", seed=seed)
+                                       device="cpu").to(runner.device))
+    session = runner.new_session(cond, prompt="a lighthouse on a cliff at dusk", seed=seed)
     results = []
     for k in range(chunks):
         t0 = time.perf_counter()
         r = session.run_chunk(Controls(keys=KEYS[k % len(KEYS)]))
-        if engine.device.type != "cpu":
-            torch.accelerator.synchronize(engine.device)
+        if runner.device.type != "cpu":
+            torch.accelerator.synchronize(runner.device)
         r.timings["total"] = time.perf_counter() - t0
         results.append(r)
     return results
@@ -50,12 +46,12 @@ def main(argv=None) -> None:
     p.add_argument("--ab-rounds", type=int, default=6, help="alternating rounds of the camera-cache A/B")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
-    engine = build_engine(args.preset, args.model_path, device=args.device)
-    warm = engine.config.window_chunks
-    results = run_session(engine, warm + args.steady)
+    runner = build_dit_runner(args.preset, args.model_path, device=args.device)
+    warm = runner.config.window_chunks
+    results = run_session(runner, warm + args.steady)
     steady = results[warm:]
     print(f"{args.preset} on {args.device} ({torch.get_num_threads()} threads): "
-          f"{engine.preset.width}x{engine.preset.height}, {len(steady)} steady chunks (index >= {warm})")
+          f"{runner.preset.width}x{runner.preset.height}, {len(steady)} steady chunks (index >= {warm})")
     for stage in ["condition", "prepare", "probe_0", "probe_1", "probe_2", "probe_3", "commit", "total"]:
         vals = [r.timings[stage] * 1e3 for r in steady]
         print(f"  {stage:>8}: median {statistics.median(vals):8.2f} ms   min {min(vals):8.2f}   max {max(vals):8.2f}")
@@ -66,8 +62,8 @@ def main(argv=None) -> None:
     times = {True: [], False: []}
     for _ in range(args.ab_rounds):
         for cached in (True, False):
-            engine.cache_camera_modulation = cached
-            rs = run_session(engine, warm + 4)[warm:]
+            runner.cache_camera_modulation = cached
+            rs = run_session(runner, warm + 4)[warm:]
             times[cached].append(statistics.median(r.timings["total"] for r in rs))
     ratios = [off / on for on, off in zip(times[True], times[False])]
     print(f"camera-modulation cache A/B ({args.ab_rounds} alternating rounds): off/on = "

@@ -1,19 +1,15 @@
 """Cost model: FLOPs per chunk of any preset (DiT forwards, VAE decode, condition encode), this machine's
 measured matmul peak, and the fraction of it the engine achieves (measured chunk time, same run).
 
-    python perf/cost.py [--preset tiny] [--device cpu] [--dtype float32] [--chunks 14] [--no-measure]
+    python -m perf.cost [--preset tiny] [--device cpu] [--dtype float32] [--chunks 14] [--no-measure]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lingbot.config import get_preset  # noqa: E402
-from perf.cost_model import chunk_flops, matmul_peak  # noqa: E402
+from lingbot.config import get_preset
+from perf.cost_model import chunk_flops, matmul_peak
 
 
 def main(argv=None) -> None:
@@ -37,7 +33,7 @@ def main(argv=None) -> None:
         return
     import torch
 
-    from lingbot.checkpoint import build_pipeline
+    from lingbot.builder import build_pipeline
     dtype = args.dtype or preset.dtype
     peak = matmul_peak(args.device, dtype)
     torch.set_grad_enabled(False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lingbot.config import Preset, TransformerConfig
-from lingbot.kv_cache import visible_chunks
+from lingbot.runtime.kv_cache import visible_chunks
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def vae_chunk_flops(preset: Preset) -> dict[str, float]:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lingbot.vae import CausalCache, WanVAE
+    from lingbot.models.vae import CausalCache, WanVAE
     f = preset.transformer.num_frames_per_block
     lh, lw = preset.latent_hw
     out = {}

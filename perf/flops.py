@@ -1,17 +1,13 @@
 """FLOPs per chunk of a preset's DiT (default: lingbot-world-v2-14b at 480x832), by chunk index.
 
-    python perf/flops.py [--preset NAME]
+    python -m perf.flops [--preset NAME]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lingbot.config import get_preset  # noqa: E402
-from perf.cost_model import preset_chunk_flops, visible_keys  # noqa: E402
+from lingbot.config import get_preset
+from perf.cost_model import preset_chunk_flops, visible_keys
 
 
 def main(argv=None) -> None:

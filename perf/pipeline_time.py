@@ -1,22 +1,18 @@
 """Full in-process pipeline per-chunk time (condition encode, prepare, denoise, commit, decode), and the
 condition-encoder fixed-point skip A/B (on/off alternating in one run, steady chunks only).
 
-    python perf/pipeline_time.py [--preset tiny] [--chunks 16] [--rounds 2] [--model-path DIR] [--device cpu]
+    python -m perf.pipeline_time [--preset tiny] [--chunks 16] [--rounds 2] [--model-path DIR] [--device cpu]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from lingbot.camera import Controls  # noqa: E402
-from lingbot.checkpoint import build_pipeline  # noqa: E402
+from lingbot.builder import build_pipeline
+from lingbot.camera import Controls
 
 STAGES = ["condition", "prepare", "denoise", "commit", "decode", "total"]
 
@@ -27,7 +23,7 @@ def run_session(pipeline, chunks: int, skip: bool, seed: int = 0) -> tuple[list[
     image = torch.rand(3, pipeline.preset.height, pipeline.preset.width, generator=g) * 2 - 1
     session = pipeline.new_session(image, "a lighthouse on a cliff at dusk", seed=seed)
     rows = []
-    for k in range(chunks):
+    for _k in range(chunks):
         t0 = time.perf_counter()
         chunk = session.step(Controls(keys=("w", "", "l")))
         frames = chunk.frames.cpu()                    # what leaves the device
@@ -75,7 +71,8 @@ def main(argv=None) -> None:
     print(f"fixed-point skip saves {statistics.median(per_round) * 1e3:.1f} ms per steady chunk "
           f"(off/on = {statistics.median(ratio):.3f}, rounds: {', '.join(f'{r:.3f}' for r in ratio)})")
     first = results[True][0]
-    print(f"warm-up medians (chunks 1..{fixed_at}): total {statistics.median(r['total'] for r in first[1:steady_from]) * 1e3:.1f} ms")
+    warm = statistics.median(r["total"] for r in first[1:steady_from])
+    print(f"warm-up medians (chunks 1..{fixed_at}): total {warm * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

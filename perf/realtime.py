@@ -1,4 +1,4 @@
-"""Realtime streaming benchmark for any server of the realtime video protocol (shared/DESIGN.md §6, §8).
+"""Realtime streaming benchmark for any server of the realtime video protocol (docs/architecture.md).
 
 One (or more) unmeasured warm-up sessions, then M measured sessions, optionally K at once. Per session:
 TTFC, chunk inter-arrival (all / steady), VIDEO_RTF at a stated fps, chunk deadline and SLO attainment,
@@ -6,7 +6,7 @@ a simulated player, and (from servers that report them, like ours) per-stage med
 chunk indices are contiguous and that the chunk and frame counts are exact (the stream is decoded).
 Writes JSON and prints a table. Metric definitions: perf/realtime_metrics.py.
 
-    python perf/realtime.py --url ws://127.0.0.1:8000/v1/realtime/video --num-chunks 16 --sessions 3 \\
+    python -m perf.realtime --url ws://127.0.0.1:8000/v1/realtime/video --num-chunks 16 --sessions 3 \\
         [--concurrency 2] [--warmup-sessions 1] [--fps 16] [--profile-stages] [--output-json out.json] [--plot p.png]
 """
 from __future__ import annotations
@@ -23,10 +23,9 @@ import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lingbot.client import RealtimeClient, frames_for_chunks, image_data_url  # noqa: E402
-from perf.realtime_metrics import aggregate, session_metrics  # noqa: E402
+from lingbot.client import RealtimeClient, image_data_url
+from lingbot.config import LINGBOT_GEOMETRY
+from perf.realtime_metrics import aggregate, session_metrics
 
 PATTERNS = {"forward": ["w", "w", "w"], "orbit": ["dj", "dj", "dj"], "hold": ["", "", ""]}
 
@@ -82,14 +81,14 @@ def _check(chunks: list[dict], result, expected: int) -> None:
     if len(chunks) != expected:
         raise BenchmarkError(f"{len(chunks)} chunks received, {expected} asked for")
     frames = sum(c["num_frames"] for c in chunks)
-    if frames != frames_for_chunks(expected):
-        raise BenchmarkError(f"{frames} frames announced, {frames_for_chunks(expected)} expected")
+    if frames != LINGBOT_GEOMETRY.video_frames(expected):
+        raise BenchmarkError(f"{frames} frames announced, {LINGBOT_GEOMETRY.video_frames(expected)} expected")
     if result.done is None or result.done.get("chunks") != expected:
         raise BenchmarkError(f"session.done missing or wrong: {result.done}")
 
 
 def _decoded_frames(video: bytes) -> int:
-    from lingbot.video import read_frames
+    from lingbot.io.video import read_frames
     return int(read_frames(video).shape[0])
 
 
@@ -131,8 +130,8 @@ def served_size(url: str) -> tuple[int, int]:
 def table(report: dict) -> str:
     m, w = report["metrics"], report["workload"]
     rows = [("Endpoint", report["endpoint"]), ("Geometry", f"{w['width']}x{w['height']}"),
-            ("Chunks per session", w["num_chunks"]), ("Sessions (at once)",
-                                                      f"{report['config']['sessions']} ({report['config']['concurrency']})"),
+            ("Chunks per session", w["num_chunks"]),
+            ("Sessions (at once)", f"{report['config']['sessions']} ({report['config']['concurrency']})"),
             ("Real-time basis (fps)", w["fps"]), ("Video seconds per session", f"{w['video_seconds']:.2f}")]
     if m.get("sessions", 1) == 1:
         rows += [("", ""), ("TTFC", f"{m['ttfc_ms']:.0f} ms")]
@@ -145,7 +144,8 @@ def table(report: dict) -> str:
             rows += [(f"{label} (n={s['count']}) mean / median", f"{s['mean_ms']:.0f} / {s['median_ms']:.0f} ms"),
                      ("  std / max", f"{s['std_ms']:.0f} / {s['max_ms']:.0f} ms"),
                      ("  p90 / p95 / p99", f"{s['p90_ms']:.0f} / {s['p95_ms']:.0f} / {s['p99_ms']:.0f} ms")]
-        rows += [("", ""), ("VIDEO_RTF (at the fps above)", f"{m['video_rtf']:.3f}"), ("VIDEO_RTFX", f"{m['video_rtfx']:.3f}")]
+        rows += [("", ""), ("VIDEO_RTF (at the fps above)", f"{m['video_rtf']:.3f}"),
+                 ("VIDEO_RTFX", f"{m['video_rtfx']:.3f}")]
         if m.get("steady_state_reached"):
             rows += [("VIDEO_RTF steady state", f"{m['steady_video_rtf']:.3f}"),
                      ("Chunk deadline", f"{m['chunk_deadline_ms']:.0f} ms"),
@@ -155,7 +155,8 @@ def table(report: dict) -> str:
                  ("Total stall", f"{p['total_stall_ms']:.0f} ms"), ("Stall ratio", f"{p['stall_ratio']:.1%}")]
     else:
         rows += [("", ""), ("TTFC mean / max", f"{m['ttfc_ms_mean']:.0f} / {m['ttfc_ms_max']:.0f} ms"),
-                 ("Steady interval mean (spread)", f"{m['steady_interval_ms_mean']:.0f} ({m['steady_interval_ms_spread']:.0f}) ms"),
+                 ("Steady interval mean (spread)",
+                  f"{m['steady_interval_ms_mean']:.0f} ({m['steady_interval_ms_spread']:.0f}) ms"),
                  ("VIDEO_RTF mean (best / worst)",
                   f"{m['video_rtf_mean']:.3f} ({m['video_rtf_best']:.3f} / {m['video_rtf_worst']:.3f})"),
                  ("Chunk deadline", f"{m['chunk_deadline_ms']:.0f} ms"), ("Underruns", m["underrun_count"])]
@@ -178,7 +179,9 @@ def plot(report: dict, path: str) -> None:
         ys = [(c["arrival_s"] - p["arrival_s"]) * 1e3 for p, c in zip(s["chunks"], s["chunks"][1:])]
         ax.plot(xs, ys, marker="o", ms=3, label=f"session {s['session_index']}")
     deadline = report["metrics"]["chunk_deadline_ms"]
-    ax.axhline(deadline, color="red", ls="--", lw=1, label=f"deadline {deadline:.0f} ms (12 frames @ {report['workload']['fps']} fps)")
+    frames = LINGBOT_GEOMETRY.pixel_frames(1)
+    ax.axhline(deadline, color="red", ls="--", lw=1,
+               label=f"deadline {deadline:.0f} ms ({frames} frames @ {report['workload']['fps']} fps)")
     ax.axvline(report["config"]["warmup_chunks"] - 0.5, color="gray", ls=":", lw=1, label="steady state from here")
     ax.set_xlabel("chunk index")
     ax.set_ylabel("inter-arrival (ms)")
@@ -233,9 +236,10 @@ def main(argv=None) -> dict:
     report = {
         "benchmark": "lingbot_world_realtime", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "endpoint": args.url, "hostname": platform.node(), "git_revision": _git_revision(),
-        "workload": {"num_chunks": args.num_chunks, "num_frames": frames_for_chunks(args.num_chunks), "width": width,
-                     "height": height, "fps": fps, "seed": args.seed, "camera_pattern": args.camera_pattern,
-                     "video_seconds": frames_for_chunks(args.num_chunks) / fps},
+        "workload": {"num_chunks": args.num_chunks, "num_frames": LINGBOT_GEOMETRY.video_frames(args.num_chunks),
+                     "width": width, "height": height, "fps": fps, "seed": args.seed,
+                     "camera_pattern": args.camera_pattern,
+                     "video_seconds": LINGBOT_GEOMETRY.video_frames(args.num_chunks) / fps},
         "config": {"sessions": args.sessions, "concurrency": args.concurrency, "warmup_sessions": args.warmup_sessions,
                    "warmup_chunks": args.warmup_chunks, "chunk_slo_ms": args.chunk_slo_ms, "target_fps": fps,
                    "mux_fps": args.fps, "playback_buffer_chunks": args.playback_buffer_chunks,

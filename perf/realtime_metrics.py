@@ -1,5 +1,5 @@
 """Realtime streaming metrics, defined as the vLLM-Omni LingBot-World realtime benchmark defines them so
-numbers compare across servers (shared/DESIGN.md §8):
+numbers compare across servers (docs/architecture.md, "Metrics"):
 
 - TTFC: from just after session.start is sent to the arrival of the first chunk's binary bytes.
 - Inter-arrival of chunk i (i >= 1): arrival(i) - arrival(i-1), arrivals taken when the binary arrives.
@@ -16,8 +16,10 @@ numbers compare across servers (shared/DESIGN.md §8):
 """
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -74,7 +76,7 @@ def session_metrics(chunks: Sequence[dict], wall_s: Optional[float], fps: float,
     ordered = sorted(chunks, key=lambda c: c["index"])
     deadline_ms = slo_ms if slo_ms is not None else 12.0 / fps * 1e3
     intervals = [(c["index"], (c["arrival_s"] - p["arrival_s"]) * 1e3, c["num_frames"])
-                 for p, c in zip(ordered, ordered[1:])]
+                 for p, c in itertools.pairwise(ordered)]
     steady = [(i, ms, n) for i, ms, n in intervals if i >= warmup_chunks]
     frames = sum(c["num_frames"] for c in ordered)
     video_s = frames / fps

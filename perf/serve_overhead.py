@@ -2,7 +2,7 @@
 SP ranks -> muxer -> WebSocket) against the in-process pipeline's chunk time for the same preset and SP
 degree, side by side in one run; plus the root -> muxer transfer time per chunk.
 
-    python perf/serve_overhead.py [--chunks 16] [--sp 2] [--url ws://host:port/v1/realtime/video]
+    python -m perf.serve_overhead [--chunks 16] [--sp 2] [--url ws://host:port/v1/realtime/video]
 
 Without --url it starts a local Ray + Serve app (tiny, CPU) with pacing off, so chunks come as fast as
 the group makes them.
@@ -14,14 +14,11 @@ import asyncio
 import io
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from lingbot.client import RealtimeClient, image_data_url  # noqa: E402
+from lingbot.client import RealtimeClient, image_data_url
 
 PORT = 18766
 
@@ -84,7 +81,8 @@ def main(argv=None) -> None:
     step = local[1]
     print(f"tiny, SP-{args.sp}, {args.chunks} chunks, pacing off, this machine ({os.cpu_count()} cores)")
     print(f"  served: TTFC {ttfc * 1e3:.0f} ms; chunk inter-arrival (chunks >= 6) median "
-          f"{np.median(steady) * 1e3:.0f} ms, mean {np.mean(steady) * 1e3:.0f}, p90 {np.percentile(steady, 90) * 1e3:.0f}")
+          f"{np.median(steady) * 1e3:.0f} ms, mean {np.mean(steady) * 1e3:.0f}, "
+          f"p90 {np.percentile(steady, 90) * 1e3:.0f}")
     print(f"  in-process pipeline step (chunks >= 6) median {step * 1e3:.0f} ms")
     print(f"  serving overhead: served interval / in-process step = {np.median(steady) / step:.2f}x; "
           f"group time outside the engine per chunk median {statistics.median(outside) * 1e3:.0f} ms")

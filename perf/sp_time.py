@@ -1,38 +1,35 @@
 """Sequence parallel on this machine: SP-N against SP-1 per-chunk time (one run, side by side), bytes
 sent per chunk per rank as counted by the Comm wrapper, and the analytical figure for a real preset.
 
-    python perf/sp_time.py [--sp 2] [--chunks 10] [--preset tiny] [--real lingbot-world-v2-14b]
+    python -m perf.sp_time [--sp 2] [--chunks 10] [--preset tiny] [--real lingbot-world-v2-14b]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from lingbot.camera import Controls  # noqa: E402
-from lingbot.config import get_preset  # noqa: E402
-from lingbot.parallel import Comm  # noqa: E402
-from lingbot.parallel.launch import run_local  # noqa: E402
-from perf.cost_model import sp_dit_bytes_per_chunk, sp_pixel_bytes_per_chunk  # noqa: E402
+from lingbot.camera import Controls
+from lingbot.config import get_preset
+from lingbot.parallel import Comm
+from lingbot.parallel.launch import run_local
+from perf.cost_model import sp_dit_bytes_per_chunk, sp_pixel_bytes_per_chunk
 
 
 def measure(comm, preset: str, chunks: int):
     """Steady-chunk medians (index >= 6) of the DiT (prepare + probes + commit) and of the full pipeline
     step (+ condition encode + decode + pixels to root), and bytes sent in the last chunk."""
-    from lingbot.checkpoint import build_pipeline
+    from lingbot.builder import build_pipeline
     torch.set_grad_enabled(False)
     pipe = build_pipeline(preset, comm=comm)
     p = pipe.preset
     image = torch.rand(3, p.height, p.width, generator=torch.Generator().manual_seed(0)) * 2 - 1
     session = pipe.new_session(image, "a lighthouse at dusk", seed=0)
     dit, total, sent = [], [], []
-    for k in range(chunks):
+    for _k in range(chunks):
         comm.reset_counts()
         t0 = time.perf_counter()
         chunk = session.step(Controls(keys=("w", "", "l")))
@@ -65,7 +62,8 @@ def main(argv=None) -> None:
         pix = sp_pixel_bytes_per_chunk(p.height, p.width, 12, p.latent_hw[1], args.sp, r)
         counted = ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in sorted(m[2].items()))
         print(f"  rank {r} sent per chunk (counted): {counted}; analytical DiT all_to_all "
-              f"{model['all_to_all'] / 1e6:.3f} MB, all_gather {model['all_gather'] / 1e6:.3f} MB, pixels {pix / 1e6:.3f} MB")
+              f"{model['all_to_all'] / 1e6:.3f} MB, all_gather {model['all_gather'] / 1e6:.3f} MB, "
+              f"pixels {pix / 1e6:.3f} MB")
     real = get_preset(args.real)
     for n in (4, 8):
         b = sp_dit_bytes_per_chunk(real.transformer, real.tokens_per_frame, n, 0, 2)

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from lingbot.config import get_preset
-from lingbot.text import build_random_text_encoder
-from lingbot.weights import build_random_transformer
+from lingbot.io.weights import build_random_text_encoder, build_random_transformer
 
 torch.set_num_threads(2)
 
@@ -25,9 +24,9 @@ def tiny_text_encoder(tiny):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny, tiny_model, tiny_text_encoder):
-    from lingbot.engine import WorldEngine
-    return WorldEngine(tiny, tiny_model, tiny_text_encoder)
+def tiny_runner(tiny, tiny_model, tiny_text_encoder):
+    from lingbot.runtime.dit_runner import DiTRunner
+    return DiTRunner(tiny, tiny_model, tiny_text_encoder)
 
 
 def random_condition(preset, frames=60, seed=1):
@@ -38,14 +37,14 @@ def random_condition(preset, frames=60, seed=1):
 
 @pytest.fixture(scope="session")
 def tiny_vae(tiny):
-    from lingbot.vae import build_random_vae
+    from lingbot.io.weights import build_random_vae
     return build_random_vae(tiny.vae, tiny.weights_seed)
 
 
 @pytest.fixture(scope="session")
-def tiny_pipeline(tiny_engine, tiny_vae):
-    from lingbot.pipeline import WorldPipeline
-    return WorldPipeline(tiny_engine, tiny_vae, skip_fixed_point=True)
+def tiny_pipeline(tiny_runner, tiny_vae):
+    from lingbot.runtime.pipeline import WorldPipeline
+    return WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True)
 
 
 def random_image(preset, seed=0):

@@ -1,7 +1,10 @@
 """Sequence parallelism: process groups, Ulysses DiT, width-sharded VAE decode, pixel output modes.
 
-Applied to models after they are built; no model file calls a collective (STYLE.md §3)."""
+Applied to the models after they are built (`apply_sequence_parallel` for the DiT, `shard_decoder` for
+the VAE decode); no model file calls a collective."""
 from .comm import Comm, ParallelError, backend_for_device, split_range, split_sizes
 from .ulysses import apply_sequence_parallel
+from .vae_shard import shard_decoder
 
-__all__ = ["Comm", "ParallelError", "apply_sequence_parallel", "backend_for_device", "split_range", "split_sizes"]
+__all__ = ["Comm", "ParallelError", "apply_sequence_parallel", "backend_for_device", "shard_decoder", "split_range",
+           "split_sizes"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import socket
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,7 @@ class Comm:
     # ---- set-up -------------------------------------------------------------------------------
     @classmethod
     def init(cls, rank: int, world_size: int, init_method: str, device: torch.device | str = "cpu",
-             timeout_s: float = 60.0) -> "Comm":
+             timeout_s: float = 60.0) -> Comm:
         """Join the default process group (every rank calls this concurrently)."""
         backend = backend_for_device(device)
         log.info("rank %d/%d joining %s group at %s", rank, world_size, backend, init_method)
@@ -203,7 +204,8 @@ class Comm:
         self.counts[kind] += 1
         return received + bufs
 
-    def exchange_halo(self, left_edge: Tensor, right_edge: Tensor, kind: str = "halo") -> tuple[Optional[Tensor], Optional[Tensor]]:
+    def exchange_halo(self, left_edge: Tensor, right_edge: Tensor,
+                      kind: str = "halo") -> tuple[Optional[Tensor], Optional[Tensor]]:
         """Send my leftmost columns to rank-1 and rightmost to rank+1; return (from left, from right)."""
         ops, from_left, from_right = [], None, None
         if self.rank > 0:

@@ -11,7 +11,8 @@ import os
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .comm import Comm, ParallelError, free_port
 

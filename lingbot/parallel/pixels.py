@@ -1,4 +1,4 @@
-"""How a chunk's decoded pixels reach the root rank (shared/DESIGN.md §4).
+"""How a chunk's decoded pixels reach the root rank (docs/architecture.md, "Pixel modes").
 
 Each rank holds its width shard of the chunk's pixels [3, F, H, W_r] (float, in [-1, 1]). Modes:
 - native: every rank ends with the full uint8 frames (float shards all-gathered, converted everywhere);
@@ -14,17 +14,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..vae import frames_to_uint8
+from ..models.vae import frames_to_uint8
 from .comm import Comm
 
 PIXEL_MODES = ("native", "root_float", "root_uint8_allgather", "root_uint8_p2p")
 DEFAULT_PIXEL_MODE = "root_uint8_p2p"
 
 
-def assemble_frames(shard: Tensor, comm: Comm, widths: list[int], mode: str = DEFAULT_PIXEL_MODE) -> Optional[Tensor]:
-    """Width shard [3, F, H, W_r] -> uint8 frames [F, H, W, 3] at rank 0 (every rank for 'native')."""
+def check_pixel_mode(mode: str) -> str:
     if mode not in PIXEL_MODES:
         raise ValueError(f"pixel mode {mode!r} is not one of {list(PIXEL_MODES)}")
+    return mode
+
+
+def assemble_frames(shard: Tensor, comm: Comm, widths: list[int], mode: str = DEFAULT_PIXEL_MODE) -> Optional[Tensor]:
+    """Width shard [3, F, H, W_r] -> uint8 frames [F, H, W, 3] at rank 0 (every rank for 'native')."""
+    check_pixel_mode(mode)
     if comm.world_size == 1:
         return frames_to_uint8(shard)
     if mode == "native":

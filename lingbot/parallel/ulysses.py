@@ -1,40 +1,54 @@
 """Ulysses sequence parallelism for the causal DiT: tokens split across ranks, heads split for attention.
 
-`apply_sequence_parallel(model, comm)` wraps a built model (STYLE.md §3). Per forward, each rank:
-- embeds the whole chunk (a cheap conv) and keeps its contiguous token range (uneven counts allowed);
-- in every self-attention: one fused all-to-all of q/k/v (scatter heads, gather sequence), attention of
-  all tokens over the window for its H/N heads (its K/V slab holds only those heads), one all-to-all
-  back (scatter sequence, gather heads);
-- cross-attention, the camera injector, the FFN and all modulation are per token: no communication
-  (the text K/V is computed on every rank, replicated);
-- the head runs on its tokens, and one all-gather assembles the [L, 64] output for unpatchify, so every
-  rank ends the forward with the whole chunk's latents (the sampler step is replicated).
+`apply_sequence_parallel(model, comm)` changes a built model in place; the model's own forward runs
+unchanged. It swaps the two modules the model declares for parallelism:
+- `model.token_split` for `SequenceSplit`: each rank keeps its contiguous token range of the chunk
+  (uneven counts allowed) after the patch embedding (a cheap conv over the whole chunk), and one
+  all-gather reassembles the head's [L, 64] output for unpatchify, so every rank ends the forward with
+  the whole chunk's latents (the sampler step is replicated);
+- every block's `self_attn.attn` for `UlyssesWindowAttention`: one fused all-to-all of q/k/v (scatter
+  heads, gather sequence), attention of all tokens over the window for this rank's H/N heads (its K/V
+  slab holds only those heads), one all-to-all back (scatter sequence, gather heads).
+Cross-attention, the camera injector, the FFN and all modulation are per token: no communication
+(the text K/V is computed on every rank, replicated).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from ..config import ConfigError
-from ..model import CausalWanModel, ChunkConditioning, KVWindowLike, TextKV, TimeConditioning, WindowAttention
+from ..models.dit import CausalWanModel, KVWindowLike, TokenSplit, WindowAttention
 from .comm import Comm, split_range, split_sizes
 
 
-class UlyssesWindowAttention(nn.Module):
-    """Drop-in for WindowAttention: q, k, v [B, L_r, H, D] in, [B, L_r, H, D] out."""
+class SequenceSplit(TokenSplit):
+    """This rank's contiguous share of a chunk's tokens; the head output is all-gathered."""
 
-    def __init__(self, comm: Comm, heads: int):
+    def __init__(self, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.heads = heads
+        self.parts = comm.world_size
+
+    def token_range(self, total: int) -> tuple[int, int]:
+        return split_range(total, self.comm.world_size, self.comm.rank)
+
+    def gather(self, x: Tensor, total: int) -> Tensor:
+        return self.comm.all_gather_uneven(x, dim=1, sizes=split_sizes(total, self.comm.world_size),
+                                           kind="all_gather")
+
+
+class UlyssesWindowAttention(nn.Module):
+    """In place of WindowAttention: q, k, v [B, L_r, H, D] in, [B, L_r, H, D] out."""
+
+    def __init__(self, comm: Comm):
+        super().__init__()
+        self.comm = comm
         self.local = WindowAttention()
-        self.token_sizes: Optional[list[int]] = None          # set per chunk by the wrapper
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: KVWindowLike, layer: int) -> Tensor:
         n, r = self.comm.world_size, self.comm.rank
-        sizes = self.token_sizes
+        sizes = split_sizes(kv.chunk_tokens, n)                                  # every rank's token count
         b, lr, h, d = q.shape
         hn = h // n
         # 1. fused q/k/v all-to-all: [B, L_r, 3, N, H/N, D] -> rows [N (dest), L_r, B, 3, H/N, D]
@@ -51,62 +65,15 @@ class UlyssesWindowAttention(nn.Module):
         return back.reshape(b, sizes[r], h, d)
 
 
-class SequenceParallelModel(nn.Module):
-    """The model's interface (as the engine uses it), run over a sequence-parallel group."""
-
-    def __init__(self, model: CausalWanModel, comm: Comm):
-        super().__init__()
-        cfg = model.config
-        if cfg.num_attention_heads % comm.world_size:
-            raise ConfigError(f"{cfg.num_attention_heads} attention heads do not divide by the sequence-parallel "
-                              f"degree {comm.world_size}; use a degree that divides them (e.g. 2, 4, 8 for 40)")
-        self.model = model
-        self.comm = comm
-        self.config = cfg
-        self.attentions = []
-        for block in model.blocks:
-            attn = UlyssesWindowAttention(comm, cfg.num_attention_heads)
-            block.self_attn.attn = attn
-            self.attentions.append(attn)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def local_heads(self) -> int:
-        return self.config.num_attention_heads // self.comm.world_size
-
-    def time_conditioning(self, timestep: Tensor) -> TimeConditioning:
-        return self.model.time_conditioning(timestep)
-
-    def text_kv(self, context: Tensor) -> TextKV:
-        return self.model.text_kv(context)            # replicated on every rank: cross-attention needs no comm
-
-    def prepare_chunk(self, camera_patches: Tensor, first_frame: int, grid: tuple[int, int, int],
-                      cache_camera_modulation: bool = True) -> ChunkConditioning:
-        total = grid[0] * grid[1] * grid[2]
-        tokens = split_range(total, self.comm.world_size, self.comm.rank)
-        return self.model.prepare_chunk(camera_patches, first_frame, grid, cache_camera_modulation, tokens)
-
-    def forward(self, latents: Tensor, condition: Tensor, time: TimeConditioning, text: TextKV,
-                chunk: ChunkConditioning, kv: KVWindowLike, commit: bool = False) -> Tensor:
-        total = chunk.grid[0] * chunk.grid[1] * chunk.grid[2]
-        sizes = split_sizes(total, self.comm.world_size)
-        for attn in self.attentions:
-            attn.token_sizes = sizes
-        start, end = chunk.tokens
-        x = self.model.embed(latents, condition)[:, start:end]                    # [B, L_r, dim]
-        x = self.model.run_blocks(x, time, text, chunk, kv)
-        out = self.model.head(x, time.temb)                                        # [B, L_r, 64]
-        out = self.comm.all_gather_uneven(out.float(), dim=1, sizes=sizes, kind="all_gather")
-        if commit:
-            kv.commit()
-        return self.model.unpatchify(out, chunk.grid)
-
-
-def apply_sequence_parallel(model: CausalWanModel, comm: Comm) -> nn.Module:
-    """Wrap a built model for Ulysses SP over `comm` (world size 1 returns the model unchanged)."""
+def apply_sequence_parallel(model: CausalWanModel, comm: Comm) -> CausalWanModel:
+    """Make `model` run Ulysses SP over `comm` (in place; world size 1 leaves it unchanged)."""
+    heads = model.config.num_attention_heads
+    if heads % comm.world_size:
+        raise ConfigError(f"{heads} attention heads do not divide by the sequence-parallel degree "
+                          f"{comm.world_size}; use a degree that divides them (e.g. 2, 4, 8 for 40)")
     if comm.world_size == 1:
         return model
-    return SequenceParallelModel(model, comm)
+    model.token_split = SequenceSplit(comm)
+    for block in model.blocks:
+        block.self_attn.attn = UlyssesWindowAttention(comm)
+    return model

@@ -1,6 +1,9 @@
 """Width-sharded VAE decode: each rank decodes a contiguous column range of the latents.
 
-`shard_decoder_width(vae, comm)` swaps, inside `vae.decoder` only:
+`shard_decoder(decoder, comm, latent_width, pixel_mode)` returns a decoder with the same two calls as
+`FrameDecoder` (decode, to_frames): `decode` takes the whole chunk's latents and decodes this rank's
+columns; `to_frames` brings the uint8 frames to the root by the pixel mode (lingbot/parallel/pixels.py).
+To make the VAE decode column shards it swaps, inside `vae.decoder` only:
 - every causal 3x3x3 conv for `HaloCausalConv3d` and every 3x3 resample conv for `HaloConv2d`: the
   conv input is assembled in one pass into a preallocated buffer (time history from the cache, the
   shard, zero rows, and (k-1)/2 halo columns from each neighbour; zeros only at the global edges);
@@ -12,12 +15,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..vae import CACHE_FRAMES, AttentionBlock, CausalCache, CausalConv3d, WanVAE
+from ..models.vae import CACHE_FRAMES, AttentionBlock, CausalCache, CausalConv3d, FrameDecoder, WanVAE
 from .comm import Comm, split_range, split_sizes
+from .pixels import DEFAULT_PIXEL_MODE, assemble_frames, check_pixel_mode
 
 
 def assemble_halo_input(x: Tensor, from_left: Optional[Tensor], from_right: Optional[Tensor], pad_h: int,
@@ -115,22 +118,40 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def shard_decoder_width(vae: WanVAE, comm: Comm, latent_width: int) -> WanVAE:
-    """Make `vae.decode` work on this rank's latent column range (see latent_columns)."""
+class ShardedFrameDecoder(FrameDecoder):
+    """Decodes this rank's latent columns; the frames reach the root by `pixel_mode`."""
+
+    def __init__(self, vae: WanVAE, comm: Comm, latent_width: int, pixel_mode: str):
+        super().__init__(vae)
+        n = comm.world_size
+        if latent_width < n:
+            raise ValueError(f"latent width {latent_width} cannot be split over {n} ranks")
+        self.comm = comm
+        self.pixel_mode = pixel_mode
+        self.columns = split_range(latent_width, n, comm.rank)
+        widths = split_sizes(latent_width, n)
+        self.pixel_widths = [vae.config.spatial_stride * w for w in widths]
+        for name, module in list(vae.decoder.named_modules()):
+            if isinstance(module, CausalConv3d) and module.space_pad[0] > 0:
+                _replace(vae.decoder, name, HaloCausalConv3d(module, comm))
+            elif isinstance(module, nn.Conv2d) and name.endswith("resample.1"):
+                _replace(vae.decoder, name, HaloConv2d(module, comm))
+            elif isinstance(module, AttentionBlock):
+                _replace(vae.decoder, name, GatheredAttentionBlock(module, comm, widths))
+
+    def decode(self, latents: Tensor, cache: CausalCache) -> Tensor:
+        """The whole chunk's latents [16, t, h, w] -> this rank's pixel columns [3, T, H, W_r]."""
+        start, end = self.columns
+        return self.vae.decode(latents[None, ..., start:end], cache)[0]
+
+    def to_frames(self, video: Tensor) -> Optional[Tensor]:
+        return assemble_frames(video, self.comm, self.pixel_widths, self.pixel_mode)
+
+
+def shard_decoder(decoder: FrameDecoder, comm: Comm, latent_width: int,
+                  pixel_mode: str = DEFAULT_PIXEL_MODE) -> FrameDecoder:
+    """Decode by width shards over `comm` (changes decoder.vae in place; world size 1 returns `decoder`)."""
+    check_pixel_mode(pixel_mode)
     if comm.world_size == 1:
-        return vae
-    if latent_width < comm.world_size:
-        raise ValueError(f"latent width {latent_width} cannot be split over {comm.world_size} ranks")
-    for name, module in list(vae.decoder.named_modules()):
-        if isinstance(module, CausalConv3d) and module.space_pad[0] > 0:
-            _replace(vae.decoder, name, HaloCausalConv3d(module, comm))
-        elif isinstance(module, nn.Conv2d) and name.endswith("resample.1"):
-            _replace(vae.decoder, name, HaloConv2d(module, comm))
-        elif isinstance(module, AttentionBlock):
-            _replace(vae.decoder, name, GatheredAttentionBlock(module, comm, split_sizes(latent_width, comm.world_size)))
-    vae.width_shard = (comm.rank, comm.world_size, latent_width)
-    return vae
-
-
-def latent_columns(latent_width: int, comm: Comm) -> tuple[int, int]:
-    return split_range(latent_width, comm.world_size, comm.rank)
+        return decoder
+    return ShardedFrameDecoder(decoder.vae, comm, latent_width, pixel_mode)

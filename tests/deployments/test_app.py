@@ -6,11 +6,11 @@ import json
 import urllib.request
 
 import numpy as np
-import pytest
 from PIL import Image
 
-from lingbot.client import RealtimeClient, frames_for_chunks, image_data_url
-from lingbot.video import read_frames
+from lingbot.client import RealtimeClient, image_data_url
+from lingbot.config import LINGBOT_GEOMETRY
+from lingbot.io.video import read_frames
 from tests.deployments.conftest import HTTP
 
 W, H = 112, 64
@@ -154,7 +154,7 @@ async def expect_error(url, messages, code, close=None, raw=None):
 
 def start_msg(**overrides):
     msg = {"type": "session.start", "prompt": "p", "image_reference": {"image_url": png_url()}, "width": W,
-           "height": H, "num_frames": frames_for_chunks(2), "seed": 0}
+           "height": H, "num_frames": LINGBOT_GEOMETRY.video_frames(2), "seed": 0}
     msg.update(overrides)
     return msg
 

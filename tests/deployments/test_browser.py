@@ -3,8 +3,6 @@ the <video> plays the fMP4 stream through Media Source Extensions, and a key pre
 import asyncio
 import shutil
 
-import pytest
-
 from tests.deployments.conftest import HTTP
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

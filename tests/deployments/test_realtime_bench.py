@@ -36,7 +36,8 @@ def test_benchmark_rejects_a_wrong_stream():
     import pytest
 
     class Result:
-        done = {"chunks": 3}
+        def __init__(self):
+            self.done = {"chunks": 3}
 
     chunks = [{"index": i, "transport_index": i, "num_frames": 9 if i == 0 else 12} for i in (0, 2)]
     with pytest.raises(realtime.BenchmarkError, match="not contiguous"):

@@ -5,9 +5,23 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot.camera import (CameraError, CameraEvent, CameraRig, Controls, Intrinsics, camera_patches,
-                            keyboard_step, matrix_to_quat, parse_keys, quat_to_matrix, ray_map, relative_poses,
-                            rot_x, rot_y)
+from lingbot.camera import (
+    CameraError,
+    CameraEvent,
+    CameraRig,
+    Controls,
+    Intrinsics,
+    camera_patches,
+    keyboard_step,
+    matrix_to_quat,
+    parse_key_script,
+    parse_keys,
+    quat_to_matrix,
+    ray_map,
+    relative_poses,
+    rot_x,
+    rot_y,
+)
 
 C4, S4 = math.cos(math.radians(4)), math.sin(math.radians(4))
 C6, S6 = math.cos(math.radians(6)), math.sin(math.radians(6))
@@ -189,3 +203,12 @@ def test_bad_camera_events_are_refused(kwargs, message):
     args.update(kwargs)
     with pytest.raises(CameraError, match=message):
         CameraEvent(**args)
+
+
+def test_key_script_parsing():
+    assert parse_key_script("w,w,wa,,J", chunks=2, frames_per_chunk=3) == [("w", "w", "wa"), ("", "j", "")]
+    assert parse_key_script("", chunks=1, frames_per_chunk=3) == [("", "", "")]
+    with pytest.raises(CameraError, match="the key script has 7 key sets but 2 chunks hold 6 latent frames"):
+        parse_key_script("w,w,w,w,w,w,w", chunks=2, frames_per_chunk=3)
+    with pytest.raises(CameraError, match="unknown key"):
+        parse_key_script("w,x", chunks=1, frames_per_chunk=3)

@@ -4,7 +4,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from lingbot.camera import Controls
-from lingbot.engine import LatentCondition, WorldEngine
+from lingbot.runtime.condition import LatentCondition
+from lingbot.runtime.dit_runner import DiTRunner
 from perf.cost_model import preset_chunk_flops
 from tests.conftest import random_condition
 
@@ -26,8 +27,8 @@ def _register_cpu_sdpa():
 @pytest.mark.parametrize("cached", [True, False])
 def test_count_matches_flop_counter(tiny, tiny_model, tiny_text_encoder, cached):
     _register_cpu_sdpa()
-    engine = WorldEngine(tiny, tiny_model, tiny_text_encoder, cache_camera_modulation=cached)
-    s = engine.new_session(LatentCondition(random_condition(tiny)), prompt="a fjord", seed=0)
+    runner = DiTRunner(tiny, tiny_model, tiny_text_encoder, cache_camera_modulation=cached)
+    s = runner.new_session(LatentCondition(random_condition(tiny)), prompt="a fjord", seed=0)
     for k in range(8):
         with FlopCounterMode(display=False) as counter:
             s.run_chunk(Controls(keys=("w", "", "")))
@@ -42,7 +43,7 @@ def test_v2_14b_steady_chunk():
 
 
 def _count_sp_bytes(comm):
-    from lingbot.checkpoint import build_pipeline
+    from lingbot.builder import build_pipeline
     pipe = build_pipeline("tiny", comm=comm)
     image = torch.rand(3, 64, 112, generator=torch.Generator().manual_seed(0)) * 2 - 1
     session = pipe.new_session(image, "a fjord", seed=0)

@@ -1,5 +1,5 @@
 """The Wan 2.1 video VAE (causal 3D convolutions), with module names equal to diffusers'
-AutoencoderKLWan keys so a diffusers-format `vae/` folder loads strictly by name.
+AutoencoderKLWan keys so a diffusers-format `vae/` folder loads strictly by name (lingbot/io/weights.py).
 
 Causality makes decoding streamable: every causal conv keeps the last 2 frames of its input in a
 `CausalCache` owned by the session, so decoding chunk after chunk equals decoding the whole clip.
@@ -9,15 +9,14 @@ Latents outside this module are normalised: (z - latents_mean) * (1 / latents_st
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import itertools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import VAEConfig
+from ..config import VAEConfig
 
 CACHE_FRAMES = 2   # a temporal kernel of 3 needs the 2 frames before the current input
 
@@ -40,7 +39,7 @@ class CausalCache:
     def put(self, key: str, value: Tensor) -> None:
         self.entries[key] = value
 
-    def copy(self) -> "CausalCache":
+    def copy(self) -> CausalCache:
         return CausalCache(self.entries)
 
     def reset(self) -> None:
@@ -50,7 +49,7 @@ class CausalCache:
     def started(self) -> bool:
         return bool(self.entries)
 
-    def bitwise_equal(self, other: "CausalCache") -> bool:
+    def bitwise_equal(self, other: CausalCache) -> bool:
         return self.entries.keys() == other.entries.keys() and all(
             torch.equal(v, other.entries[k]) for k, v in self.entries.items())
 
@@ -226,7 +225,7 @@ class Encoder3d(nn.Module):
         dims = [cfg.base_dim * m for m in (1, *cfg.dim_mult)]
         self.conv_in = CausalConv3d(3, dims[0], 3, padding=1)
         blocks: list[nn.Module] = []
-        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+        for i, (in_dim, out_dim) in enumerate(itertools.pairwise(dims)):
             for _ in range(cfg.num_res_blocks):
                 blocks.append(ResidualBlock(in_dim, out_dim))
                 in_dim = out_dim
@@ -253,7 +252,7 @@ class Decoder3d(nn.Module):
         self.conv_in = CausalConv3d(cfg.z_dim, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
         blocks = []
-        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+        for i, (in_dim, out_dim) in enumerate(itertools.pairwise(dims)):
             if i > 0:
                 in_dim //= 2            # the previous upsampler halved the channels
             upsample = None
@@ -332,44 +331,18 @@ def frames_to_uint8(video: Tensor) -> Tensor:
     return (x * 255).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
 
 
-# ---------------------------------------------------------------------------------------------------
-# weights
-# ---------------------------------------------------------------------------------------------------
-VAE_WEIGHTS = "diffusion_pytorch_model.safetensors"
+class FrameDecoder:
+    """A chunk's latents -> its uint8 frames, in the two stages the pipeline times apart: `decode`
+    (streaming, with the session's cache) and `to_frames` (uint8 on the device). Sequence parallelism
+    swaps in a width-sharded decoder with the same two calls (lingbot/parallel/vae_shard.py)."""
 
+    def __init__(self, vae: WanVAE):
+        self.vae = vae
 
-def build_random_vae(cfg: VAEConfig, seed: int, dtype: torch.dtype = torch.float32) -> WanVAE:
-    with torch.random.fork_rng(devices=[]):          # seeded, and the global RNG is left as it was
-        torch.manual_seed(seed)
-        vae = WanVAE(cfg)
-        # RMS-norm gammas start at 1 (PyTorch init); randomise them so tests see the real weight paths
-        for name, p in vae.named_parameters():
-            if name.endswith("gamma"):
-                p.data.uniform_(0.5, 1.5)
-    return vae.to(dtype).eval().requires_grad_(False)
+    def decode(self, latents: Tensor, cache: CausalCache) -> Tensor:
+        """Normalised latents [16, t, h, w] -> pixels [3, T, H, W] in [-1, 1]."""
+        return self.vae.decode(latents[None], cache)[0]
 
-
-def save_vae(vae: WanVAE, folder: str | Path) -> Path:
-    from safetensors.torch import save_file
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(vae.config.to_json_dict(), indent=2))
-    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, folder / VAE_WEIGHTS)
-    return folder
-
-
-def load_vae(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> WanVAE:
-    """Strictly load a diffusers-format `vae/` folder: every key must match by name and shape."""
-    from .weights import WeightsError, check_state_dict, read_state_dict
-    folder = Path(folder)
-    if not (folder / "config.json").exists():
-        raise WeightsError(f"{folder / 'config.json'} is missing: is {folder} a vae/ folder?")
-    cfg = VAEConfig.from_json_dict(json.loads((folder / "config.json").read_text()))
-    with torch.device("meta"):
-        vae = WanVAE(cfg)
-    state = check_state_dict(vae.state_dict(), read_state_dict(folder), folder, dtype)
-    vae.load_state_dict(state, strict=True, assign=True)
-    # non-persistent buffers were created on meta: rebuild them on the target device
-    vae.latents_mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
-    vae.latents_inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
-    return vae.to(device).eval().requires_grad_(False)
+    def to_frames(self, video: Tensor) -> Optional[Tensor]:
+        """Pixels from `decode` -> uint8 frames [T, H, W, 3] (None on ranks that hold no frames)."""
+        return frames_to_uint8(video)

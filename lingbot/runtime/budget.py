@@ -1,4 +1,4 @@
-"""Per-session memory on one rank, and how many sessions a group admits (shared/DESIGN.md §3).
+"""Per-session memory on one rank, and how many sessions a group admits (docs/architecture.md, "Memory").
 
 Computed before any session is admitted, from the config alone: a session that does not fit is refused,
 never half-admitted. The VAE cache sizes come from a decode/encode on the meta device (shapes only).
@@ -10,7 +10,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .config import Preset, parse_dtype
+from ..config import Preset, parse_dtype
+from ..models.vae import CausalCache, WanVAE
+from .dit_runner import PROMPT_CACHE_SIZE
 from .kv_cache import KVWindow
 
 
@@ -28,7 +30,6 @@ class SessionFootprint:
 
 
 def _vae_cache_bytes(preset: Preset, latent_width: int, dtype: torch.dtype) -> tuple[int, int]:
-    from .vae import CausalCache, WanVAE
     lh = preset.latent_hw[0]
     with torch.device("meta"):
         vae = WanVAE(preset.vae).to(dtype)
@@ -54,11 +55,8 @@ def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
     return SessionFootprint(kv, text, camera, decoder, condition)
 
 
-PROMPT_CACHE_SIZE = 8        # prompts whose text K/V an engine keeps (shared by its sessions)
-
-
 def prompt_cache_bytes(preset: Preset, prompts: int = PROMPT_CACHE_SIZE) -> int:
-    """The engine's prompt LRU at its full size (+2: a prompt transition's start and blend)."""
+    """A runner's prompt LRU at its full size (+2: a prompt transition's start and blend)."""
     cfg = preset.transformer
     esize = torch.empty((), dtype=preset.torch_dtype).element_size()
     return (prompts + 2) * 2 * cfg.num_layers * preset.text.max_length * cfg.dim * esize

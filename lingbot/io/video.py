@@ -102,7 +102,7 @@ class FragmentedMp4Encoder:
         self._container.start_encoding()                     # opens the codec, writes ftyp + moov
         self.init_segment = self._header.getvalue()
         self.timescale = self.stream.time_base.denominator // self.stream.time_base.numerator
-        self.frame_duration = int(round(self.timescale / rate))
+        self.frame_duration = round(self.timescale / rate)
         self.codec = self._codec_string(bytes(self.stream.codec_context.extradata or b""))
         self._sequence = 0
         self._next_pts = 0

@@ -1,4 +1,8 @@
-"""The causal condition encoder: the first frame's VAE latents, chunk by chunk (shared/DESIGN.md §2, §5.4).
+"""The 20-channel condition of each chunk (mask 4 + image latents 16), and where it comes from.
+
+`ConditionSource` is what a DiT session asks for each chunk's condition. Two sources:
+- `LatentCondition`: image latents that are already encoded (benchmarks, DiT-only tests);
+- `CausalConditionEncoder`: the first frame's VAE latents, encoded chunk by chunk (the pipeline's).
 
 Chunk 0 encodes [image, 8 zero frames] (1 + 4 + 4 pixel frames -> 3 latent frames); every later chunk
 encodes 12 zero frames (4 + 4 + 4 -> 3), continuing the encoder's causal state. Each chunk encodes on a
@@ -12,15 +16,55 @@ on the stored latents are reused. A reset clears it.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from .engine import make_condition
-from .vae import CausalCache, WanVAE
+from ..models.vae import CausalCache, WanVAE
 
 log = logging.getLogger(__name__)
+
+
+def make_condition(image_latents: Tensor, first_frame: int) -> Tensor:
+    """cat(mask [4], image latents [16]) for latent frames first_frame.. ; mask = 1 on frame 0 only."""
+    _c, f, h, w = image_latents.shape
+    mask = torch.zeros(4, f, h, w, dtype=image_latents.dtype, device=image_latents.device)
+    if first_frame == 0:
+        mask[:, 0] = 1
+    return torch.cat([mask, image_latents], dim=0)
+
+
+class ConditionSource(Protocol):
+    """Gives the 20-channel condition (mask 4 + image latent 16) of each chunk: [20, F, h, w]."""
+
+    def chunk_condition(self, chunk: int) -> Tensor: ...
+
+    def commit(self) -> None:
+        """The chunk that asked for the last condition succeeded."""
+
+    def reset(self) -> None: ...
+
+
+class LatentCondition:
+    """Condition from image latents that are already encoded: `latents` [16, F_total, h, w] (normalised),
+    covering at least the frames of every chunk asked for. The mask is 1 on latent frame 0 only."""
+
+    def __init__(self, latents: Tensor, frames_per_chunk: int = 3):
+        self.latents = latents
+        self.frames_per_chunk = frames_per_chunk
+
+    def chunk_condition(self, chunk: int) -> Tensor:
+        f0, n = chunk * self.frames_per_chunk, self.frames_per_chunk
+        if f0 + n > self.latents.shape[1]:
+            raise ValueError(f"condition latents hold {self.latents.shape[1]} frames; chunk {chunk} needs {f0 + n}")
+        return make_condition(self.latents[:, f0:f0 + n], first_frame=f0)
+
+    def commit(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
 
 class CausalConditionEncoder:
@@ -33,7 +77,8 @@ class CausalConditionEncoder:
         self.image = image
         self.frames_per_chunk = frames_per_chunk
         self.skip_fixed_point = skip_fixed_point
-        self.pixel_frames = 4 * frames_per_chunk            # per chunk after the first (the first has 1 fewer)
+        self.stride = vae.config.temporal_stride
+        self.pixel_frames = self.stride * frames_per_chunk  # per chunk after the first (the first has 1 fewer)
         self.cache = CausalCache()
         self.reset()
 
@@ -47,10 +92,11 @@ class CausalConditionEncoder:
 
     def _chunk_video(self, chunk: int) -> Tensor:
         c, h, w = self.image.shape
+        like = {"dtype": self.image.dtype, "device": self.image.device}
         if chunk == 0:
-            zeros = torch.zeros(c, self.pixel_frames - 4, h, w, dtype=self.image.dtype, device=self.image.device)
+            zeros = torch.zeros(c, self.pixel_frames - self.stride, h, w, **like)
             return torch.cat([self.image[:, None], zeros], dim=1)[None]          # [1, 3, 9, H, W]
-        return torch.zeros(1, c, self.pixel_frames, h, w, dtype=self.image.dtype, device=self.image.device)
+        return torch.zeros(1, c, self.pixel_frames, h, w, **like)
 
     @torch.no_grad()
     def chunk_condition(self, chunk: int) -> Tensor:

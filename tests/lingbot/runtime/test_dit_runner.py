@@ -3,12 +3,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lingbot.camera import Controls
-from lingbot.engine import LatentCondition, WorldEngine
+from lingbot.runtime.condition import LatentCondition
+from lingbot.runtime.dit_runner import DiTRunner
 from tests.conftest import random_condition
 
 
-def test_generate_shape_and_stage_split(tiny, tiny_engine):
-    s = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a canyon", seed=0)
+def test_generate_shape_and_stage_split(tiny, tiny_runner):
+    s = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a canyon", seed=0)
     lh, lw = tiny.height // 8, tiny.width // 8
     assert s.generate(3).shape == (16, 9, lh, lw)
     result = s.run_chunk(Controls(keys=("w", "w", "w")))
@@ -22,24 +23,24 @@ def test_camera_modulation_cache_is_bit_identical(tiny, tiny_model, tiny_text_en
     controls = [Controls(keys=("w", "l", "i"))] * 7
     outs = []
     for cached in (True, False):
-        engine = WorldEngine(tiny, tiny_model, tiny_text_encoder, cache_camera_modulation=cached)
-        outs.append(engine.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(7, controls))
+        runner = DiTRunner(tiny, tiny_model, tiny_text_encoder, cache_camera_modulation=cached)
+        outs.append(runner.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(7, controls))
     assert torch.equal(outs[0], outs[1])
 
 
-def test_controls_change_the_video_from_their_chunk_on(tiny, tiny_engine):
+def test_controls_change_the_video_from_their_chunk_on(tiny, tiny_runner):
     cond = random_condition(tiny)
-    still = tiny_engine.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(3)
-    moved = tiny_engine.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(
+    still = tiny_runner.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(3)
+    moved = tiny_runner.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(
         3, [None, Controls(keys=("l", "l", "l")), None])
     assert torch.equal(still[:, :3], moved[:, :3])
     assert (still[:, 3:6] - moved[:, 3:6]).abs().max() > 1e-2
 
 
-def test_prompt_changes_the_video(tiny, tiny_engine):
+def test_prompt_changes_the_video(tiny, tiny_runner):
     cond = random_condition(tiny)
-    a = tiny_engine.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(1)
-    b = tiny_engine.new_session(LatentCondition(cond), prompt="a glacier", seed=4).generate(1)
+    a = tiny_runner.new_session(LatentCondition(cond), prompt="a canyon", seed=4).generate(1)
+    b = tiny_runner.new_session(LatentCondition(cond), prompt="a glacier", seed=4).generate(1)
     assert (a - b).abs().max() > 1e-2
 
 
@@ -56,8 +57,8 @@ class HostReadCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_no_host_reads_on_the_step_path(tiny, tiny_engine):
-    s = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a canyon", seed=0)
+def test_no_host_reads_on_the_step_path(tiny, tiny_runner):
+    s = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a canyon", seed=0)
     s.generate(2)
     with HostReadCounter() as counter:
         for _ in range(6):                      # warm-up and the first steady chunks
@@ -69,9 +70,9 @@ def test_no_host_reads_on_the_step_path(tiny, tiny_engine):
     assert len(counter.reads) == 1
 
 
-def test_out_of_range_condition_is_a_clear_error(tiny, tiny_engine):
+def test_out_of_range_condition_is_a_clear_error(tiny, tiny_runner):
     import pytest
-    s = tiny_engine.new_session(LatentCondition(random_condition(tiny, frames=3)), prompt="a canyon", seed=0)
+    s = tiny_runner.new_session(LatentCondition(random_condition(tiny, frames=3)), prompt="a canyon", seed=0)
     s.run_chunk()
     with pytest.raises(ValueError, match="condition latents hold 3 frames; chunk 1 needs 6"):
         s.run_chunk()

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from lingbot.camera import Controls
-from lingbot.engine import LatentCondition
-from lingbot.kv_cache import KVWindow, LRUCache, slot_for_chunk, visible_chunks
+from lingbot.runtime.condition import LatentCondition
+from lingbot.runtime.kv_cache import KVWindow, LRUCache, slot_for_chunk, visible_chunks
 from tests.conftest import random_condition
 
 NUM_CHUNKS = 11
@@ -54,13 +54,13 @@ def _controls(k):
     return Controls(keys=(keys[k], keys[(k + 3) % 11], keys[(k + 7) % 11]))
 
 
-def test_slab_equals_explicit_concatenation_every_chunk(tiny, tiny_engine):
+def test_slab_equals_explicit_concatenation_every_chunk(tiny, tiny_runner):
     cond = random_condition(tiny)
-    slab = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
-    ref = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    slab = tiny_runner.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    ref = tiny_runner.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
     ref.kv = ConcatReferenceKV()
     window_frames = tiny.transformer.sliding_window_num_frames
-    assert slab.kv.keys.shape[3] == window_frames * tiny_engine.tokens_per_frame     # allocated once, 18 frames
+    assert slab.kv.keys.shape[3] == window_frames * tiny_runner.tokens_per_frame     # allocated once, 18 frames
     for k in range(NUM_CHUNKS):
         a = slab.run_chunk(_controls(k))
         b = ref.run_chunk(_controls(k))
@@ -76,12 +76,12 @@ def test_slab_equals_explicit_concatenation_every_chunk(tiny, tiny_engine):
         assert sorted(c for c in slab.kv.slot_chunk if c >= 0) == explicit_window(k)
 
 
-def test_wrong_window_is_detected(tiny, tiny_engine):
+def test_wrong_window_is_detected(tiny, tiny_runner):
     """The comparison above is sensitive: attending one extra evicted chunk changes the output."""
     cond = random_condition(tiny)
-    ref = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    ref = tiny_runner.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
     ref.kv = ConcatReferenceKV()
-    wide = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
+    wide = tiny_runner.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11)
     wide.kv = ConcatReferenceKV(window=lambda c: list(range(c + 1)))      # never evicts
     for k in range(7):
         a, b = ref.run_chunk(_controls(k)), wide.run_chunk(_controls(k))
@@ -89,12 +89,12 @@ def test_wrong_window_is_detected(tiny, tiny_engine):
     assert (a.latents - b.latents).abs().max().item() > 5e-3
 
 
-def test_changing_chunk_k_never_changes_earlier_chunks(tiny, tiny_engine):
+def test_changing_chunk_k_never_changes_earlier_chunks(tiny, tiny_runner):
     cond = random_condition(tiny)
     k_changed = 7
     runs = []
     for variant in range(2):
-        s = tiny_engine.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=5)
+        s = tiny_runner.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=5)
         outs = []
         for k in range(9):
             controls = _controls(k)
@@ -116,8 +116,8 @@ def test_changing_chunk_k_never_changes_earlier_chunks(tiny, tiny_engine):
 
 
 @pytest.mark.parametrize("k", [2, 8])
-def test_probes_never_modify_committed_slots(tiny, tiny_engine, k):
-    s = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a quiet harbour", seed=2)
+def test_probes_never_modify_committed_slots(tiny, tiny_runner, k):
+    s = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a quiet harbour", seed=2)
     for c in range(k):
         s.run_chunk(_controls(c))
     keys, values = s.kv.keys.clone(), s.kv.values.clone()
@@ -140,7 +140,7 @@ def test_probes_never_modify_committed_slots(tiny, tiny_engine, k):
     assert s.chunk_index == k and s.kv.next_chunk == k
     # a stopped chunk changes nothing lasting: running it again equals an uninterrupted session
     again = s.run_chunk(_controls(k)).latents
-    clean = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a quiet harbour", seed=2)
+    clean = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a quiet harbour", seed=2)
     for c in range(k):
         clean.run_chunk(_controls(c))
     assert torch.equal(again, clean.run_chunk(_controls(k)).latents)
@@ -165,9 +165,9 @@ def test_lru_keeps_recent_prompts():
         LRUCache(0)
 
 
-def test_engine_reuses_text_kv_across_sessions(tiny, tiny_engine):
-    before = tiny_engine.prompt_cache.misses
-    s1 = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=0)
-    s2 = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=1)
-    assert tiny_engine.prompt_cache.misses == before + 1
+def test_runner_reuses_text_kv_across_sessions(tiny, tiny_runner):
+    before = tiny_runner.prompt_cache.misses
+    s1 = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=0)
+    s2 = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=1)
+    assert tiny_runner.prompt_cache.misses == before + 1
     assert s1.text is s2.text

@@ -28,45 +28,44 @@ def _controls(k):
     return Controls(keys=(("w", "wa", "l"), ("", "i", "j"), ("s", "d", ""))[k % 3])
 
 
-def _engine(comm):
-    from lingbot.checkpoint import build_engine
-    return build_engine("tiny", comm=comm)
+def _runner(comm):
+    from lingbot.builder import build_dit_runner
+    return build_dit_runner("tiny", comm=comm)
 
 
 def _latent_condition(frames):
     from lingbot.config import get_preset
-    from lingbot.engine import LatentCondition
+    from lingbot.runtime.condition import LatentCondition
     lh, lw = get_preset("tiny").latent_hw
     return LatentCondition(torch.randn(16, frames, lh, lw, generator=torch.Generator().manual_seed(1)))
 
 
 def _latent_run(comm):
     """8 chunks of DiT latents; collective counts of one steady chunk, by module."""
-    engine = _engine(comm)
-    session = engine.new_session(_latent_condition(3 * CHUNKS), prompt="a castle", seed=3)
+    runner = _runner(comm)
+    session = runner.new_session(_latent_condition(3 * CHUNKS), prompt="a castle", seed=3)
     outs = [session.run_chunk(_controls(k)).latents for k in range(CHUNKS - 1)]
     comm.reset_counts()
-    with comm.track_modules(engine.model):
+    with comm.track_modules(runner.model):
         outs.append(session.run_chunk(_controls(CHUNKS - 1)).latents)
     return torch.cat(outs, dim=1), {k: dict(v) for k, v in comm.by_module.items()}, dict(comm.bytes_sent)
 
 
 def _decode_run(comm):
     """Streaming decode of 1 + 3 + 3 latent frames; the pixel shards, and rank-0 frames of every mode."""
-    from lingbot.checkpoint import build_pipeline
-    pipe = build_pipeline("tiny", comm=comm)
-    latents = torch.randn(1, 16, 7, 8, 14, generator=torch.Generator().manual_seed(0))
+    from lingbot.builder import build_pipeline
+    from lingbot.models.vae import CausalCache
+    decoder = build_pipeline("tiny", comm=comm).decoder
+    latents = torch.randn(16, 7, 8, 14, generator=torch.Generator().manual_seed(0))
     results = {}
     for mode in PIXEL_MODES:
-        from lingbot.parallel.pixels import assemble_frames
-        from lingbot.vae import CausalCache, frames_to_uint8
+        if comm.world_size > 1:
+            decoder.pixel_mode = mode
         cache, shards, frames = CausalCache(), [], []
-        a, b = pipe.latent_columns if comm.world_size > 1 else (0, 14)
-        widths = pipe.pixel_widths if comm.world_size > 1 else [112]
         for sl in (slice(0, 1), slice(1, 4), slice(4, 7)):
-            shard = pipe.vae.decode(latents[:, :, sl, :, a:b], cache)[0]
+            shard = decoder.decode(latents[:, sl], cache)
             shards.append(shard)
-            frames.append(assemble_frames(shard, comm, widths, mode) if comm.world_size > 1 else frames_to_uint8(shard))
+            frames.append(decoder.to_frames(shard))
         results[mode] = (torch.cat(shards, dim=1), None if frames[0] is None else torch.cat(frames))
     return results
 
@@ -112,11 +111,11 @@ def test_latents_match_sp1(reference, sp_run):
 
 
 def test_collectives_only_in_self_attention(sp_run):
-    n, ranks = sp_run
+    _n, ranks = sp_run
     by_module, bytes_sent = ranks[0]["latents"][1], ranks[0]["latents"][2]
     forwards, layers = 5, 2
-    # module names under the SP wrapper ("" = the wrapper itself, "model." = the wrapped DiT)
-    attention = {f"model.blocks.{layer}.self_attn.attn" for layer in range(layers)}
+    # module names of the DiT ("" = the model itself: the head's all-gather runs in its forward)
+    attention = {f"blocks.{layer}.self_attn.attn" for layer in range(layers)}
     for name in attention:
         assert by_module[name] == {"all_to_all": 2 * forwards}, name
     assert set(by_module) == attention | {""}, f"collectives outside self-attention: {set(by_module)}"
@@ -138,7 +137,7 @@ def test_sharded_decode_matches_unsharded(reference, sp_run):
 
 
 def test_pixel_modes_give_identical_bytes_at_root(reference, sp_run):
-    n, ranks = sp_run
+    _n, ranks = sp_run
     root = {mode: ranks[0]["decode"][mode][1] for mode in PIXEL_MODES}
     first = root["root_uint8_p2p"]
     assert first.dtype == torch.uint8 and first.shape == (25, 64, 112, 3)
@@ -161,16 +160,16 @@ def test_one_pass_conv_input_equals_cat_pad_assembly(reference, sp_run):
 
 
 def test_heads_must_divide_by_the_degree(tiny):
-    from lingbot.parallel.ulysses import SequenceParallelModel
-    from lingbot.weights import build_random_transformer
+    from lingbot.io.weights import build_random_transformer
+    from lingbot.parallel import apply_sequence_parallel
     model = build_random_transformer(tiny.transformer, 0)
     with pytest.raises(ConfigError, match="4 attention heads do not divide by the sequence-parallel degree 3"):
-        SequenceParallelModel(model, Comm(rank=0, world_size=3))
+        apply_sequence_parallel(model, Comm(rank=0, world_size=3))
 
 
 def _fail_mid_chunk(comm):
-    engine = _engine(comm)
-    session = engine.new_session(_latent_condition(9), prompt="a castle", seed=3)
+    runner = _runner(comm)
+    session = runner.new_session(_latent_condition(9), prompt="a castle", seed=3)
     session.run_chunk()
     if comm.rank == 1:
         calls = []
@@ -179,7 +178,7 @@ def _fail_mid_chunk(comm):
             calls.append(1)
             if len(calls) == 3:                      # the third probe of the second chunk
                 raise RuntimeError("injected failure on rank 1")
-        engine.model.model.blocks[1].ffn.register_forward_hook(boom)
+        runner.model.blocks[1].ffn.register_forward_hook(boom)
     session.run_chunk()
     return "finished"
 

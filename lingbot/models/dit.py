@@ -1,10 +1,15 @@
 """The LingBot-World causal, camera-controlled DiT (Wan architecture): the math only.
 
-Module names equal the raw Wan/LingBot checkpoint keys (shared/DESIGN.md §2). One forward runs one
-chunk of `num_frames_per_block` latent frames. Everything that is fixed for the five forwards of a
-chunk (RoPE tables, camera modulation) is prepared once in `prepare_chunk`; everything fixed for a
-prompt (text K/V) once in `text_kv`; the time embeddings of the sampler's timesteps once per engine.
-Caches are passed in, never created here; no collectives, no sessions (STYLE.md §1, §4).
+Module names equal the raw Wan/LingBot checkpoint keys (docs/architecture.md, "The model"). One
+forward runs one chunk of `num_frames_per_block` latent frames. Everything that is fixed for the five
+forwards of a chunk (RoPE tables, camera modulation) is prepared once in `prepare_chunk`; everything
+fixed for a prompt (text K/V) once in `text_kv`; the time embeddings of the sampler's timesteps once per
+runner. Caches are passed in, never created here; no collectives, no sessions.
+
+Parallelism is a plan declared as data: `token_split` (which of a chunk's tokens this device computes,
+and how the head's output is reassembled) and each block's `self_attn.attn` (attention over the window).
+On one device both are the plain modules below; `lingbot.parallel.apply_sequence_parallel` swaps them
+for their sequence-parallel versions after the model is built. The forward is the same either way.
 
 Tensor vocabulary: hidden_states [B, L, dim] (fp32 residual stream), camera tokens [B, L, dim],
 temb [B, dim] / timestep_proj [B, 6, dim] (fp32), text K/V [B, heads, text_len, head_dim].
@@ -19,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import TransformerConfig
+from ..config import TransformerConfig
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,7 +99,9 @@ class LayerNorm(nn.LayerNorm):
 
 
 class KVWindowLike(Protocol):
-    """What self-attention needs of a session's K/V store (see lingbot/kv_cache.py)."""
+    """What self-attention needs of a session's K/V store (see lingbot/runtime/kv_cache.py)."""
+
+    chunk_tokens: int          # tokens of one whole chunk (all ranks together)
 
     def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Store this chunk's key/value [B, heads, L, D]; return all visible [B, heads, S, D]."""
@@ -104,13 +111,33 @@ class KVWindowLike(Protocol):
 
 
 class WindowAttention(nn.Module):
-    """Attention of the chunk's queries over the visible window. Sequence parallelism wraps this."""
+    """Attention of the chunk's queries over the visible window (sequence parallelism swaps this module)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: KVWindowLike, layer: int) -> Tensor:
         # q, k, v: [B, L, H, D] -> stored / attended as [B, H, S, D]
         keys, values = kv.update(layer, k.transpose(1, 2), v.transpose(1, 2))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values)   # no mask inside the window
         return out.transpose(1, 2)                                               # [B, L, H, D]
+
+
+class TokenSplit(nn.Module):
+    """Which of a chunk's tokens this device computes: on one device, all of them. Sequence parallelism
+    swaps in a split over its ranks (lingbot/parallel/ulysses.py) with the same three calls."""
+
+    parts = 1                  # devices the tokens are split over
+
+    def token_range(self, total: int) -> tuple[int, int]:
+        """The [start, end) range of a chunk's `total` tokens that this device computes."""
+        return 0, total
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The whole chunk [B, L, ...] -> this device's tokens [B, L_r, ...]."""
+        start, end = self.token_range(x.shape[1])
+        return x if (start, end) == (0, x.shape[1]) else x[:, start:end]
+
+    def gather(self, x: Tensor, total: int) -> Tensor:
+        """This device's tokens [B, L_r, C] -> the whole chunk [B, total, C]."""
+        return x
 
 
 class SelfAttention(nn.Module):
@@ -123,10 +150,10 @@ class SelfAttention(nn.Module):
         self.attn = WindowAttention()
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv: KVWindowLike, layer: int) -> Tensor:
-        b, l, _ = x.shape
-        q = self.norm_q(self.q(x)).view(b, l, self.heads, -1)      # [B, L, H, D]
-        k = self.norm_k(self.k(x)).view(b, l, self.heads, -1)
-        v = self.v(x).view(b, l, self.heads, -1)
+        b, n, _ = x.shape
+        q = self.norm_q(self.q(x)).view(b, n, self.heads, -1)      # [B, L, H, D]
+        k = self.norm_k(self.k(x)).view(b, n, self.heads, -1)
+        v = self.v(x).view(b, n, self.heads, -1)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.attn(q, k, v, kv, layer)                         # [B, L, H, D]
         return self.o(out.flatten(2))
@@ -148,8 +175,8 @@ class CrossAttention(nn.Module):
         return k.contiguous(), v.contiguous()
 
     def forward(self, x: Tensor, text_k: Tensor, text_v: Tensor) -> Tensor:
-        b, l, _ = x.shape
-        q = self.norm_q(self.q(x)).view(b, l, self.heads, -1).transpose(1, 2)   # [B, H, L, D]
+        b, n, _ = x.shape
+        q = self.norm_q(self.q(x)).view(b, n, self.heads, -1).transpose(1, 2)   # [B, H, L, D]
         out = F.scaled_dot_product_attention(q, text_k, text_v)
         return self.o(out.transpose(1, 2).flatten(2))
 
@@ -234,7 +261,7 @@ class TextKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def lerp(self, other: "TextKV", alpha: float) -> "TextKV":
+    def lerp(self, other: TextKV, alpha: float) -> TextKV:
         """(1 - alpha) * self + alpha * other, per layer (a prompt transition)."""
         return TextKV([torch.lerp(a, b, alpha) for a, b in zip(self.keys, other.keys)],
                       [torch.lerp(a, b, alpha) for a, b in zip(self.values, other.values)])
@@ -245,12 +272,11 @@ class ChunkConditioning:
     """Everything fixed across the five forwards of one chunk.
 
     rope: cos/sin [L, D/2]; camera_tokens [B, L, dim]; camera_modulation: per layer (scale, shift)
-    [B, L, dim], or None to recompute it in every forward (the reference path). L counts the tokens of
-    `tokens` only (all of the chunk on one device, this rank's share under sequence parallelism).
+    [B, L, dim], or None to recompute it in every forward (the reference path). L counts this device's
+    tokens only (all of the chunk on one device, this rank's share under sequence parallelism).
     """
     first_frame: int
     grid: tuple[int, int, int]           # (frames, height, width) in tokens
-    tokens: tuple[int, int]              # the token range [start, end) this rank computes
     rope: tuple[Tensor, Tensor]
     camera_tokens: Tensor
     camera_modulation: Optional[list[tuple[Tensor, Tensor]]]
@@ -277,6 +303,7 @@ class CausalWanModel(nn.Module):
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
         self.blocks = nn.ModuleList(CausalCameraBlock(config) for _ in range(config.num_layers))
         self.head = Head(dim, config.out_channels * math.prod(config.patch_size), config.eps)
+        self.token_split = TokenSplit()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -284,8 +311,8 @@ class CausalWanModel(nn.Module):
 
     @property
     def local_heads(self) -> int:
-        """Heads whose K/V this device stores (all of them without sequence parallelism)."""
-        return self.config.num_attention_heads
+        """Heads whose K/V this device stores: all of them on one device, H/N under Ulysses SP-N."""
+        return self.config.num_attention_heads // self.token_split.parts
 
     # ---- once per timestep / prompt / chunk -------------------------------------------------------
     def time_conditioning(self, timestep: Tensor) -> TimeConditioning:
@@ -308,33 +335,18 @@ class CausalWanModel(nn.Module):
         return c + self.c2ws_hidden_states_layer2(F.silu(self.c2ws_hidden_states_layer1(c)))
 
     def prepare_chunk(self, camera_patches: Tensor, first_frame: int, grid: tuple[int, int, int],
-                      cache_camera_modulation: bool = True,
-                      tokens: Optional[tuple[int, int]] = None) -> ChunkConditioning:
-        """Everything the five forwards of a chunk share. grid = (frames, h, w) in tokens; camera_patches
-        [B, L_total, 1536]; `tokens` = the [start, end) range to prepare (default: all)."""
-        start, end = tokens if tokens is not None else (0, grid[0] * grid[1] * grid[2])
+                      cache_camera_modulation: bool = True) -> ChunkConditioning:
+        """Everything the five forwards of a chunk share, for this device's tokens. grid = (frames, h, w)
+        in tokens; camera_patches [B, L_total, 1536]."""
+        start, end = self.token_split.token_range(grid[0] * grid[1] * grid[2])
         camera_tokens = self.camera_tokens(camera_patches[:, start:end])
         cos, sin = rope_tables(self.config, first_frame, *grid, device=camera_tokens.device)
         modulation = None
         if cache_camera_modulation:
             modulation = [block.camera_modulation(camera_tokens) for block in self.blocks]
-        return ChunkConditioning(first_frame, grid, (start, end), (cos[start:end], sin[start:end]), camera_tokens,
-                                 modulation)
+        return ChunkConditioning(first_frame, grid, (cos[start:end], sin[start:end]), camera_tokens, modulation)
 
-    # ---- the forward, in steps (sequence parallelism hooks the token split between them) ------------
-    def embed(self, latents: Tensor, condition: Tensor) -> Tensor:
-        """x_t [B, 16, F, H, W] + condition [B, 20, F, H, W] -> hidden_states [B, L, dim] fp32."""
-        x = torch.cat([latents, condition], dim=1).to(self.dtype)                # [B, 36, F, H, W]
-        return self.patch_embedding(x).flatten(2).transpose(1, 2).float()       # [B, F*h*w, dim]
-
-    def run_blocks(self, x: Tensor, time: TimeConditioning, text: TextKV, chunk: ChunkConditioning,
-                   kv: KVWindowLike) -> Tensor:
-        for i, block in enumerate(self.blocks):
-            camera = chunk.camera_modulation[i] if chunk.camera_modulation is not None \
-                else block.camera_modulation(chunk.camera_tokens)
-            x = block(x, time.timestep_proj, (text.keys[i], text.values[i]), camera, chunk.rope, kv, i)
-        return x
-
+    # ---- the forward ----------------------------------------------------------------------------
     def unpatchify(self, x: Tensor, grid: tuple[int, int, int]) -> Tensor:
         """[B, L, 64] -> [B, 16, F, H, W]; the 64 features are ordered (pt, ph, pw, channel)."""
         f, h, w = grid
@@ -346,11 +358,21 @@ class CausalWanModel(nn.Module):
     def forward(self, latents: Tensor, condition: Tensor, time: TimeConditioning, text: TextKV,
                 chunk: ChunkConditioning, kv: KVWindowLike, commit: bool = False) -> Tensor:
         """One chunk. Probe (commit=False): the K/V it writes are overwritten by the next forward of the
-        same chunk. Commit: the chunk's K/V become lasting for later chunks. Returns the flow
-        prediction [B, 16, F, H, W] in float32."""
-        x = self.embed(latents, condition)
-        x = self.run_blocks(x, time, text, chunk, kv)
-        out = self.head(x, time.temb)
+        same chunk. Commit: the chunk's K/V become lasting for later chunks. latents x_t [B, 16, F, H, W]
+        and condition [B, 20, F, H, W] cover the whole chunk; returns the flow prediction of the whole
+        chunk [B, 16, F, H, W] in float32."""
+        # 1. patch embedding of the whole chunk (a cheap conv), then this device's tokens
+        x = torch.cat([latents, condition], dim=1).to(self.dtype)                 # [B, 36, F, H, W]
+        x = self.patch_embedding(x).flatten(2).transpose(1, 2).float()            # [B, L, dim]
+        total = x.shape[1]
+        x = self.token_split(x)                                                   # [B, L_r, dim]
+        # 2. the blocks
+        for i, block in enumerate(self.blocks):
+            camera = chunk.camera_modulation[i] if chunk.camera_modulation is not None \
+                else block.camera_modulation(chunk.camera_tokens)
+            x = block(x, time.timestep_proj, (text.keys[i], text.values[i]), camera, chunk.rope, kv, i)
+        # 3. the head on this device's tokens, then the whole chunk again
+        out = self.token_split.gather(self.head(x, time.temb).float(), total)    # [B, L, 64]
         if commit:
             kv.commit()
-        return self.unpatchify(out.float(), chunk.grid)
+        return self.unpatchify(out, chunk.grid)

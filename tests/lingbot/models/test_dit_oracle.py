@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from lingbot.config import TransformerConfig
-from lingbot.kv_cache import KVWindow
-from lingbot.weights import build_random_transformer
+from lingbot.io.weights import build_random_transformer
+from lingbot.runtime.kv_cache import KVWindow
 
 diffusers = pytest.importorskip("diffusers")
 

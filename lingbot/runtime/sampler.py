@@ -1,4 +1,4 @@
-"""The few-step DMD sampler of the causal fast checkpoints (shared/DESIGN.md §2).
+"""The few-step DMD sampler of the causal fast checkpoints (docs/architecture.md, "The sampler").
 
 A chunk is `len(timesteps)` probes and one commit. Probe i sees x_t at the warped timestep t'_i and
 predicts the flow v; x0 = x_t - sigma_i * v; the next probe's input is re-noised with fresh noise from
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .config import SamplerConfig
+from ..config import SamplerConfig
 
 
 class DMDSampler:

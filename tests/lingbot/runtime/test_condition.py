@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from lingbot.condition import CausalConditionEncoder
-from lingbot.vae import CausalCache
+from lingbot.models.vae import CausalCache
+from lingbot.runtime.condition import CausalConditionEncoder
 from tests.conftest import random_image
 
 FIXED_POINT_CHUNK_TINY = 10     # measured: the tiny VAE's encoder state stops changing at chunk 10

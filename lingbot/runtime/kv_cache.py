@@ -1,8 +1,8 @@
 """Per-session caches: the self-attention K/V window (slab layout) and the prompt -> text K/V LRU.
 
-The K/V window (shared/DESIGN.md §3): one fixed slab per layer of `sliding_window_num_frames` latent
-frames of K and V (this rank's heads only), allocated once. Keys are stored after RoPE at absolute
-positions and attention has no mask inside the window, so a chunk may live in any slot:
+The K/V window (docs/architecture.md, "The K/V slab window"): one fixed slab per layer of
+`sliding_window_num_frames` latent frames of K and V (this rank's heads only), allocated once. Keys are
+stored after RoPE at absolute positions and attention has no mask inside the window, so a chunk may live in any slot:
 chunks 0..5 fill slots 0..5; chunk k >= 6 takes the slot of chunk k-3, which just left the window.
 Every forward writes the current chunk into its slot and attends one dense prefix of
 min(window, k+1) chunks: no block tables, no gathers, no metadata copies.
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor
 
-from .config import TransformerConfig
+from ..config import TransformerConfig
 
 
 def slot_for_chunk(chunk: int, sink_chunks: int, window_chunks: int) -> int:
@@ -65,10 +65,6 @@ class KVWindow:
         self.slot_chunk = [-1] * self.window_chunks   # which committed chunk each slot holds (-1: none)
         self._slot = None
         self._visible_tokens = 0
-
-    @property
-    def current_chunk(self) -> int:
-        return self.next_chunk
 
     def begin_chunk(self, chunk: int) -> None:
         """Prepare the forwards of `chunk` (must be the next one)."""

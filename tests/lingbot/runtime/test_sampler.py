@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from lingbot.config import V1_SAMPLER, V2_SAMPLER
-from lingbot.engine import LatentCondition
-from lingbot.sampler import DMDSampler
+from lingbot.runtime.condition import LatentCondition
+from lingbot.runtime.sampler import DMDSampler
 from tests.conftest import random_condition
 
 
@@ -32,23 +32,23 @@ def test_step_math():
     assert torch.allclose(sampler.renoise(x0, 3, g1), 0.375 * x0 + 0.625 * noise, atol=1e-7)
 
 
-def _latents(engine, preset, seed, chunks=4):
-    s = engine.new_session(LatentCondition(random_condition(preset)), prompt="a windmill", seed=seed)
+def _latents(runner, preset, seed, chunks=4):
+    s = runner.new_session(LatentCondition(random_condition(preset)), prompt="a windmill", seed=seed)
     return s.generate(chunks)
 
 
-def test_same_seed_is_bit_identical_other_seed_differs(tiny, tiny_engine):
-    a = _latents(tiny_engine, tiny, seed=42)
-    b = _latents(tiny_engine, tiny, seed=42)
-    c = _latents(tiny_engine, tiny, seed=43)
+def test_same_seed_is_bit_identical_other_seed_differs(tiny, tiny_runner):
+    a = _latents(tiny_runner, tiny, seed=42)
+    b = _latents(tiny_runner, tiny, seed=42)
+    c = _latents(tiny_runner, tiny, seed=43)
     assert a.shape == (16, 12, *tiny.latent_hw)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     assert (a - c).abs().mean() > 0.1
 
 
-def test_session_reset_replays_identically(tiny, tiny_engine):
-    s = tiny_engine.new_session(LatentCondition(random_condition(tiny)), prompt="a windmill", seed=9)
+def test_session_reset_replays_identically(tiny, tiny_runner):
+    s = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a windmill", seed=9)
     first = s.generate(3)
     s.reset()
     assert torch.equal(s.generate(3), first)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lingbot.config import VAEConfig
-from lingbot.vae import CausalCache, build_random_vae, frames_to_uint8, load_vae, save_vae
-from lingbot.weights import WeightsError
+from lingbot.io.weights import WeightsError, build_random_vae, load_vae, save_vae
+from lingbot.models.vae import CausalCache, frames_to_uint8
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -80,11 +80,11 @@ def test_strict_vae_loading(tmp_path, vae_pair):
     del state["decoder.conv_out.bias"]
     state["decoder.extra.weight"] = torch.zeros(1)
     save_file(state, folder / "diffusion_pytorch_model.safetensors")
-    with pytest.raises(WeightsError, match="missing key 'decoder.conv_out.bias'"):
+    with pytest.raises(WeightsError, match=r"missing key 'decoder\.conv_out\.bias'"):
         load_vae(folder)
     state["decoder.conv_out.bias"] = torch.zeros(3)
     save_file(state, folder / "diffusion_pytorch_model.safetensors")
-    with pytest.raises(WeightsError, match="unknown key 'decoder.extra.weight'"):
+    with pytest.raises(WeightsError, match=r"unknown key 'decoder\.extra\.weight'"):
         load_vae(folder)
 
 

@@ -1,0 +1,107 @@
+"""What crosses between the actors of the app, typed: one dataclass per message, plain data (no Ray here).
+
+    ingress --SessionRequest--> group.session (the lease) --GroupEvent*--> ingress
+    group --ChunkControls--> RankWorker.run_chunk --ChunkReply--> group
+    rank 0 --frames--> Muxer.encode --Fragment--> group         (the reply carries a reference to it)
+    group --> RankWorker.join --RankInfo--> group;  RankWorker.device_stats --DeviceStats--> group
+    ingress --Interaction--> ControlMailbox --> group           (protocol.Interaction; off Serve's routing)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from lingbot.camera import CameraEvent
+
+from .protocol import StartRequest
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """The ingress asks a group to run one session (the argument of the streaming lease call)."""
+    session_id: str
+    start: StartRequest
+
+
+# ---- group <-> ranks ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankInfo:
+    """A rank's reply to `join`: what it serves and how many sessions fit on it."""
+    capacity: int                  # sessions that fit this rank's memory budget
+    session_bytes: int             # one session's footprint on this rank
+    device: str
+    width: int
+    height: int
+    frames_per_chunk: int          # latent frames per chunk
+
+
+@dataclass
+class ChunkControls:
+    """What every rank applies to one chunk."""
+    keys: Optional[tuple[str, ...]] = None
+    camera: Optional[CameraEvent] = None
+    prompt: Optional[str] = None
+    prompt_transition_chunks: int = 0
+    profile: bool = False          # synchronise the device at stage boundaries (exact stage times)
+
+
+@dataclass
+class ChunkReply:
+    """A rank's reply to `run_chunk`. `fragment` (rank 0 only) is a reference to the muxer's Fragment."""
+    stopped: bool
+    timings: dict[str, float] = field(default_factory=dict)
+    engine_s: float = 0.0          # wall time of the chunk inside the rank
+    fragment: Any = None           # ray.ObjectRef[Optional[Fragment]]
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """One rank's accelerator, as that rank sees it (its own device, whatever the node numbers it)."""
+    utilization: float             # percent of the last sample period a kernel was running
+    memory_used: int               # bytes
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The muxer's encoding of one chunk: fMP4 bytes (the first one starts with the init segment)."""
+    index: int
+    data: bytes
+    frames: int
+    encode_s: float
+    transfer_s: float              # rank 0 -> muxer
+
+
+# ---- group -> ingress: the events of a session lease ---------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    group: str
+    mailbox: Any                   # the group's ControlMailbox actor: where the session's controls go
+    mime: str
+    capacity: int
+
+
+@dataclass(frozen=True)
+class ChunkReady:
+    index: int                     # generation chunk index
+    data: bytes
+    num_frames: int
+    started: list[str]             # event ids
+    active: list[str]
+    completed: list[str]
+    timings: dict[str, float]
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class SessionDone:
+    chunks: int
+
+
+@dataclass(frozen=True)
+class SessionError:
+    code: str
+    message: str
+    event_id: Optional[str] = None   # set when the error concerns one interaction (the session goes on)
+
+
+GroupEvent = Union[Admitted, ChunkReady, SessionDone, SessionError]

@@ -1,0 +1,251 @@
+"""Model folders in the diffusers layout of the real checkpoint: read, check, load, write, and random.
+
+A folder holds `transformer/` (config.json + safetensors shards, with
+`diffusion_pytorch_model.safetensors.index.json` when sharded), `vae/` (config.json + one safetensors
+file), `text_encoder/` + `tokenizer/` (transformers' layout) and `model_index.json`. Keys on disk equal
+our parameter names. Loading is strict: a missing, unknown or mis-shaped key is an error that names it.
+Load order: build on the meta device, load with assign=True, then cast and move.
+
+`write_random_checkpoint` writes any preset with seeded random weights in the same layout, so tests and
+the embedded default load the tiny model from disk exactly as real weights are loaded. Nothing here
+downloads anything.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import ConfigError, Preset, TextEncoderConfig, TransformerConfig, VAEConfig, parse_dtype
+from ..models.dit import CausalWanModel
+from ..models.text_encoder import TextEncoder
+from ..models.vae import WanVAE
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+
+class WeightsError(ValueError):
+    """A checkpoint folder does not match the model; the message names the offending key or file."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# transformer/
+# ---------------------------------------------------------------------------------------------------
+
+def build_random_transformer(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32,
+                             device="cpu") -> CausalWanModel:
+    """The model with seeded random weights (PyTorch's default init), independent of the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CausalWanModel(config)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def save_transformer(model: CausalWanModel, folder: str | Path, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+    """Write config.json and the state dict as safetensors shards (index written when > 1 shard)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.config.to_json_dict(), indent=2))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in model.state_dict().items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().contiguous().cpu()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], folder / WEIGHTS_NAME)
+        return folder
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        filename = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / filename)
+        for name, t in shard.items():
+            weight_map[name] = filename
+            total += t.numel() * t.element_size()
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2))
+    return folder
+
+
+def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a diffusers-layout folder (sharded with an index, or one file), on the CPU."""
+    folder = Path(folder)
+    if (folder / INDEX_NAME).exists():
+        weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+        state: dict[str, torch.Tensor] = {}
+        for filename in sorted(set(weight_map.values())):
+            if not (folder / filename).exists():
+                raise WeightsError(f"{folder / filename} is listed in {INDEX_NAME} but missing")
+            shard = load_file(folder / filename)
+            listed = {k for k, f in weight_map.items() if f == filename}
+            if set(shard) != listed:
+                extra = sorted(set(shard) - listed) or sorted(listed - set(shard))
+                raise WeightsError(f"{filename} does not match {INDEX_NAME} for keys {extra[:5]}")
+            state.update(shard)
+        return state
+    if (folder / WEIGHTS_NAME).exists():
+        return load_file(folder / WEIGHTS_NAME)
+    raise WeightsError(f"no {INDEX_NAME} or {WEIGHTS_NAME} in {folder}")
+
+
+def check_state_dict(expected: dict, state: dict, source, dtype: torch.dtype) -> dict:
+    """Strict match of a checkpoint's tensors against a model's: a missing, unknown or mis-shaped key is a
+    WeightsError naming it. Returns the tensors cast to `dtype`, ready for load_state_dict(assign=True)."""
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing:
+        raise WeightsError(f"checkpoint {source} is missing key {missing[0]!r}"
+                           + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
+    if unknown:
+        raise WeightsError(f"checkpoint {source} has unknown key {unknown[0]!r}"
+                           + (f" (and {len(unknown) - 1} more: {unknown[1:6]})" if len(unknown) > 1 else ""))
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise WeightsError(f"key {name!r} has shape {list(tensor.shape)} in {source}, "
+                               f"the config expects {list(expected[name].shape)}")
+    return {name: tensor.to(dtype) for name, tensor in state.items()}
+
+
+def load_transformer(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> CausalWanModel:
+    """Strictly load `folder` (a diffusers-format transformer/ directory) into our model."""
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        raise WeightsError(f"{folder / 'config.json'} is missing: is {folder} a transformer/ folder?")
+    config = TransformerConfig.from_json_file(folder / "config.json")
+    with torch.device("meta"):
+        model = CausalWanModel(config)
+    state = check_state_dict(model.state_dict(), read_state_dict(folder), folder, dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    log.info("loaded %d tensors from %s", len(state), folder)
+    return model.to(device).eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# vae/
+# ---------------------------------------------------------------------------------------------------
+def build_random_vae(cfg: VAEConfig, seed: int, dtype: torch.dtype = torch.float32) -> WanVAE:
+    with torch.random.fork_rng(devices=[]):          # seeded, and the global RNG is left as it was
+        torch.manual_seed(seed)
+        vae = WanVAE(cfg)
+        # RMS-norm gammas start at 1 (PyTorch init); randomise them so tests see the real weight paths
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.data.uniform_(0.5, 1.5)
+    return vae.to(dtype).eval().requires_grad_(False)
+
+
+def save_vae(vae: WanVAE, folder: str | Path) -> Path:
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(vae.config.to_json_dict(), indent=2))
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, folder / WEIGHTS_NAME)
+    return folder
+
+
+def load_vae(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> WanVAE:
+    """Strictly load a diffusers-format `vae/` folder: every key must match by name and shape."""
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        raise WeightsError(f"{folder / 'config.json'} is missing: is {folder} a vae/ folder?")
+    cfg = VAEConfig.from_json_dict(json.loads((folder / "config.json").read_text()))
+    with torch.device("meta"):
+        vae = WanVAE(cfg)
+    state = check_state_dict(vae.state_dict(), read_state_dict(folder), folder, dtype)
+    vae.load_state_dict(state, strict=True, assign=True)
+    # non-persistent buffers were created on meta: rebuild them on the target device
+    vae.latents_mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+    vae.latents_inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+    return vae.to(device).eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# text_encoder/ and tokenizer/
+# ---------------------------------------------------------------------------------------------------
+PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+
+
+def load_text_encoder(root: str | Path, device="cpu", dtype: torch.dtype | None = None,
+                      max_length: int = 512) -> TextEncoder:
+    """Load `root/tokenizer` and `root/text_encoder` (the diffusers layout) from local disk only."""
+    from transformers import AutoTokenizer, UMT5EncoderModel
+    root = Path(root)
+    for part in ("tokenizer", "text_encoder"):
+        if not (root / part).is_dir():
+            raise FileNotFoundError(f"{root / part} is missing: a model folder needs tokenizer/ and text_encoder/")
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer", local_files_only=True)
+    kwargs = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = UMT5EncoderModel.from_pretrained(root / "text_encoder", **kwargs).to(device)
+    return TextEncoder(tokenizer, model, max_length)
+
+
+def build_byte_tokenizer(max_length: int = 512):
+    """A T5-style tokenizer over raw bytes (<pad>=0, </s>=1, <unk>=2, bytes 3..258), EOS appended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet)
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for i, ch in enumerate(byte_chars):
+        vocab[ch] = 3 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+                                   model_max_length=max_length)
+
+
+def build_random_text_encoder(config: TextEncoderConfig, seed: int) -> TextEncoder:
+    """A UMT5 encoder of the given small dims with seeded random weights and the byte tokenizer."""
+    from transformers import UMT5Config, UMT5EncoderModel
+    umt5 = UMT5Config(vocab_size=config.vocab_size, d_model=config.d_model, d_kv=config.d_kv, d_ff=config.d_ff,
+                      num_layers=config.num_layers, num_heads=config.num_heads, feed_forward_proj="gated-gelu",
+                      relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = UMT5EncoderModel(umt5)
+    return TextEncoder(build_byte_tokenizer(config.max_length), model, config.max_length)
+
+
+def save_text_encoder(encoder: TextEncoder, root: str | Path) -> None:
+    """Write `root/tokenizer` and `root/text_encoder` in the layout of the real checkpoint."""
+    root = Path(root)
+    encoder.tokenizer.save_pretrained(root / "tokenizer")
+    encoder.model.save_pretrained(root / "text_encoder", safe_serialization=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole folder
+# ---------------------------------------------------------------------------------------------------
+def write_random_checkpoint(preset: Preset, folder: str | Path, seed: Optional[int] = None,
+                            max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+    """Write `preset` with random weights (seed: the preset's weights_seed unless given) to `folder`."""
+    seed = preset.weights_seed if seed is None else seed
+    if seed is None:
+        raise ConfigError(f"preset {preset.name} has real weights; pass a seed to write random ones")
+    folder = Path(folder)
+    model = build_random_transformer(preset.transformer, seed, preset.torch_dtype)
+    save_transformer(model, folder / "transformer", max_shard_bytes)
+    save_vae(build_random_vae(preset.vae, seed, parse_dtype(preset.vae_dtype)), folder / "vae")
+    save_text_encoder(build_random_text_encoder(preset.text, seed), folder)
+    index = {"_class_name": "LingBotWorldPipeline", "lingbot_preset": preset.name,
+             "transformer": ["lingbot", "CausalWanModel"], "vae": ["diffusers", "AutoencoderKLWan"],
+             "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    log.info("wrote random %s checkpoint (seed %d) to %s", preset.name, seed, folder)
+    return folder

@@ -1,0 +1,104 @@
+"""The whole in-process pipeline: image + prompt + controls -> uint8 video frames, chunk by chunk.
+
+A `WorldSession` owns a DiT session (its K/V window, camera, RNG), the causal condition encoder and the
+VAE decoder cache. One `step()` = condition encode + 4 probes + commit (the DiT session) + streaming
+decode to uint8 frames on the device (chunk 0 gives 9 frames, every later chunk 12). The pipeline runs
+the same code on one device and on every rank of a sequence-parallel group: parallelism lives in the
+modules it is given (the DiT, the frame decoder), never here.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..camera import CameraRig, Controls
+from ..io.images import model_image
+from ..models.vae import CausalCache, FrameDecoder, WanVAE
+from .condition import CausalConditionEncoder
+from .dit_runner import ChunkResult, DiTRunner, StageTimer
+
+
+@dataclass
+class VideoChunk:
+    index: int
+    frames: Optional[Tensor]                         # [F, H, W, 3] uint8 on the device; None off-root under SP
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class WorldPipeline:
+    """DiT runner + VAE (the condition encoder) + frame decoder. Under sequence parallelism every rank runs
+    this with the DiT and the decoder already wrapped (lingbot/builder.py); other ranks than the root get
+    chunks with frames=None in the root pixel modes."""
+
+    def __init__(self, runner: DiTRunner, vae: WanVAE, skip_fixed_point: bool = True,
+                 decoder: Optional[FrameDecoder] = None):
+        self.runner = runner
+        self.vae = vae
+        self.decoder = decoder if decoder is not None else FrameDecoder(vae)
+        self.skip_fixed_point = skip_fixed_point
+
+    @property
+    def preset(self):
+        return self.runner.preset
+
+    def new_session(self, image: Union[np.ndarray, Tensor], prompt: str, seed: int = 0,
+                    rig: Optional[CameraRig] = None, flow_shift: Optional[float] = None) -> WorldSession:
+        """`image`: the first frame at the preset's size, uint8 [H, W, 3] or float [3, H, W] in [-1, 1];
+        `flow_shift`: the sampler's shift for this session (None: the preset's)."""
+        image = model_image(image)
+        h, w = self.preset.height, self.preset.width
+        if tuple(image.shape) != (3, h, w):
+            raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
+        return WorldSession(self, image.to(self.runner.device), prompt, seed, rig, flow_shift)
+
+
+class WorldSession:
+    """One user's world: the DiT session, the condition encoder and the decoder cache."""
+
+    def __init__(self, pipeline: WorldPipeline, image: Tensor, prompt: str, seed: int, rig: Optional[CameraRig],
+                 flow_shift: Optional[float] = None):
+        self.pipeline = pipeline
+        self.condition = CausalConditionEncoder(pipeline.vae, image, pipeline.runner.config.num_frames_per_block,
+                                                pipeline.skip_fixed_point)
+        self.dit = pipeline.runner.new_session(self.condition, prompt=prompt, seed=seed, rig=rig, shift=flow_shift)
+        self.decoder_cache = CausalCache()
+        self.failed: Optional[str] = None
+
+    @property
+    def chunk_index(self) -> int:
+        return self.dit.chunk_index
+
+    def reset(self) -> None:
+        self.dit.reset()                      # also resets the condition encoder and the camera
+        self.decoder_cache.reset()
+        self.failed = None
+
+    @torch.no_grad()
+    def step(self, controls: Optional[Controls] = None, should_stop: Callable[[], bool] = lambda: False,
+             prompt: Optional[tuple[str, int]] = None, profile: bool = False) -> Optional[VideoChunk]:
+        """One chunk. A stopped or failed DiT chunk changes nothing lasting; a failure after it (decode,
+        pixels) leaves the DiT one chunk ahead of the decoder, so the session is marked failed (reset() clears).
+        `profile` synchronises the device at stage boundaries (exact stage times, slower)."""
+        if self.failed:
+            raise RuntimeError(f"session failed earlier ({self.failed}); reset it")
+        result = self.dit.run_chunk(controls, should_stop, prompt, profile)
+        if result is None:
+            return None
+        try:
+            return self._decode(result, StageTimer(self.pipeline.runner.device, profile))
+        except BaseException as e:
+            self.failed = f"{type(e).__name__} while decoding chunk {result.index}"
+            raise
+
+    def _decode(self, result: ChunkResult, timer: StageTimer) -> VideoChunk:
+        decoder = self.pipeline.decoder
+        video = decoder.decode(result.latents, self.decoder_cache)       # pixels in [-1, 1] (this rank's share)
+        timer.mark("decode")
+        frames = decoder.to_frames(video)                                 # uint8 [F, H, W, 3] (None off-root)
+        timer.mark("pixels")
+        return VideoChunk(result.index, frames, {**result.timings, **timer.timings})

@@ -1,0 +1,87 @@
+"""The session scheduler without a server: pacing, stalls, interaction lifecycle, flow control."""
+import pytest
+
+from deployments.protocol import Interaction
+from deployments.sessions import ScheduledSession, Scheduler, Tombstones
+from lingbot.camera import CameraEvent
+from tests.deployments.test_protocol import frames_for_chunks, start
+
+
+def _state(sid, chunks=None, fps=16.0, now=0.0, script=()):
+    req = start(num_frames=frames_for_chunks(chunks) if chunks else None, fps=fps)
+    req.action_script = list(script)
+    if chunks is None:
+        req.chunks = None
+    return ScheduledSession(sid, req, now=now)
+
+
+def test_edf_and_pacing():
+    sched = Scheduler(pacing_lead_s=0.5)
+    a, b = _state("a", now=0.0), _state("b", now=0.5)
+    sched.add(a), sched.add(b)
+    assert sched.pick(now=1.0)[0] is a                    # both due at once: the earlier created first
+    a.next_chunk += 1
+    a.delivered(9, now=1.0)                               # a's player: 9 frames = 0.5625 s from t=1.0
+    assert sched.pick(now=1.1)[0] is b                    # b is due (since 0.5), a not until 1.5625
+    b.next_chunk += 1
+    b.delivered(9, now=1.2)
+    # both ahead; a is due at 1.5625, b at 1.7625: a is next, and may run up to 0.5 s (the lead) early
+    assert sched.pick(now=1.2)[0] is a
+    a.next_chunk += 1
+    a.delivered(12, now=1.3)                              # a now buffered until 2.3125
+    who, wait = sched.pick(now=1.3)
+    assert who is b                                       # b (1.7625) is earlier: never a while b is behind it
+    b.next_chunk += 1
+    b.delivered(12, now=1.4)                              # b until 2.5125
+    who, wait = sched.pick(now=1.4)
+    assert who is None and wait == pytest.approx(2.3125 - 1.4 - 0.5)   # both over 0.5 s ahead: idle
+
+
+def test_stall_accounting():
+    s = _state("a", now=0.0)
+    s.delivered(9, now=1.0)              # plays until 1.5625
+    s.delivered(12, now=2.0)             # 0.4375 s late
+    assert s.stalls == 1 and s.stall_seconds == pytest.approx(0.4375)
+    assert s.deadline() == pytest.approx(2.0 + 12 / 16)
+
+
+def test_event_lifecycle():
+    s = _state("a", chunks=6, script=[("w", "w", "w")] * 6)
+    s.queue(Interaction("k1", keys=["l"] * 5))
+    s.queue(Interaction("c1", camera=CameraEvent("target", (0, 0, 1), (0, 0, 0, 1), 2)))
+    plan = s.plan_next_chunk()
+    assert plan.controls.keys == ("l", "l", "l") and plan.controls.camera.mode == "target"
+    assert plan.started == ["k1", "c1"] and plan.active == ["k1", "c1"] and plan.completed == []
+    s.commit_plan(plan)
+    s.queue(Interaction("p1", prompt="night", transition_chunks=0))
+    plan = s.plan_next_chunk()
+    assert plan.controls.keys == ("l", "l", "") and plan.controls.prompt == "night"
+    assert plan.controls.camera is None                  # the target transition continues in the rig
+    assert plan.started == ["p1"] and sorted(plan.completed) == ["c1", "k1", "p1"]
+    s.commit_plan(plan)
+    s.queue(Interaction("v1", camera=CameraEvent("velocity", (0, 0, 0.05), (0, 0, 0, 1))))
+    plan = s.plan_next_chunk()
+    assert plan.controls.keys == ("w", "w", "w")         # the start script again
+    s.commit_plan(plan)
+    plan = s.plan_next_chunk()
+    assert plan.active == ["v1"] and plan.completed == []  # velocity holds until replaced
+    s.commit_plan(plan)
+    s.queue(Interaction("v2", camera=CameraEvent("velocity", (0, 0, 0), (0, 0, 0, 1))))
+    plan = s.plan_next_chunk()
+    assert plan.completed == ["v1"] and plan.active == ["v2"]
+    # a plan that is not committed (the chunk failed) leaves everything as it was
+    assert s.next_chunk == 4 and len(s.pending) == 1
+
+
+def test_control_queue_is_bounded():
+    s = _state("a")
+    s.max_queued = 2
+    assert s.queue(Interaction("1", keys=["w"])) and s.queue(Interaction("2", keys=["w"]))
+    assert not s.queue(Interaction("3", keys=["w"]))
+
+
+def test_tombstones_keep_the_newest():
+    t = Tombstones(capacity=2)
+    for sid in ("a", "b", "c"):
+        t.add(sid)
+    assert "a" not in t and "b" in t and "c" in t

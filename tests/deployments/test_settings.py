@@ -1,0 +1,64 @@
+"""Serving settings: validation, environment overrides, placement and the resources the app requests."""
+import pytest
+
+from deployments.settings import ServeSettings
+from lingbot.config import ConfigError
+
+
+def test_settings_validation(monkeypatch):
+    s = ServeSettings.from_args({"sp": 2, "rank_cpus": "0.25"})
+    assert s.placement_bundles == [{"CPU": 0.05}, {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.1}]
+    assert (s.rank_bundle(0), s.rank_bundle(1), s.muxer_bundle) == (1, 2, 3)
+    with pytest.raises(ConfigError, match="sp 3 does not divide the 4 attention heads"):
+        ServeSettings.from_args({"sp": 3})
+    with pytest.raises(ConfigError, match="unknown serve settings \\['spp'\\]"):
+        ServeSettings.from_args({"spp": 2})
+    with pytest.raises(ConfigError, match="needs model_path"):
+        ServeSettings.from_args({"preset": "lingbot-world-v2-14b", "device": "cuda", "rank_devices": 1})
+    with pytest.raises(ConfigError, match="is not a valid int"):
+        ServeSettings.from_args({"sp": "two"})
+    monkeypatch.setenv("LINGBOT_SP", "4")                 # the environment overrides the config file
+    assert ServeSettings.from_args({"sp": 2}).sp == 4
+
+
+def test_api_key_set():
+    assert ServeSettings.from_args({"api_keys": "k1, k2"}).api_key_set == {"k1", "k2"}
+    assert ServeSettings.from_args({}).api_key_set == frozenset()
+
+
+def test_accelerators_are_requested_by_kind():
+    """CPU ranks ask for CPUs only; CUDA ranks for GPUs (num_gpus, so Ray sets CUDA_VISIBLE_DEVICES); NPU
+    ranks for Ray's separate NPU resource, never for GPUs."""
+    cpu = ServeSettings.from_args({"sp": 2})
+    assert cpu.rank_accelerators == {} and cpu.rank_actor_options() == {"num_cpus": 0.3}
+    big = {"preset": "lingbot-world-v2-14b", "model_path": "/models/x", "sp": 4, "rank_cpus": 4, "rank_devices": 1}
+    cuda = ServeSettings.from_args({**big, "device": "cuda"})
+    assert cuda.placement_bundles == [{"CPU": 0.05}] + [{"CPU": 4.0, "GPU": 1.0}] * 4 + [{"CPU": 0.1}]
+    assert cuda.rank_actor_options() == {"num_cpus": 4.0, "num_gpus": 1.0}
+    npu = ServeSettings.from_args({**big, "device": "npu"})
+    assert npu.placement_bundles == [{"CPU": 0.05}] + [{"CPU": 4.0, "NPU": 1.0}] * 4 + [{"CPU": 0.1}]
+    assert npu.rank_actor_options() == {"num_cpus": 4.0, "resources": {"NPU": 1.0}}
+    assert not any("GPU" in bundle for bundle in npu.placement_bundles)
+    with pytest.raises(ConfigError, match="device npu needs rank_devices > 0"):
+        ServeSettings.from_args({**big, "device": "npu", "rank_devices": 0})
+    with pytest.raises(ConfigError, match="device cpu takes no accelerators"):
+        ServeSettings.from_args({"rank_devices": 1})
+
+
+def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
+    """Each rank measures its own device (whatever index the node gives it); the group tags by rank, and a
+    rank without an accelerator (CPU) reports nothing."""
+    from deployments.group import gpu_metric_tags
+    from deployments.messages import DeviceStats
+    from deployments.rank import RankWorker
+    rank0, rank1 = DeviceStats(90.0, 5 << 30), DeviceStats(40.0, 7 << 30)
+    assert gpu_metric_tags("g1", [rank0, rank1]) == [(rank0, {"group": "g1", "rank": "0"}),
+                                                     (rank1, {"group": "g1", "rank": "1"})]
+    assert gpu_metric_tags("g1", [None, rank1]) == [(rank1, {"group": "g1", "rank": "1"})]
+    worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
+    assert worker.device.type == "cpu" and worker.device_stats() is None
+
+
+def test_sessions_per_group_from_the_budget():
+    assert ServeSettings.from_args({}).sessions_per_group() == 2                 # capped by max_sessions_per_group
+    assert ServeSettings.from_args({"memory_budget_gib": 0.0001}).sessions_per_group() == 0
