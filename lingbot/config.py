@@ -278,9 +278,6 @@ class Preset:
         h, w = self.latent_hw
         return (h // self.transformer.patch_size[1]) * (w // self.transformer.patch_size[2])
 
-    def with_size(self, height: int, width: int) -> Preset:
-        return dataclasses.replace(self, height=height, width=width)
-
 
 def parse_dtype(name: str) -> torch.dtype:
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,

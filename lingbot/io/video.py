@@ -10,23 +10,31 @@ import av
 import numpy as np
 
 
+def frame_rate(fps: float) -> Fraction:
+    return Fraction(fps).limit_denominator(1000)
+
+
+def open_h264(target: Union[str, BinaryIO], width: int, height: int, fps: float, crf: int, preset: str,
+              movflags: str = "") -> tuple:
+    """An MP4 container writing one H.264 yuv420p stream (x264, zerolatency: no B-frames, no lookahead).
+    Returns (container, stream)."""
+    if width % 2 or height % 2:
+        raise ValueError(f"H.264 yuv420p needs an even size, got {width}x{height}")
+    container = av.open(target, mode="w", format="mp4", options={"movflags": movflags} if movflags else {})
+    stream = container.add_stream("libx264", rate=frame_rate(fps))
+    stream.width, stream.height = width, height
+    stream.pix_fmt = "yuv420p"
+    stream.options = {"crf": str(crf), "preset": preset, "tune": "zerolatency"}
+    return container, stream
+
+
 class H264Writer:
-    """Encodes uint8 RGB frames [F, H, W, 3] as H.264 yuv420p into MP4.
+    """Encodes uint8 RGB frames [F, H, W, 3] as H.264 yuv420p into an MP4 file."""
 
-    fragmented=True writes fMP4 (empty_moov + default_base_moof + frag_keyframe), the layout Media Source
-    Extensions play as it arrives."""
-
-    def __init__(self, target: Union[str, Path, BinaryIO], width: int, height: int, fps: float,
-                 fragmented: bool = False, crf: int = 23, preset: str = "veryfast"):
-        if width % 2 or height % 2:
-            raise ValueError(f"H.264 yuv420p needs an even size, got {width}x{height}")
-        options = {"movflags": "frag_keyframe+empty_moov+default_base_moof"} if fragmented else {}
-        self.container = av.open(target if not isinstance(target, Path) else str(target), mode="w",
-                                 format="mp4", options=options)
-        self.stream = self.container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
-        self.stream.width, self.stream.height = width, height
-        self.stream.pix_fmt = "yuv420p"
-        self.stream.options = {"crf": str(crf), "preset": preset, "tune": "zerolatency"}
+    def __init__(self, target: Union[str, Path, BinaryIO], width: int, height: int, fps: float, crf: int = 23,
+                 preset: str = "veryfast"):
+        target = str(target) if isinstance(target, Path) else target
+        self.container, self.stream = open_h264(target, width, height, fps, crf, preset)
         self.frames_written = 0
 
     def write(self, frames: np.ndarray) -> None:
@@ -89,16 +97,10 @@ class FragmentedMp4Encoder:
     (zerolatency x264: no B-frames, no lookahead, so each frame's packet is out before the next frame)."""
 
     def __init__(self, width: int, height: int, fps: float, crf: int = 23, preset: str = "veryfast"):
-        if width % 2 or height % 2:
-            raise ValueError(f"H.264 yuv420p needs an even size, got {width}x{height}")
         self._header = io.BytesIO()
-        self._container = av.open(self._header, mode="w", format="mp4",
-                                  options={"movflags": "frag_keyframe+empty_moov+default_base_moof"})
-        rate = Fraction(fps).limit_denominator(1000)
-        self.stream = self._container.add_stream("libx264", rate=rate)
-        self.stream.width, self.stream.height = width, height
-        self.stream.pix_fmt = "yuv420p"
-        self.stream.options = {"crf": str(crf), "preset": preset, "tune": "zerolatency"}
+        self._container, self.stream = open_h264(self._header, width, height, fps, crf, preset,
+                                                 movflags="frag_keyframe+empty_moov+default_base_moof")
+        rate = frame_rate(fps)
         self._container.start_encoding()                     # opens the codec, writes ftyp + moov
         self.init_segment = self._header.getvalue()
         self.timescale = self.stream.time_base.denominator // self.stream.time_base.numerator
@@ -156,10 +158,3 @@ class FragmentedMp4Encoder:
             out = self.init_segment + out
             self._sent_init = True
         return out
-
-    def finish(self) -> bytes:
-        """Flush the encoder: a last fragment with any frames still inside it (normally none)."""
-        packets = list(self.stream.encode(None))
-        self._next_pts += len(packets) * self.frame_duration
-        out = self._fragment(packets)
-        return out if self._sent_init else self.init_segment + out

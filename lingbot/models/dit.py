@@ -140,13 +140,20 @@ class TokenSplit(nn.Module):
         return x
 
 
-class SelfAttention(nn.Module):
+class Projections(nn.Module):
+    """q, k, v, o (with bias) and RMSNorm over the full dim on q and k: what both attentions of a block have."""
+
     def __init__(self, dim: int, heads: int, eps: float):
         super().__init__()
         self.heads = heads
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q = RMSNorm(dim, eps)
         self.norm_k = RMSNorm(dim, eps)
+
+
+class SelfAttention(Projections):
+    def __init__(self, dim: int, heads: int, eps: float):
+        super().__init__(dim, heads, eps)
         self.attn = WindowAttention()
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv: KVWindowLike, layer: int) -> Tensor:
@@ -159,14 +166,7 @@ class SelfAttention(nn.Module):
         return self.o(out.flatten(2))
 
 
-class CrossAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, eps: float):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm_q = RMSNorm(dim, eps)
-        self.norm_k = RMSNorm(dim, eps)
-
+class CrossAttention(Projections):
     def text_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """context [B, T, dim] -> K, V [B, H, T, D], computed once per prompt."""
         b, t, _ = context.shape

@@ -32,3 +32,21 @@ def test_a_failed_decode_fails_the_session_until_reset(tiny, tiny_pipeline):
         session.step()
     session.reset()
     assert session.step().frames.shape == (9, 64, 112, 3)
+
+
+def test_uint8_image_flow_shift_and_profiling_are_session_arguments(tiny, tiny_pipeline):
+    """A uint8 [H, W, 3] first frame is the float [3, H, W] image (x / 255 - 0.5) / 0.5; the flow shift is
+    per session; profiling only synchronises (the frames are the same)."""
+    pixels = torch.randint(0, 256, (tiny.height, tiny.width, 3), generator=torch.Generator().manual_seed(3),
+                           dtype=torch.uint8)
+    as_float = (pixels.permute(2, 0, 1).float() / 255.0 - 0.5) / 0.5
+    a = tiny_pipeline.new_session(pixels.numpy(), "a harbour", seed=2).step()
+    b = tiny_pipeline.new_session(as_float, "a harbour", seed=2).step(profile=True)
+    assert torch.equal(a.frames, b.frames)
+    shifted = tiny_pipeline.new_session(pixels, "a harbour", seed=2, flow_shift=10.0)
+    assert shifted.dit.sampler.config.shift == 10.0
+    assert not torch.equal(shifted.step().frames, a.frames)
+    with pytest.raises(ValueError, match=r"a uint8 image must be \[H, W, 3\]"):
+        tiny_pipeline.new_session(pixels.permute(2, 0, 1).contiguous(), "x")
+    with pytest.raises(ValueError, match="flow_shift must be a finite number > 0"):
+        tiny_pipeline.new_session(pixels, "x", flow_shift=-1.0)
