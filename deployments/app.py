@@ -17,7 +17,8 @@ def build_app(args: dict | None = None) -> Application:
     settings = s.to_dict()
     capacity = s.sessions_per_group()
     if capacity < 1:
-        raise ConfigError(f"memory_budget_gib {s.memory_budget_gib} fits no session of {s.preset} at sp {s.sp}")
+        raise ConfigError(f"memory_budget_gib {s.memory_budget_gib} fits no session of {s.preset} at sp {s.sp}; "
+                          f"raise it (or leave it unset on GPUs, to use the memory measured at start-up)")
     group = serve.deployment(
         WorldGroup, name="WorldGroup",
         ray_actor_options={"num_cpus": s.replica_cpus},

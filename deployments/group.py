@@ -80,7 +80,8 @@ class WorldGroup:
         self.capacity = min(i.capacity for i in infos)
         if self.capacity < 1:
             raise RuntimeError(f"no session fits: one needs {infos[0].session_bytes / 2 ** 30:.2f} GiB per rank, "
-                               f"memory_budget_gib is {s.memory_budget_gib}")
+                               f"more than is left after the weights and warm-up (memory_budget_gib: "
+                               f"{s.memory_budget_gib})")
         self.size = (infos[0].width, infos[0].height)
         self.frames_per_chunk = infos[0].frames_per_chunk
         self.muxer = ray.remote(Muxer).options(num_cpus=s.muxer_cpus, max_concurrency=8,

@@ -33,6 +33,7 @@ class RankInfo:
     width: int
     height: int
     frames_per_chunk: int          # latent frames per chunk
+    warmup_s: float = 0.0          # the warm-up run before the rank reported ready
 
 
 @dataclass

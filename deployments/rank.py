@@ -53,22 +53,24 @@ class RankWorker:
         return f"tcp://{ip}:{free_port('0.0.0.0')}"
 
     def join(self, init_method: str) -> RankInfo:
-        """Join the group's process group and build the pipeline (every rank concurrently)."""
-        from lingbot.builder import build_pipeline
-        from lingbot.parallel import Comm
+        """The rank's lifecycle up to serving (every rank concurrently): connect, load, warm up, measure,
+        capacity. The group replica, and so /readyz, is ready only once every rank returned from here."""
         from lingbot.runtime.budget import session_footprint
+        from lingbot.runtime.lifecycle import RankLifecycle
         s = self.settings
         t0 = time.monotonic()
-        self.comm = Comm.init(self.rank, self.world_size, init_method, self.device, s.collective_timeout_s) \
-            if self.world_size > 1 else Comm(device=self.device)
-        self.pipeline = build_pipeline(s.preset, s.model_path, device=self.device, comm=self.comm,
-                                       pixel_mode=s.pixel_mode, skip_fixed_point=s.skip_fixed_point)
+        life = RankLifecycle(self.rank, self.world_size, self.device)
+        self.comm = life.connect(init_method, s.collective_timeout_s)
+        self.pipeline = life.load(s.preset, s.model_path, pixel_mode=s.pixel_mode,
+                                  skip_fixed_point=s.skip_fixed_point, compile=s.compile)
+        warmup = life.warm_up()
+        life.measure()
+        capacity = life.capacity(s.max_sessions_per_group, s.budget_bytes)
         preset = self.pipeline.preset
-        capacity = s.sessions_per_group()
-        log.info("rank %d/%d ready on %s in %.1f s; %d sessions fit", self.rank, self.world_size, self.device,
-                 time.monotonic() - t0, capacity)
+        log.info("rank %d/%d ready on %s in %.1f s (warm-up %.1f s); %d sessions fit", self.rank, self.world_size,
+                 self.device, time.monotonic() - t0, warmup.seconds, capacity)
         return RankInfo(capacity, session_footprint(preset, self.world_size).total, str(self.device), preset.width,
-                        preset.height, preset.transformer.num_frames_per_block)
+                        preset.height, preset.transformer.num_frames_per_block, warmup.seconds)
 
     def _device(self) -> torch.device:
         kind = self.settings.device

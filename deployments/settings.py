@@ -24,15 +24,18 @@ class ServeSettings:
     sp: int = 2                              # ranks per group (sequence-parallel degree)
     pixel_mode: str = DEFAULT_PIXEL_MODE
     skip_fixed_point: bool = True
+    compile: Optional[bool] = None           # regional torch.compile of the DiT blocks; None: on for cuda/npu
     # placement (resources per bundle: [replica] + sp x [rank] + [muxer])
     replica_cpus: float = 0.05
     rank_cpus: float = 0.3
     rank_devices: float = 0.0                # accelerators per rank (GPUs for cuda, NPUs for npu): 1
     muxer_cpus: float = 0.1
     ingress_cpus: float = 0.05
-    # capacity: sessions per group = min(max_sessions_per_group, what fits in memory_budget_gib per rank)
+    # capacity: sessions per group = min(max_sessions_per_group, what fits per rank): on accelerators in the
+    # memory measured after warm-up, unless memory_budget_gib (per rank) overrides it; on CPU in
+    # memory_budget_gib (default 1 GiB)
     max_sessions_per_group: int = 2
-    memory_budget_gib: float = 1.0
+    memory_budget_gib: Optional[float] = None
     # autoscaling (counted in sessions)
     min_groups: int = 1
     max_groups: int = 2
@@ -52,7 +55,9 @@ class ServeSettings:
     max_ingress_sessions: int = 64           # WebSockets one ingress replica holds
     default_chunks: int = 8                  # when session.start gives no num_frames
     max_chunks: int = 100000
-    group_start_timeout_s: float = 300.0     # rank actors up and joined in the process group
+    # rank actors up, joined, loaded and warmed up: sized for real weights (8 ranks cold-loading ~45 GiB each
+    # from a shared volume, then compiling); the tiny CPU default takes well under a minute
+    group_start_timeout_s: float = 1800.0
     collective_timeout_s: float = 120.0
     metrics_interval_s: float = 5.0
     api_keys: str = ""                       # comma-separated; when set, clients must present one (see README)
@@ -106,12 +111,23 @@ class ServeSettings:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The per-rank memory budget of the config rule; None where capacity is measured (accelerators
+        without memory_budget_gib)."""
+        from lingbot.runtime.lifecycle import CPU_BUDGET_BYTES
+        if self.memory_budget_gib is not None:
+            return int(self.memory_budget_gib * 2 ** 30)
+        return CPU_BUDGET_BYTES if self.device == "cpu" else None
+
     def sessions_per_group(self) -> int:
-        """Sessions one group admits, from the config alone: min(max_sessions_per_group, what fits in
-        memory_budget_gib per rank). The app sizes autoscaling with it, and every rank reports it."""
+        """Sessions one group admits as far as the config tells (the app sizes Serve's routing and
+        autoscaling with it): the budget rule, or max_sessions_per_group where the ranks measure memory
+        at start-up (each group then admits what its ranks measured, at most this)."""
         from lingbot.runtime.budget import sessions_that_fit
-        return sessions_that_fit(get_preset(self.preset), self.sp, int(self.memory_budget_gib * 2 ** 30),
-                                 self.max_sessions_per_group)
+        if self.budget_bytes is None:
+            return self.max_sessions_per_group
+        return sessions_that_fit(get_preset(self.preset), self.sp, self.budget_bytes, self.max_sessions_per_group)
 
     @property
     def rank_accelerators(self) -> dict[str, float]:
@@ -128,8 +144,13 @@ class ServeSettings:
 
     def rank_actor_options(self) -> dict:
         """Ray actor options of a rank (its bundle's resources): GPUs through num_gpus, which makes Ray set
-        CUDA_VISIBLE_DEVICES; other accelerators as named resources (Ray sets ASCEND_RT_VISIBLE_DEVICES)."""
+        CUDA_VISIBLE_DEVICES; other accelerators as named resources (Ray sets ASCEND_RT_VISIBLE_DEVICES).
+        CUDA ranks get expandable allocator segments (sessions allocate and free multi-GiB slabs) and NCCL
+        warnings in their logs."""
         options: dict = {"num_cpus": self.rank_cpus}
+        if self.device == "cuda":
+            options["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                                   "NCCL_DEBUG": "WARN"}}
         for name, amount in self.rank_accelerators.items():
             if name == "GPU":
                 options["num_gpus"] = amount
@@ -150,7 +171,7 @@ class ServeSettings:
 
 
 def _coerce(name: str, value: Any, annotation: str):
-    text = str(annotation)
+    text = str(annotation).removeprefix("Optional[")
     if value is None:
         return value
     try:

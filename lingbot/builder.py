@@ -22,7 +22,9 @@ from .io.weights import (
 from .models.vae import FrameDecoder
 from .parallel import Comm, apply_sequence_parallel
 from .parallel.pixels import DEFAULT_PIXEL_MODE
+from .parallel.text import share_text_encoder
 from .parallel.vae_shard import shard_decoder
+from .runtime.compile import compile_blocks, compile_default
 from .runtime.dit_runner import DiTRunner
 from .runtime.pipeline import WorldPipeline
 
@@ -30,12 +32,19 @@ log = logging.getLogger(__name__)
 
 
 def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
-                     dtype: Optional[torch.dtype] = None, comm: Optional[Comm] = None, **runner_kwargs) -> DiTRunner:
-    """A DiT runner for `preset`: weights from `model_path` (a diffusers-format folder), or the preset's
-    seeded random weights when it has them (tiny). With `comm` (world size > 1) the DiT runs Ulysses
-    sequence parallelism."""
+                     dtype: Optional[torch.dtype] = None, comm: Optional[Comm] = None,
+                     compile: Optional[bool] = None, text_encoder: bool = True, seed: Optional[int] = None,
+                     **runner_kwargs) -> DiTRunner:
+    """A DiT runner for `preset`: weights from `model_path` (a diffusers-format folder), or seeded random
+    weights (`seed`, default the preset's own; presets of real checkpoints need one). With `comm` (world
+    size > 1) the DiT runs Ulysses sequence parallelism and only rank 0 holds the text encoder.
+    `compile`: regional torch.compile of the blocks (None: on accelerators only). `text_encoder=False`
+    builds none: sessions then take ready text embeddings."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
     dtype = dtype or preset.torch_dtype
+    comm = comm or Comm(device=device)
+    load_encoder = text_encoder and comm.is_root
+    encoder = None
     if model_path is not None:
         root = Path(model_path)
         if not root.is_dir():
@@ -44,29 +53,42 @@ def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = No
         if model.config != preset.transformer:
             log.warning("%s/transformer/config.json differs from preset %s; using the folder's config",
                         root, preset.name)
-        text_encoder = load_text_encoder(root, device=device, max_length=preset.text.max_length)
+        if load_encoder:
+            encoder = load_text_encoder(root, device=device, dtype=dtype, max_length=preset.text.max_length)
     else:
-        if preset.weights_seed is None:
+        seed = preset.weights_seed if seed is None else seed
+        if seed is None:
             raise ConfigError(f"preset {preset.name} has no random weights: give the model folder (--model-path)")
-        model = build_random_transformer(preset.transformer, preset.weights_seed, dtype, device)
-        text_encoder = build_random_text_encoder(preset.text, preset.weights_seed)
-        text_encoder.model.to(device)
-    model = apply_sequence_parallel(model, comm or Comm(device=device))
-    return DiTRunner(preset, model, text_encoder, device=device, **runner_kwargs)
+        model = build_random_transformer(preset.transformer, seed, dtype, device)
+        if load_encoder:
+            encoder = build_random_text_encoder(preset.text, seed)
+            encoder.model.to(device)
+    if text_encoder:
+        encoder = share_text_encoder(encoder, comm, preset.text.max_length, model.config.text_dim, model.dtype,
+                                     device)
+    model = apply_sequence_parallel(model, comm)
+    if compile is None:
+        compile = compile_default(device)
+    if compile:
+        compile_blocks(model)
+    return DiTRunner(preset, model, encoder, device=device, **runner_kwargs)
 
 
 def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
                    skip_fixed_point: bool = True, comm: Optional[Comm] = None, pixel_mode: str = DEFAULT_PIXEL_MODE,
-                   **runner_kwargs) -> WorldPipeline:
-    """DiT runner + VAE: from `model_path` (transformer/, vae/, text_encoder/, tokenizer/) or the preset's
-    seeded random weights. With `comm` (world size > 1) the decoder is sharded by width and its frames
-    reach the root by `pixel_mode`."""
+                   compile: Optional[bool] = None, seed: Optional[int] = None, **runner_kwargs) -> WorldPipeline:
+    """DiT runner + VAE: from `model_path` (transformer/, vae/, text_encoder/, tokenizer/) or seeded random
+    weights (see build_dit_runner). With `comm` (world size > 1) the decoder is sharded by width and its
+    frames reach the root by `pixel_mode`."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
-    runner = build_dit_runner(preset, model_path, device=device, comm=comm, **runner_kwargs)
+    comm = comm or Comm(device=device)
+    runner = build_dit_runner(preset, model_path, device=device, comm=comm, compile=compile, seed=seed,
+                              **runner_kwargs)
     vae_dtype = parse_dtype(preset.vae_dtype)
     if model_path is not None:
         vae = load_vae(Path(model_path) / "vae", dtype=vae_dtype, device=device)
     else:
-        vae = build_random_vae(preset.vae, preset.weights_seed, vae_dtype).to(device)
-    decoder = shard_decoder(FrameDecoder(vae), comm or Comm(device=device), preset.latent_hw[1], pixel_mode)
+        seed = preset.weights_seed if seed is None else seed
+        vae = build_random_vae(preset.vae, seed, vae_dtype).to(device)
+    decoder = shard_decoder(FrameDecoder(vae), comm, preset.latent_hw[1], pixel_mode)
     return WorldPipeline(runner, vae, skip_fixed_point, decoder)

@@ -55,7 +55,7 @@ def _generate(comm, args) -> int:
                 parse_key_script(args.keys, args.chunks, preset.transformer.num_frames_per_block)]
     image = load_image(args.image, preset.width, preset.height)
     pipeline = build_pipeline(preset, args.model_path, device=args.device, comm=comm, pixel_mode=args.pixel_mode,
-                              skip_fixed_point=not args.no_fixed_point_skip)
+                              skip_fixed_point=not args.no_fixed_point_skip, compile=args.compile)
     session = pipeline.new_session(image, args.prompt, seed=args.seed)
     writer = None
     if root:
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=float, default=16.0)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ...")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="regional torch.compile of the DiT blocks (default: on for cuda/npu, off for cpu)")
     p.add_argument("--no-fixed-point-skip", action="store_true",
                    help="always run the condition encoder (the reference path)")
     p.add_argument("--sp", type=positive_int, default=1,

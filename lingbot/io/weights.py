@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+from torch import nn
 
 from ..config import ConfigError, Preset, TextEncoderConfig, TransformerConfig, VAEConfig, parse_dtype
 from ..models.dit import CausalWanModel
@@ -41,11 +43,25 @@ class WeightsError(ValueError):
 
 def build_random_transformer(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32,
                              device="cpu") -> CausalWanModel:
-    """The model with seeded random weights (PyTorch's default init), independent of the global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    """The model with seeded random weights, made on `device` in `dtype` (no host copy, no fp32 detour: at
+    the real 14B dims this is how a GPU gets a model without a checkpoint). The init follows PyTorch's
+    defaults: Linear / Conv weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)), norm weights 1 and
+    biases 0, modulation tables N(0, 1/dim). The global RNG is not touched."""
+    with torch.device("meta"):
         model = CausalWanModel(config)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if isinstance(module, (nn.Linear, nn.Conv3d)):
+                    bound = 1.0 / math.sqrt(module.weight[0].numel())
+                    param.uniform_(-bound, bound, generator=generator)
+                elif name == "modulation":
+                    param.normal_(0.0, config.dim ** -0.5, generator=generator)
+                else:
+                    param.fill_(1.0 if name == "weight" else 0.0)          # RMSNorm / affine LayerNorm
+    return model.eval().requires_grad_(False)
 
 
 def save_transformer(model: CausalWanModel, folder: str | Path, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
@@ -77,43 +93,79 @@ def save_transformer(model: CausalWanModel, folder: str | Path, max_shard_bytes:
     return folder
 
 
-def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a diffusers-layout folder (sharded with an index, or one file), on the CPU."""
+def checkpoint_files(folder: str | Path) -> dict[str, Path]:
+    """Which file holds each tensor of a diffusers-layout folder (sharded with an index, or one file).
+    Reads the safetensors headers only; nothing is loaded."""
+    from safetensors import safe_open
     folder = Path(folder)
     if (folder / INDEX_NAME).exists():
         weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
-        state: dict[str, torch.Tensor] = {}
+        files: dict[str, Path] = {}
         for filename in sorted(set(weight_map.values())):
             if not (folder / filename).exists():
                 raise WeightsError(f"{folder / filename} is listed in {INDEX_NAME} but missing")
-            shard = load_file(folder / filename)
+            with safe_open(folder / filename, framework="pt") as f:
+                keys = set(f.keys())
             listed = {k for k, f in weight_map.items() if f == filename}
-            if set(shard) != listed:
-                extra = sorted(set(shard) - listed) or sorted(listed - set(shard))
+            if keys != listed:
+                extra = sorted(keys - listed) or sorted(listed - keys)
                 raise WeightsError(f"{filename} does not match {INDEX_NAME} for keys {extra[:5]}")
-            state.update(shard)
-        return state
+            files.update(dict.fromkeys(keys, folder / filename))
+        return files
     if (folder / WEIGHTS_NAME).exists():
-        return load_file(folder / WEIGHTS_NAME)
+        with safe_open(folder / WEIGHTS_NAME, framework="pt") as f:
+            return dict.fromkeys(f.keys(), folder / WEIGHTS_NAME)
     raise WeightsError(f"no {INDEX_NAME} or {WEIGHTS_NAME} in {folder}")
 
 
-def check_state_dict(expected: dict, state: dict, source, dtype: torch.dtype) -> dict:
-    """Strict match of a checkpoint's tensors against a model's: a missing, unknown or mis-shaped key is a
-    WeightsError naming it. Returns the tensors cast to `dtype`, ready for load_state_dict(assign=True)."""
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
+def _grouped(files: dict[str, Path]) -> dict[Path, list[str]]:
+    by_file: dict[Path, list[str]] = {}
+    for key, path in files.items():
+        by_file.setdefault(path, []).append(key)
+    return by_file
+
+
+def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a diffusers-layout folder, on the CPU, as stored (for tools and tests)."""
+    from safetensors import safe_open
+    state = {}
+    for path, keys in _grouped(checkpoint_files(folder)).items():
+        with safe_open(path, framework="pt") as f:
+            state.update({k: f.get_tensor(k) for k in keys})
+    return state
+
+
+def load_state_dict(folder: str | Path, expected: dict, dtype: torch.dtype, device="cpu") -> dict:
+    """A checkpoint's tensors for a model whose state dict (on meta) is `expected`: strictly matched by name
+    and shape before anything is read (a WeightsError names the first bad key), then read tensor by tensor
+    straight to `device` and cast there, so the host never holds the checkpoint (nor an fp32 copy of it)."""
+    from safetensors import safe_open
+    files = checkpoint_files(folder)
+    missing = sorted(set(expected) - set(files))
+    unknown = sorted(set(files) - set(expected))
     if missing:
-        raise WeightsError(f"checkpoint {source} is missing key {missing[0]!r}"
+        raise WeightsError(f"checkpoint {folder} is missing key {missing[0]!r}"
                            + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
     if unknown:
-        raise WeightsError(f"checkpoint {source} has unknown key {unknown[0]!r}"
+        raise WeightsError(f"checkpoint {folder} has unknown key {unknown[0]!r}"
                            + (f" (and {len(unknown) - 1} more: {unknown[1:6]})" if len(unknown) > 1 else ""))
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise WeightsError(f"key {name!r} has shape {list(tensor.shape)} in {source}, "
-                               f"the config expects {list(expected[name].shape)}")
-    return {name: tensor.to(dtype) for name, tensor in state.items()}
+    device = torch.device(device)
+    # safetensors reads straight into CPU or CUDA memory; other devices get each tensor through the host
+    read_on = str(device) if device.type in ("cpu", "cuda") else "cpu"
+    by_file = _grouped(files)
+    for path, keys in by_file.items():                       # every shape first: fail before reading GiBs
+        with safe_open(path, framework="pt") as f:
+            for name in keys:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(expected[name].shape):
+                    raise WeightsError(f"key {name!r} has shape {list(shape)} in {folder}, "
+                                       f"the config expects {list(expected[name].shape)}")
+    state = {}
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt", device=read_on) as f:
+            for name in keys:
+                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return state
 
 
 def load_transformer(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> CausalWanModel:
@@ -124,10 +176,10 @@ def load_transformer(folder: str | Path, dtype: torch.dtype = torch.bfloat16, de
     config = TransformerConfig.from_json_file(folder / "config.json")
     with torch.device("meta"):
         model = CausalWanModel(config)
-    state = check_state_dict(model.state_dict(), read_state_dict(folder), folder, dtype)
+    state = load_state_dict(folder, model.state_dict(), dtype, device)
     model.load_state_dict(state, strict=True, assign=True)
-    log.info("loaded %d tensors from %s", len(state), folder)
-    return model.to(device).eval().requires_grad_(False)
+    log.info("loaded %d tensors from %s to %s", len(state), folder, device)
+    return model.eval().requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -161,12 +213,12 @@ def load_vae(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     cfg = VAEConfig.from_json_dict(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
         vae = WanVAE(cfg)
-    state = check_state_dict(vae.state_dict(), read_state_dict(folder), folder, dtype)
+    state = load_state_dict(folder, vae.state_dict(), dtype, device)
     vae.load_state_dict(state, strict=True, assign=True)
     # non-persistent buffers were created on meta: rebuild them on the target device
-    vae.latents_mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
-    vae.latents_inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
-    return vae.to(device).eval().requires_grad_(False)
+    vae.latents_mean = torch.tensor(cfg.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    vae.latents_inv_std = 1.0 / torch.tensor(cfg.latents_std, device=device).view(1, -1, 1, 1, 1)
+    return vae.eval().requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -152,18 +152,20 @@ class Projections(nn.Module):
 
 
 class SelfAttention(Projections):
+    """q/k/v -> `attn` (the window attention: cache write and, under SP, the collectives) -> o. The block
+    calls the three parts separately, so the dense math around `attn` can be compiled as regions."""
+
     def __init__(self, dim: int, heads: int, eps: float):
         super().__init__(dim, heads, eps)
         self.attn = WindowAttention()
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv: KVWindowLike, layer: int) -> Tensor:
+    def qkv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, L, dim] -> q, k, v [B, L, H, D], RMSNorm on q and k, RoPE on q and k."""
         b, n, _ = x.shape
         q = self.norm_q(self.q(x)).view(b, n, self.heads, -1)      # [B, L, H, D]
         k = self.norm_k(self.k(x)).view(b, n, self.heads, -1)
         v = self.v(x).view(b, n, self.heads, -1)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.attn(q, k, v, kv, layer)                         # [B, L, H, D]
-        return self.o(out.flatten(2))
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
 class CrossAttention(Projections):
@@ -213,13 +215,29 @@ class CausalCameraBlock(nn.Module):
     def forward(self, x: Tensor, timestep_proj: Tensor, text_kv: tuple[Tensor, Tensor],
                 camera: tuple[Tensor, Tensor], rope: tuple[Tensor, Tensor], kv: KVWindowLike,
                 layer: int) -> Tensor:
-        """x [B, L, dim] fp32; timestep_proj [B, 6, dim] fp32; camera = (scale, shift) [B, L, dim]."""
+        """x [B, L, dim] fp32; timestep_proj [B, 6, dim] fp32; camera = (scale, shift) [B, L, dim].
+
+        Two dense regions around the window attention; lingbot/runtime/compile.py compiles them (one
+        compiled graph each, shared by every layer), the attention in between stays as it is."""
+        q, k, v = self.attention_inputs(x, timestep_proj, rope)
+        y = self.self_attn.attn(q, k, v, kv, layer)                              # [B, L, H, D]
+        return self.attention_output(x, y, timestep_proj, text_kv, camera)
+
+    def attention_inputs(self, x: Tensor, timestep_proj: Tensor,
+                         rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """1a. modulated LN1 -> q, k, v of the self-attention."""
+        shift_msa, scale_msa = (self.modulation[:, :2].float() + timestep_proj[:, :2]).chunk(2, dim=1)
         dtype = self.self_attn.q.weight.dtype
-        shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = \
-            (self.modulation.float() + timestep_proj).chunk(6, dim=1)              # each [B, 1, dim]
-        # 1. self-attention over the visible window
-        y = self.self_attn((self.norm1(x) * (1 + scale_msa) + shift_msa).to(dtype), rope, kv, layer)
-        x = x + y.float() * gate_msa
+        return self.self_attn.qkv((self.norm1(x) * (1 + scale_msa) + shift_msa).to(dtype), rope)
+
+    def attention_output(self, x: Tensor, y: Tensor, timestep_proj: Tensor, text_kv: tuple[Tensor, Tensor],
+                         camera: tuple[Tensor, Tensor]) -> Tensor:
+        """1b. gated self-attention output, 2. camera injector, 3. cross-attention, 4. feed-forward."""
+        dtype = self.self_attn.q.weight.dtype
+        gate_msa, shift_ffn, scale_ffn, gate_ffn = \
+            (self.modulation[:, 2:].float() + timestep_proj[:, 2:]).chunk(4, dim=1)   # each [B, 1, dim]
+        # 1b. self-attention output, gated
+        x = x + self.self_attn.o(y.flatten(2)).float() * gate_msa
         # 2. camera injector (per token)
         cam_scale, cam_shift = camera
         x = (1 + cam_scale.float()) * x + cam_shift.float()
@@ -365,7 +383,7 @@ class CausalWanModel(nn.Module):
         x = torch.cat([latents, condition], dim=1).to(self.dtype)                 # [B, 36, F, H, W]
         x = self.patch_embedding(x).flatten(2).transpose(1, 2).float()            # [B, L, dim]
         total = x.shape[1]
-        x = self.token_split(x)                                                   # [B, L_r, dim]
+        x = self.token_split(x).contiguous()                                      # [B, L_r, dim]
         # 2. the blocks
         for i, block in enumerate(self.blocks):
             camera = chunk.camera_modulation[i] if chunk.camera_modulation is not None \

@@ -90,8 +90,11 @@ class Comm:
         """Join the default process group (every rank calls this concurrently)."""
         backend = backend_for_device(device)
         log.info("rank %d/%d joining %s group at %s", rank, world_size, backend, init_method)
+        # with the device given, NCCL forms its communicator here (eagerly) instead of at the first chunk's
+        # all-to-all, so transport errors show at join, not in the middle of a session
+        device_id = torch.device(device) if backend == "nccl" else None
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), device_id=device_id)
         # host-side decisions (stop between steps) go over a CPU group: no device sync on the step path
         control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo",
                                                                             timeout=timedelta(seconds=timeout_s))
@@ -186,23 +189,22 @@ class Comm:
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
     def send_to_root(self, x: Tensor, shapes: Sequence[Sequence[int]], kind: str = "p2p") -> Optional[list[Tensor]]:
-        """Every non-root rank sends x to rank 0 point to point; rank 0 returns all ranks' tensors."""
+        """Every non-root rank sends x to rank 0 point to point; rank 0 returns all ranks' tensors. The sends
+        and receives go as one batch (batch_isend_irecv), so NCCL uses the group's communicator instead of
+        building one per pair of ranks."""
         if not self.is_root:
             self._record(kind, x.numel() * x.element_size())
             with self._op(kind):
-                dist.send(x.contiguous(), dst=0, group=self.group)
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), 0, self.group)]):
+                    work.wait()
             return None
-        received = [x]
+        bufs = [x.new_empty(tuple(shapes[src])) for src in range(1, self.world_size)]
         with self._op(kind):
-            works, bufs = [], []
-            for src in range(1, self.world_size):
-                buf = x.new_empty(tuple(shapes[src]))
-                works.append(dist.irecv(buf, src=src, group=self.group))
-                bufs.append(buf)
-            for w in works:
-                w.wait()
+            ops = [dist.P2POp(dist.irecv, buf, src, self.group) for src, buf in enumerate(bufs, start=1)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         self.counts[kind] += 1
-        return received + bufs
+        return [x, *bufs]
 
     def exchange_halo(self, left_edge: Tensor, right_edge: Tensor,
                       kind: str = "halo") -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -223,6 +225,16 @@ class Comm:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
         return from_left, from_right
+
+    def broadcast(self, x: Tensor, src: int = 0, kind: str = "broadcast") -> Tensor:
+        """x from rank `src` to every rank (in place: the others pass a buffer of the same shape and dtype)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        self._record(kind, x.numel() * x.element_size() * (self.world_size - 1) if self.rank == src else 0)
+        with self._op(kind):
+            dist.broadcast(x, src=src, group=self.group)
+        return x
 
     def any_true(self, flag: bool, kind: str = "control") -> bool:
         """Whether any rank's flag is set; every rank gets the same answer (so all stop at the same step)."""

@@ -104,9 +104,10 @@ class GatheredAttentionBlock(nn.Module):
         qkv = self.block.to_qkv(self.block.norm(frames))                            # [(b t), 3c, h, w]
         q, kv = qkv[:, :c], qkv[:, c:]
         kv = self.comm.all_gather_uneven(kv, dim=3, sizes=self.widths, kind="vae_all_gather")   # [(b t), 2c, h, W]
-        q = q.reshape(b * t, 1, c, h * w).transpose(2, 3)                          # [(b t), 1, hw, c]
+        q = q.reshape(b * t, 1, c, h * w).transpose(2, 3).contiguous()             # [(b t), 1, hw, c]
         k, v = kv.reshape(b * t, 2, c, -1).transpose(2, 3).unbind(1)               # [(b t), hW, c] each
-        out = F.scaled_dot_product_attention(q, k[:, None], v[:, None])
+        # contiguous q/k/v: the fused SDPA kernels need them (strided inputs fall back to the math path)
+        out = F.scaled_dot_product_attention(q, k[:, None].contiguous(), v[:, None].contiguous())
         out = out.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w)
         out = self.block.proj(out).view(b, t, c, h, w).permute(0, 2, 1, 3, 4)
         return x + out

@@ -109,23 +109,30 @@ class DiTRunner:
     def new_session(self, condition: ConditionSource, prompt: Optional[str] = None, seed: int = 0,
                     text_embedding: Optional[Tensor] = None, rig: Optional[CameraRig] = None,
                     shift: Optional[float] = None) -> DiTSession:
-        """A session; `shift` is its flow shift (None: the preset's)."""
+        """A session; `shift` is its flow shift (None: the preset's). A prompt is encoded at the session's
+        first chunk, not here: under sequence parallelism encoding is a collective, and chunk calls are
+        what every rank of a group runs in the same order."""
         if (prompt is None) == (text_embedding is None):
             raise ValueError("give exactly one of prompt or text_embedding")
-        with torch.no_grad():
-            text = self.text_kv(prompt) if prompt is not None else self.model.text_kv(text_embedding.to(self.device))
-        return DiTSession(self, text, condition, seed, rig or CameraRig.default(self.preset.width, self.preset.height),
-                          shift)
+        if prompt is not None and self.text_encoder is None:
+            raise RuntimeError("this runner has no text encoder; pass text embeddings to new_session")
+        text = None
+        if text_embedding is not None:
+            with torch.no_grad():
+                text = self.model.text_kv(text_embedding.to(self.device))
+        return DiTSession(self, text, prompt, condition, seed,
+                          rig or CameraRig.default(self.preset.width, self.preset.height), shift)
 
 
 class DiTSession:
     """One user's world in the DiT: K/V window, camera rig, condition, text, RNG and chunk counter."""
 
-    def __init__(self, runner: DiTRunner, text: TextKV, condition: ConditionSource, seed: int, rig: CameraRig,
-                 shift: Optional[float] = None):
+    def __init__(self, runner: DiTRunner, text: Optional[TextKV], prompt: Optional[str], condition: ConditionSource,
+                 seed: int, rig: CameraRig, shift: Optional[float] = None):
         self.runner = runner
         self.sampler, self.time = runner.schedule(shift)
-        self.initial_text = text
+        self.initial_text = text              # from a text embedding; None: from `prompt`, at the first chunk
+        self.prompt = prompt
         self.text = text
         self.condition = condition
         self.seed = seed
@@ -176,6 +183,8 @@ class DiTSession:
         rng_state, text, transition = self.generator.get_state(), self.text, self._transition
         result = None
         try:
+            if self.text is None:                    # the session's prompt, encoded at its first chunk
+                self.text = self.runner.text_kv(self.prompt)
             if prompt is not None:
                 self.set_prompt(*prompt)
             self._transition = self._advance_text()

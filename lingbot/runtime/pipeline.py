@@ -46,26 +46,30 @@ class WorldPipeline:
     def preset(self):
         return self.runner.preset
 
-    def new_session(self, image: Union[np.ndarray, Tensor], prompt: str, seed: int = 0,
-                    rig: Optional[CameraRig] = None, flow_shift: Optional[float] = None) -> WorldSession:
+    def new_session(self, image: Union[np.ndarray, Tensor], prompt: Optional[str], seed: int = 0,
+                    rig: Optional[CameraRig] = None, flow_shift: Optional[float] = None,
+                    text_embedding: Optional[Tensor] = None) -> WorldSession:
         """`image`: the first frame at the preset's size, uint8 [H, W, 3] or float [3, H, W] in [-1, 1];
-        `flow_shift`: the sampler's shift for this session (None: the preset's)."""
+        `flow_shift`: the sampler's shift for this session (None: the preset's); `text_embedding`: a ready
+        encoder output [1, T, text_dim] instead of a prompt (a runner built without a text encoder)."""
         image = model_image(image)
         h, w = self.preset.height, self.preset.width
         if tuple(image.shape) != (3, h, w):
             raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
-        return WorldSession(self, image.to(self.runner.device), prompt, seed, rig, flow_shift)
+        return WorldSession(self, image.to(self.runner.device), prompt, seed, rig, flow_shift, text_embedding)
 
 
 class WorldSession:
     """One user's world: the DiT session, the condition encoder and the decoder cache."""
 
-    def __init__(self, pipeline: WorldPipeline, image: Tensor, prompt: str, seed: int, rig: Optional[CameraRig],
-                 flow_shift: Optional[float] = None):
+    def __init__(self, pipeline: WorldPipeline, image: Tensor, prompt: Optional[str], seed: int,
+                 rig: Optional[CameraRig], flow_shift: Optional[float] = None,
+                 text_embedding: Optional[Tensor] = None):
         self.pipeline = pipeline
         self.condition = CausalConditionEncoder(pipeline.vae, image, pipeline.runner.config.num_frames_per_block,
                                                 pipeline.skip_fixed_point)
-        self.dit = pipeline.runner.new_session(self.condition, prompt=prompt, seed=seed, rig=rig, shift=flow_shift)
+        self.dit = pipeline.runner.new_session(self.condition, prompt=prompt, seed=seed, rig=rig, shift=flow_shift,
+                                               text_embedding=text_embedding)
         self.decoder_cache = CausalCache()
         self.failed: Optional[str] = None
 

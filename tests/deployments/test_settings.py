@@ -34,7 +34,8 @@ def test_accelerators_are_requested_by_kind():
     big = {"preset": "lingbot-world-v2-14b", "model_path": "/models/x", "sp": 4, "rank_cpus": 4, "rank_devices": 1}
     cuda = ServeSettings.from_args({**big, "device": "cuda"})
     assert cuda.placement_bundles == [{"CPU": 0.05}] + [{"CPU": 4.0, "GPU": 1.0}] * 4 + [{"CPU": 0.1}]
-    assert cuda.rank_actor_options() == {"num_cpus": 4.0, "num_gpus": 1.0}
+    assert cuda.rank_actor_options() == {"num_cpus": 4.0, "num_gpus": 1.0, "runtime_env": {"env_vars": {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_DEBUG": "WARN"}}}
     npu = ServeSettings.from_args({**big, "device": "npu"})
     assert npu.placement_bundles == [{"CPU": 0.05}] + [{"CPU": 4.0, "NPU": 1.0}] * 4 + [{"CPU": 0.1}]
     assert npu.rank_actor_options() == {"num_cpus": 4.0, "resources": {"NPU": 1.0}}
@@ -60,5 +61,11 @@ def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
 
 
 def test_sessions_per_group_from_the_budget():
+    assert ServeSettings.from_args({}).budget_bytes == 2 ** 30                    # the CPU rule: 1 GiB per rank
     assert ServeSettings.from_args({}).sessions_per_group() == 2                 # capped by max_sessions_per_group
     assert ServeSettings.from_args({"memory_budget_gib": 0.0001}).sessions_per_group() == 0
+    gpu = {"preset": "lingbot-world-v2-14b", "model_path": "/m", "device": "cuda", "rank_devices": 1, "sp": 4,
+           "max_sessions_per_group": 3}
+    assert ServeSettings.from_args(gpu).budget_bytes is None                     # measured after warm-up
+    assert ServeSettings.from_args(gpu).sessions_per_group() == 3
+    assert ServeSettings.from_args({**gpu, "memory_budget_gib": 60}).budget_bytes == 60 * 2 ** 30

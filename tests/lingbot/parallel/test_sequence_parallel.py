@@ -194,3 +194,27 @@ def test_a_failing_rank_fails_every_rank_without_hanging():
     assert "injected failure on rank 1" in errors[1]
     assert re.search(r"ParallelError: rank 0/2: (all_to_all|all_gather) failed: .*Connection closed by peer", errors[0])
     assert elapsed < timeout + 30, f"took {elapsed:.0f} s"
+
+
+def _text_kv_run(comm):
+    """The group's text K/V of two prompts, and which ranks hold an encoder."""
+    runner = _runner(comm)
+    has_encoder = getattr(runner.text_encoder, "encoder", runner.text_encoder) is not None
+    texts = [runner.text_kv(p) for p in ("a castle", "a harbour at dawn")]
+    return has_encoder, [(t.keys, t.values) for t in texts], dict(comm.counts)
+
+
+def test_text_encoder_runs_once_per_group():
+    """Only rank 0 holds the encoder; every rank's text K/V equals that of a rank with its own encoder
+    (bitwise: the same encoder output reaches every rank by broadcast, and the K/V math is the same)."""
+    from lingbot.parallel.text import GroupTextEncoder
+    reference = _text_kv_run(Comm())
+    assert reference[0]
+    ranks = run_local(_text_kv_run, 2, timeout_s=120)
+    assert [r[0] for r in ranks] == [True, False]
+    for rank, (_, texts, counts) in enumerate(ranks):
+        assert counts["text"] == 2, rank                          # one broadcast per prompt
+        for (keys, values), (ref_keys, ref_values) in zip(texts, reference[1]):
+            assert all(torch.equal(a, b) for a, b in zip(keys + values, ref_keys + ref_values)), rank
+    with pytest.raises(ValueError, match="rank 0 of a group needs the text encoder"):
+        GroupTextEncoder(None, Comm(rank=0, world_size=2), 512, 64, torch.float32, "cpu")

@@ -169,5 +169,8 @@ def test_runner_reuses_text_kv_across_sessions(tiny, tiny_runner):
     before = tiny_runner.prompt_cache.misses
     s1 = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=0)
     s2 = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a unique lighthouse", seed=1)
+    assert tiny_runner.prompt_cache.misses == before          # encoded at the first chunk, not at open
+    s1.run_chunk()
+    s2.run_chunk()
     assert tiny_runner.prompt_cache.misses == before + 1
     assert s1.text is s2.text

@@ -1,0 +1,142 @@
+"""A rank's life before its first session, in named steps (the serving actor only calls them, in order):
+
+    connect  -> the device and the group's process group (NCCL communicators formed here, not mid-session)
+    load     -> weights straight to the device in their dtype, parallelism, regional compile
+    warm_up  -> a throwaway session through every window length a session passes through (chunks 0 to
+                window_chunks), so compiles, kernel choices and allocator growth happen here, never in a
+                viewer's time to first chunk; then the session is freed
+    measure  -> device memory after warm-up
+    capacity -> sessions this rank can hold
+
+Capacity on an accelerator comes from the measured memory: what is free after warm-up (free device memory
+plus what the caching allocator holds unused), less the activations the warm-up needed beyond one
+session, the prompt cache and a safety margin, divided by the per-session footprint, capped by the
+config. A configured budget overrides the measurement, and is the rule on CPU.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..camera import Controls
+from ..parallel.comm import Comm
+from .budget import prompt_cache_bytes, session_footprint, sessions_that_fit
+from .pipeline import WorldPipeline
+
+log = logging.getLogger(__name__)
+
+MEMORY_MARGIN = 0.05            # of the device's memory, kept free for fragmentation and stray buffers
+CPU_BUDGET_BYTES = 2 ** 30      # the budget rule on CPU when none is configured
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    chunks: int
+    seconds: float
+    first_chunk_s: float            # where compiles land
+    steady_chunk_s: float           # the last warm-up chunk
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes on this rank's device (None on CPU, where the configured budget rules)."""
+    total: int
+    free: int                       # free on the device + held unused by the caching allocator
+    allocated: int                  # live tensors after warm-up (weights, caches)
+    peak: int                       # peak live tensors during warm-up (one session and its activations)
+    loaded: int                     # live tensors after load, before warm-up
+
+
+class RankLifecycle:
+    def __init__(self, rank: int, world_size: int, device: torch.device | str):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.comm: Optional[Comm] = None
+        self.pipeline: Optional[WorldPipeline] = None
+        self.loaded_bytes = 0
+        self.warmup: Optional[WarmupReport] = None
+        self.memory: Optional[MemoryReport] = None
+
+    # ---- 1. connect ---------------------------------------------------------------------------
+    def connect(self, init_method: Optional[str], timeout_s: float) -> Comm:
+        """The device, then the process group (every rank calls this concurrently; world size 1 needs none)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.backends.cudnn.benchmark = True          # the VAE's convolutions: fixed shapes, pick once
+        self.comm = Comm.init(self.rank, self.world_size, init_method, self.device, timeout_s) \
+            if self.world_size > 1 else Comm(device=self.device)
+        return self.comm
+
+    # ---- 2. load ------------------------------------------------------------------------------
+    def load(self, preset: str, model_path: Optional[str] = None, **pipeline_kwargs) -> WorldPipeline:
+        from ..builder import build_pipeline
+        torch.set_grad_enabled(False)
+        self.pipeline = build_pipeline(preset, model_path, device=self.device, comm=self.comm, **pipeline_kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.loaded_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self.pipeline
+
+    # ---- 3. warm up ---------------------------------------------------------------------------
+    def warm_up(self, chunks: Optional[int] = None) -> WarmupReport:
+        """Run a throwaway session through every window length (window_chunks + 1 chunks by default), with
+        keys, then free it. Every rank of the group runs it together (it holds the same collectives)."""
+        pipeline = self.pipeline
+        preset = pipeline.preset
+        chunks = chunks or preset.transformer.window_chunks + 1
+        image = np.zeros((preset.height, preset.width, 3), dtype=np.uint8)
+        session = pipeline.new_session(image, "warm-up", seed=0)
+        keys = Controls(keys=("w", "l", "i")[:preset.transformer.num_frames_per_block])
+        times = []
+        t0 = time.perf_counter()
+        for _ in range(chunks):
+            t = time.perf_counter()
+            chunk = session.step(keys, profile=True)
+            if chunk.frames is not None:
+                chunk.frames.cpu()                          # the frame copy a served chunk makes, too
+            times.append(time.perf_counter() - t)
+        del session, chunk
+        self.warmup = WarmupReport(chunks, time.perf_counter() - t0, times[0], times[-1])
+        log.info("rank %d warmed up: %d chunks in %.1f s (first %.2f s, last %.3f s)", self.rank, chunks,
+                 self.warmup.seconds, times[0], times[-1])
+        return self.warmup
+
+    # ---- 4. measure ---------------------------------------------------------------------------
+    def measure(self) -> Optional[MemoryReport]:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        unused_cache = torch.cuda.memory_reserved(self.device) - allocated
+        self.memory = MemoryReport(total, free + unused_cache, allocated,
+                                   torch.cuda.max_memory_allocated(self.device), self.loaded_bytes)
+        return self.memory
+
+    # ---- 5. capacity --------------------------------------------------------------------------
+    def capacity(self, max_sessions: int, budget_bytes: Optional[int] = None) -> int:
+        """Sessions this rank holds: from `budget_bytes` when given (and on CPU), else from the memory
+        measured after warm-up."""
+        preset = self.pipeline.preset
+        if budget_bytes is None and self.memory is None:
+            budget_bytes = CPU_BUDGET_BYTES
+        if budget_bytes is not None:
+            return sessions_that_fit(preset, self.world_size, budget_bytes, max_sessions)
+        return measured_capacity(self.memory, session_footprint(preset, self.world_size).total,
+                                 prompt_cache_bytes(preset), max_sessions)
+
+
+def measured_capacity(memory: MemoryReport, session_bytes: int, prompt_cache: int, max_sessions: int) -> int:
+    """Sessions that fit the memory measured after warm-up. The warm-up peak minus what was loaded is one
+    session plus the activations of a chunk; chunks of a group run one at a time, so those activations are
+    needed once, not per session."""
+    activations = max(0, memory.peak - memory.loaded - session_bytes)
+    usable = memory.free - activations - prompt_cache - int(MEMORY_MARGIN * memory.total)
+    return max(0, min(max_sessions, usable // session_bytes))

@@ -1,0 +1,192 @@
+"""The one prepared check for a lent GPU: what only a device can show, measured side by side in one run.
+
+    python -m perf.device_check                                   # lingbot-world-v2-14b dims on cuda
+    python -m perf.device_check --preset tiny --device cpu        # the same script end to end on any machine
+        [--steady 3] [--json out.json] [--no-compile] [--peak-seconds 2]
+
+It builds the preset with seeded random weights straight on the device in its dtype (no checkpoint; no
+text encoder: a random text embedding stands in for UMT5's output), then for eager and for regional
+compile: warm-up (every window length a session passes through), the steady DiT chunk (prepare, 4 probes,
+commit) and the steady whole chunk (condition, DiT, VAE decode, uint8, the copy to the host), the DiT's
+achieved FLOP/s from the cost model against the device's measured matmul peak, and memory (weights, peak,
+one session measured against the budget model). Checks: compiled latents within the stated tolerance of
+eager (a GPU eager reference: TF32 convolutions and the CUDA RNG make CPU values irrelevant here); no
+host synchronisation on the DiT step path (CUDA: torch.cuda.set_sync_debug_mode("error")). Prints a
+table and writes one JSON. The whole run is sized for at most 8 minutes on one H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from lingbot.builder import build_pipeline
+from lingbot.camera import Controls
+from lingbot.config import get_preset
+from lingbot.runtime.budget import session_footprint
+from lingbot.runtime.compile import compile_blocks
+from lingbot.runtime.condition import LatentCondition
+from perf.cost_model import matmul_peak, preset_chunk_flops
+
+COMPILE_TOLERANCE = 5e-2     # bf16 on GPU: fused kernels round differently; fp32 CPU (tiny) agrees to ~1e-6
+KEYS = Controls(keys=("w", "l", "i"))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable) -> tuple[float, object]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _measure_mode(pipe, text, latents, image, warm: int, steady: int, device) -> dict:
+    """Warm-up and steady chunk times of the DiT alone and of the whole chunk, and the DiT's latents."""
+    runner = pipe.runner
+    dit = runner.new_session(LatentCondition(latents), text_embedding=text, seed=0)
+    before = _allocated(device)
+    dit_times, outs = [], []
+    for _ in range(warm + steady):
+        seconds, result = _timed(device, lambda: dit.run_chunk(KEYS))
+        dit_times.append(seconds)
+        outs.append(result.latents)
+    session_bytes = _allocated(device) - before          # the session's slab and caches (the output kept)
+    whole = pipe.new_session(image, None, seed=0, text_embedding=text)
+    whole_times = []
+    for _ in range(warm + steady):
+        seconds, _ = _timed(device, lambda: whole.step(KEYS).frames.cpu())
+        whole_times.append(seconds)
+    return {"warmup_s": sum(dit_times[:warm]) + sum(whole_times[:warm]), "first_chunk_s": dit_times[0],
+            "dit_steady_s": statistics.median(dit_times[warm:]),
+            "whole_steady_s": statistics.median(whole_times[warm:]),
+            "session_bytes_measured": session_bytes, "latents": torch.cat(outs, dim=1).float().cpu()}
+
+
+def _no_sync_check(pipe, text, latents, warm: int, device) -> str:
+    """Steady DiT chunks with every host synchronisation an error (CUDA); 'ok' or where it synced."""
+    session = pipe.runner.new_session(LatentCondition(latents), text_embedding=text, seed=1)
+    for _ in range(warm):
+        session.run_chunk(KEYS)
+    if device.type != "cuda":
+        return "n/a (CPU: tests/lingbot/runtime/test_dit_runner.py forbids host reads instead)"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        session.run_chunk(KEYS)
+        return "ok"
+    except RuntimeError as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return f"synced: {str(e).splitlines()[0][:120]} at {where.filename}:{where.lineno}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    preset = get_preset(args.preset)
+    cfg = preset.transformer
+    warm, steady = cfg.window_chunks + 1, args.steady
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    pipe = build_pipeline(preset, device=device, compile=False, text_encoder=False, seed=0)
+    _sync(device)
+    build_s = time.perf_counter() - t0
+    weights_bytes = _allocated(device) or sum(p.numel() * p.element_size() for p in pipe.runner.model.parameters())
+    g = torch.Generator().manual_seed(0)
+    text = (torch.randn(1, preset.text.max_length, cfg.text_dim, generator=g) * 0.1).to(device, preset.torch_dtype)
+    latents = torch.randn(16, cfg.num_frames_per_block * (warm + steady), *preset.latent_hw, generator=g).to(device)
+    image = np.random.RandomState(0).randint(0, 256, (preset.height, preset.width, 3), dtype=np.uint8)
+
+    modes = {"eager": _measure_mode(pipe, text, latents, image, warm, steady, device)}
+    if args.compile:
+        t = time.perf_counter()
+        compile_blocks(pipe.runner.model)
+        modes["compiled"] = _measure_mode(pipe, text, latents, image, warm, steady, device)
+        modes["compiled"]["compile_and_warmup_s"] = time.perf_counter() - t
+    peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    no_sync = _no_sync_check(pipe, text, latents, warm, device)
+
+    flops = preset_chunk_flops(preset, warm).total                   # a steady chunk's DiT FLOPs
+    peak_flops = matmul_peak(str(device), preset.dtype, seconds=args.peak_seconds)
+    budget_session = session_footprint(preset).total
+    report = {
+        "check": "lingbot_device_check", "preset": preset.name, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        "torch": torch.__version__, "size": f"{preset.width}x{preset.height}", "dtype": preset.dtype,
+        "build_s": build_s, "weights_bytes": weights_bytes, "peak_bytes": peak_bytes,
+        "matmul_peak_tflops": peak_flops / 1e12, "dit_chunk_tflop": flops / 1e12,
+        "session_bytes_budget_model": budget_session, "no_sync_on_step_path": no_sync, "modes": {},
+    }
+    for name, m in modes.items():
+        report["modes"][name] = {k: v for k, v in m.items() if k != "latents"}
+        report["modes"][name]["dit_tflops"] = flops / m["dit_steady_s"] / 1e12
+        report["modes"][name]["dit_fraction_of_peak"] = flops / m["dit_steady_s"] / peak_flops
+    if "compiled" in modes:
+        diff = (modes["compiled"]["latents"] - modes["eager"]["latents"]).abs().max().item()
+        report["compiled_vs_eager_max_abs"] = diff
+        report["compiled_within_tolerance"] = diff <= COMPILE_TOLERANCE
+        report["compile_tolerance"] = COMPILE_TOLERANCE
+    report["cuda_graphs"] = "not built yet: the eager and compiled rows are the fast path measured so far"
+    return report
+
+
+def print_table(report: dict) -> None:
+    gib = 2 ** 30
+    print(f"device check: {report['preset']} {report['size']} {report['dtype']} on {report['device']} "
+          f"({report['device_name']}), torch {report['torch']}")
+    print(f"  build {report['build_s']:.1f} s; weights {report['weights_bytes'] / gib:.2f} GiB; "
+          f"peak {report['peak_bytes'] / gib:.2f} GiB; matmul peak {report['matmul_peak_tflops']:.1f} TFLOP/s; "
+          f"steady DiT chunk {report['dit_chunk_tflop']:.1f} TFLOP")
+    print(f"  {'mode':<10} {'warm-up s':>10} {'1st chunk s':>12} {'DiT ms':>9} {'whole ms':>9} {'DiT TFLOP/s':>12} "
+          f"{'of peak':>8}")
+    for name, m in report["modes"].items():
+        print(f"  {name:<10} {m['warmup_s']:>10.1f} {m['first_chunk_s']:>12.2f} {m['dit_steady_s'] * 1e3:>9.1f} "
+              f"{m['whole_steady_s'] * 1e3:>9.1f} {m['dit_tflops']:>12.2f} {m['dit_fraction_of_peak']:>8.1%}")
+    eager = report["modes"]["eager"]
+    print(f"  one session measured {eager['session_bytes_measured'] / gib:.3f} GiB "
+          f"vs budget model {report['session_bytes_budget_model'] / gib:.3f} GiB"
+          + ("" if eager["session_bytes_measured"] else " (no device allocator on CPU)"))
+    if "compiled_vs_eager_max_abs" in report:
+        ok = "within" if report["compiled_within_tolerance"] else "OUTSIDE"
+        print(f"  compiled vs eager latents: max |diff| {report['compiled_vs_eager_max_abs']:.2e} "
+              f"({ok} {report['compile_tolerance']:g})")
+    print(f"  no host sync on the step path: {report['no_sync_on_step_path']}")
+    print(f"  CUDA graphs: {report['cuda_graphs']}")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="lingbot-world-v2-14b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steady", type=int, default=3, help="steady chunks timed per measurement")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--peak-seconds", type=float, default=2.0, help="how long the matmul peak is measured")
+    ap.add_argument("--json", default="device_check.json", help="where the JSON goes")
+    args = ap.parse_args(argv)
+    if args.steady < 1:
+        ap.error("--steady must be >= 1")
+    report = run(args)
+    print_table(report)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

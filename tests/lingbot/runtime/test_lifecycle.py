@@ -1,0 +1,35 @@
+"""The rank lifecycle on CPU: connect, load, warm up through every window length, measure, capacity; and
+the capacity rule for measured device memory, against numbers worked by hand."""
+import numpy as np
+
+from lingbot.runtime.budget import session_footprint, sessions_that_fit
+from lingbot.runtime.lifecycle import CPU_BUDGET_BYTES, MemoryReport, RankLifecycle, measured_capacity
+
+GIB = 2 ** 30
+
+
+def test_lifecycle_in_order_on_cpu(tiny):
+    life = RankLifecycle(rank=0, world_size=1, device="cpu")
+    comm = life.connect(None, timeout_s=10)
+    assert comm.world_size == 1
+    pipeline = life.load("tiny")
+    report = life.warm_up()
+    assert report.chunks == tiny.transformer.window_chunks + 1 == 7       # every window length, then steady
+    assert report.seconds >= report.first_chunk_s > 0
+    assert life.measure() is None                                          # CPU: the budget rule
+    assert life.capacity(max_sessions=4) == sessions_that_fit(tiny, 1, CPU_BUDGET_BYTES, 4)
+    assert life.capacity(max_sessions=4, budget_bytes=1) == 0
+    # the warm-up session is gone and the pipeline serves real ones from chunk 0
+    session = pipeline.new_session(np.zeros((64, 112, 3), np.uint8), "p", seed=1)
+    assert session.step().index == 0
+
+
+def test_measured_capacity_by_hand(tiny):
+    session = 3 * GIB
+    memory = MemoryReport(total=100 * GIB, free=60 * GIB, allocated=40 * GIB, peak=48 * GIB, loaded=40 * GIB)
+    # activations = 48 - 40 - 3 = 5 GiB; usable = 60 - 5 - 1 (prompt cache) - 5 (5% margin) = 49 GiB -> 16
+    assert measured_capacity(memory, session, prompt_cache=GIB, max_sessions=100) == 16
+    assert measured_capacity(memory, session, prompt_cache=GIB, max_sessions=4) == 4      # the config caps it
+    tight = MemoryReport(total=100 * GIB, free=8 * GIB, allocated=90 * GIB, peak=95 * GIB, loaded=90 * GIB)
+    assert measured_capacity(tight, session, prompt_cache=GIB, max_sessions=4) == 0       # never negative
+    assert session_footprint(tiny).total > 0

@@ -1,0 +1,19 @@
+"""perf/device_check.py end to end on CPU with the tiny preset, so the GPU script cannot rot."""
+import json
+
+from perf import device_check
+
+
+def test_device_check_runs_end_to_end_on_cpu(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    report = device_check.main(["--preset", "tiny", "--device", "cpu", "--steady", "1", "--peak-seconds", "0.3",
+                                "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert set(report["modes"]) == {"eager", "compiled"}
+    for mode in report["modes"].values():
+        assert mode["dit_steady_s"] > 0 and mode["whole_steady_s"] > mode["dit_steady_s"]
+        assert 0 < mode["dit_fraction_of_peak"]
+    assert report["compiled_within_tolerance"] and report["compiled_vs_eager_max_abs"] < 1e-5   # fp32 on CPU
+    assert report["session_bytes_budget_model"] > 0 and report["matmul_peak_tflops"] > 0
+    printed = capsys.readouterr().out
+    assert "device check: tiny 112x64" in printed and "compiled vs eager latents" in printed
