@@ -12,6 +12,7 @@ import torch
 
 from ..config import Preset, parse_dtype
 from ..models.vae import CausalCache, WanVAE
+from .condition import CONDITION_CACHE_CHUNKS, CONDITION_CACHE_IMAGES
 from .dit_runner import PROMPT_CACHE_SIZE
 from .kv_cache import KVWindow
 
@@ -23,6 +24,7 @@ class SessionFootprint:
     camera_modulation: int     # per-chunk camera scale/shift for every layer, this rank's tokens
     decoder_cache: int         # VAE decoder causal-conv cache, this rank's columns
     condition_cache: int       # condition-encoder cache (freed at the fixed point)
+    condition_history: int     # the chunk latents kept until the fixed point (for the cross-session cache)
 
     @property
     def total(self) -> int:
@@ -36,8 +38,7 @@ def _vae_cache_bytes(preset: Preset, latent_width: int, dtype: torch.dtype) -> t
         decoder, encoder = CausalCache(), CausalCache()
         vae.decode(torch.zeros(1, 16, 1, lh, latent_width), decoder)
         vae.decode(torch.zeros(1, 16, preset.transformer.num_frames_per_block, lh, latent_width), decoder)
-        vae.encode(torch.zeros(1, 3, 4 * preset.transformer.num_frames_per_block - 3, preset.height, preset.width),
-                   encoder)
+        vae.encode(torch.zeros(1, 3, preset.geometry.pixel_frames(0), preset.height, preset.width), encoder)
     return decoder.nbytes(), encoder.nbytes()
 
 
@@ -52,7 +53,14 @@ def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
     camera = 2 * cfg.num_layers * math.ceil(tokens / world_size) * cfg.dim * esize
     decoder, condition = _vae_cache_bytes(preset, math.ceil(preset.latent_hw[1] / world_size),
                                           parse_dtype(preset.vae_dtype))
-    return SessionFootprint(kv, text, camera, decoder, condition)
+    history = CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
+    return SessionFootprint(kv, text, camera, decoder, condition, history)
+
+
+def condition_chunk_bytes(preset: Preset) -> int:
+    """One chunk's condition latents: [16, F, h, w] float32."""
+    lh, lw = preset.latent_hw
+    return preset.vae.z_dim * preset.transformer.num_frames_per_block * lh * lw * 4
 
 
 def prompt_cache_bytes(preset: Preset, prompts: int = PROMPT_CACHE_SIZE) -> int:
@@ -62,6 +70,11 @@ def prompt_cache_bytes(preset: Preset, prompts: int = PROMPT_CACHE_SIZE) -> int:
     return (prompts + 2) * 2 * cfg.num_layers * preset.text.max_length * cfg.dim * esize
 
 
+def shared_cache_bytes(preset: Preset) -> int:
+    """What the sessions of a rank share, at full size: the prompt LRU and the first-frame condition LRU."""
+    return prompt_cache_bytes(preset) + CONDITION_CACHE_IMAGES * CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
+
+
 def group_capacity(budget_bytes: int, footprint: SessionFootprint, max_sessions: int) -> int:
     """Sessions that fit in `budget_bytes` (what is left on one rank after weights and activations),
     capped at max_sessions."""
@@ -69,6 +82,6 @@ def group_capacity(budget_bytes: int, footprint: SessionFootprint, max_sessions:
 
 
 def sessions_that_fit(preset: Preset, world_size: int, budget_bytes: int, max_sessions: int) -> int:
-    """Sessions one group admits: what is left of a rank's budget after the prompt cache, per session."""
-    return group_capacity(budget_bytes - prompt_cache_bytes(preset), session_footprint(preset, world_size),
+    """Sessions one group admits: what is left of a rank's budget after the shared caches, per session."""
+    return group_capacity(budget_bytes - shared_cache_bytes(preset), session_footprint(preset, world_size),
                           max_sessions)

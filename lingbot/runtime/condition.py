@@ -12,9 +12,14 @@ Fixed point (switch `skip_fixed_point`): after the opening chunk the encoder see
 state a chunk returns is bit-identical to the state it was given, every later chunk would produce the
 same latents from the same state. That is detected (never assumed) by a bitwise comparison; from then
 on the stored latents are reused. A reset clears it.
+
+Across sessions (`ConditionCache`): the conditions depend only on the first frame, so once a session has
+reached the fixed point, its per-chunk latents up to it are kept in a bounded LRU keyed by a hash of the
+resized image; a later session from the same image replays them and never runs the encoder.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Optional, Protocol
 
@@ -22,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..models.vae import CausalCache, WanVAE
+from .kv_cache import LRUCache
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +73,37 @@ class LatentCondition:
         pass
 
 
-class CausalConditionEncoder:
-    """ConditionSource of a session: image [3, H, W] in [-1, 1] -> per-chunk [20, 3, h, w]."""
+CONDITION_CACHE_IMAGES = 8       # first frames whose conditions a pipeline keeps
+CONDITION_CACHE_CHUNKS = 16      # a session that has not reached the fixed point by then is not cached
 
-    def __init__(self, vae: WanVAE, image: Tensor, frames_per_chunk: int = 3, skip_fixed_point: bool = True):
+
+class ConditionCache:
+    """First frame -> its chunk latents [16, F, h, w] up to and including the fixed point (an LRU)."""
+
+    def __init__(self, images: int = CONDITION_CACHE_IMAGES, max_chunks: int = CONDITION_CACHE_CHUNKS):
+        self.entries = LRUCache(images)
+        self.max_chunks = max_chunks
+
+    @staticmethod
+    def key(image: Tensor) -> str:
+        """A hash of the image as the encoder sees it (resized, in [-1, 1]); read at session start only."""
+        data = image.detach().to("cpu", torch.float32).contiguous().numpy()
+        return hashlib.sha256(repr(tuple(data.shape)).encode() + data.tobytes()).hexdigest()
+
+    def get(self, key: str) -> Optional[tuple[Tensor, ...]]:
+        return self.entries.get(key)
+
+    def put(self, key: str, latents: tuple[Tensor, ...]) -> None:
+        if len(latents) <= self.max_chunks:
+            self.entries.put(key, latents)
+
+
+class CausalConditionEncoder:
+    """ConditionSource of a session: image [3, H, W] in [-1, 1] -> per-chunk [20, 3, h, w]. With a
+    `shared` ConditionCache (and the fixed-point switch on) it replays a cached first frame's latents."""
+
+    def __init__(self, vae: WanVAE, image: Tensor, frames_per_chunk: int = 3, skip_fixed_point: bool = True,
+                 shared: Optional[ConditionCache] = None):
         if image.dim() != 3 or image.shape[0] != 3:
             raise ValueError(f"image must be [3, H, W], got {list(image.shape)}")
         self.vae = vae
@@ -80,6 +113,8 @@ class CausalConditionEncoder:
         self.stride = vae.config.temporal_stride
         self.pixel_frames = self.stride * frames_per_chunk  # per chunk after the first (the first has 1 fewer)
         self.cache = CausalCache()
+        self.shared = shared if skip_fixed_point else None
+        self.key = ConditionCache.key(image) if self.shared is not None else None
         self.reset()
 
     def reset(self) -> None:
@@ -89,6 +124,11 @@ class CausalConditionEncoder:
         self.fixed_point_chunk: Optional[int] = None
         self.encoded_chunks = 0                              # encoder runs (for reports and tests)
         self._pending = None
+        self.history: list[Tensor] = []                      # committed latents, until the fixed point
+        self.replay = self.shared.get(self.key) if self.shared is not None else None
+        if self.replay is not None:                          # a first frame seen before: no encoder at all
+            self.fixed_latents = self.replay[-1]
+            self.fixed_point_chunk = len(self.replay) - 1
 
     def _chunk_video(self, chunk: int) -> Tensor:
         c, h, w = self.image.shape
@@ -103,6 +143,9 @@ class CausalConditionEncoder:
         if chunk != self.committed_chunks:
             raise ValueError(f"condition for chunk {chunk} asked; the encoder is at chunk {self.committed_chunks}")
         first_frame = chunk * self.frames_per_chunk
+        if self.replay is not None and chunk < len(self.replay):
+            self._pending = None
+            return make_condition(self.replay[chunk], first_frame)
         if self.fixed_latents is not None:
             self._pending = None
             return make_condition(self.fixed_latents, first_frame)
@@ -118,10 +161,15 @@ class CausalConditionEncoder:
         if self._pending is not None:
             pending, latents, reached = self._pending
             self.cache = pending
+            if self.shared is not None and len(self.history) < self.shared.max_chunks:
+                self.history.append(latents)
             if reached:
                 self.fixed_latents = latents
                 self.fixed_point_chunk = self.committed_chunks
                 self.cache = CausalCache()        # the encoder state is no longer needed: free it
                 log.debug("condition encoder fixed point at chunk %d", self.committed_chunks)
+                if self.shared is not None and len(self.history) == self.committed_chunks + 1:
+                    self.shared.put(self.key, tuple(self.history))
+                self.history = []
         self._pending = None
         self.committed_chunks += 1

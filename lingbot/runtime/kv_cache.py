@@ -120,6 +120,23 @@ class LRUCache:
                 self._items.popitem(last=False)
             return value
 
+    def get(self, key: Hashable):
+        """The value (marked most recent), or None."""
+        with self._lock:
+            if key not in self._items:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def put(self, key: Hashable, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -10,8 +10,8 @@
 
 Capacity on an accelerator comes from the measured memory: what is free after warm-up (free device memory
 plus what the caching allocator holds unused), less the activations the warm-up needed beyond one
-session, the prompt cache and a safety margin, divided by the per-session footprint, capped by the
-config. A configured budget overrides the measurement, and is the rule on CPU.
+session, the shared caches (prompts, first-frame conditions) and a safety margin, divided by the
+per-session footprint, capped by the config. A configured budget overrides the measurement, and is the rule on CPU.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 
 from ..camera import Controls
 from ..parallel.comm import Comm
-from .budget import prompt_cache_bytes, session_footprint, sessions_that_fit
+from .budget import session_footprint, sessions_that_fit, shared_cache_bytes
 from .pipeline import WorldPipeline
 
 log = logging.getLogger(__name__)
@@ -130,13 +130,13 @@ class RankLifecycle:
         if budget_bytes is not None:
             return sessions_that_fit(preset, self.world_size, budget_bytes, max_sessions)
         return measured_capacity(self.memory, session_footprint(preset, self.world_size).total,
-                                 prompt_cache_bytes(preset), max_sessions)
+                                 shared_cache_bytes(preset), max_sessions)
 
 
-def measured_capacity(memory: MemoryReport, session_bytes: int, prompt_cache: int, max_sessions: int) -> int:
+def measured_capacity(memory: MemoryReport, session_bytes: int, shared_caches: int, max_sessions: int) -> int:
     """Sessions that fit the memory measured after warm-up. The warm-up peak minus what was loaded is one
     session plus the activations of a chunk; chunks of a group run one at a time, so those activations are
     needed once, not per session."""
     activations = max(0, memory.peak - memory.loaded - session_bytes)
-    usable = memory.free - activations - prompt_cache - int(MEMORY_MARGIN * memory.total)
+    usable = memory.free - activations - shared_caches - int(MEMORY_MARGIN * memory.total)
     return max(0, min(max_sessions, usable // session_bytes))

@@ -19,7 +19,7 @@ from torch import Tensor
 from ..camera import CameraRig, Controls
 from ..io.images import model_image
 from ..models.vae import CausalCache, FrameDecoder, WanVAE
-from .condition import CausalConditionEncoder
+from .condition import CausalConditionEncoder, ConditionCache
 from .dit_runner import ChunkResult, DiTRunner, StageTimer
 
 
@@ -36,11 +36,13 @@ class WorldPipeline:
     chunks with frames=None in the root pixel modes."""
 
     def __init__(self, runner: DiTRunner, vae: WanVAE, skip_fixed_point: bool = True,
-                 decoder: Optional[FrameDecoder] = None):
+                 decoder: Optional[FrameDecoder] = None, condition_cache: bool = True):
         self.runner = runner
         self.vae = vae
         self.decoder = decoder if decoder is not None else FrameDecoder(vae)
         self.skip_fixed_point = skip_fixed_point
+        # first frame -> its conditions up to the fixed point, shared by the sessions (needs the fixed point)
+        self.condition_cache = ConditionCache() if condition_cache else None
 
     @property
     def preset(self):
@@ -67,7 +69,7 @@ class WorldSession:
                  text_embedding: Optional[Tensor] = None):
         self.pipeline = pipeline
         self.condition = CausalConditionEncoder(pipeline.vae, image, pipeline.runner.config.num_frames_per_block,
-                                                pipeline.skip_fixed_point)
+                                                pipeline.skip_fixed_point, pipeline.condition_cache)
         self.dit = pipeline.runner.new_session(self.condition, prompt=prompt, seed=seed, rig=rig, shift=flow_shift,
                                                text_embedding=text_embedding)
         self.decoder_cache = CausalCache()

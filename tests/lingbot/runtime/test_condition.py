@@ -92,3 +92,26 @@ def test_uncommitted_chunk_is_not_kept(tiny, tiny_vae):
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="condition for chunk 1 asked; the encoder is at chunk 0"):
         encoder.chunk_condition(1)
+
+
+def test_a_first_frame_seen_before_replays_its_conditions_bitwise(tiny, tiny_runner, tiny_vae):
+    """The second session from the same image runs no encoder and gives the same frames, bit for bit; a
+    different image misses the cache; the cache stays within its bounds."""
+    from lingbot.runtime.pipeline import WorldPipeline
+    pipeline = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True)         # its own, empty cache
+    image = random_image(tiny, seed=8)
+    cold = pipeline.new_session(image, "a harbour", seed=3)
+    cold_frames = [cold.step().frames for _ in range(14)]
+    assert cold.condition.fixed_point_chunk is not None and cold.condition.encoded_chunks > 0
+    assert len(pipeline.condition_cache.entries) == 1
+    warm = pipeline.new_session(image.clone(), "a harbour", seed=3)
+    assert warm.condition.replay is not None
+    warm_frames = [warm.step().frames for _ in range(14)]
+    assert warm.condition.encoded_chunks == 0                                       # the encoder never ran
+    assert all(torch.equal(a, b) for a, b in zip(cold_frames, warm_frames))
+    other = pipeline.new_session(random_image(tiny, seed=9), "a harbour", seed=3)
+    assert other.condition.replay is None
+    replayed = len(pipeline.condition_cache.get(warm.condition.key))
+    assert replayed == cold.condition.fixed_point_chunk + 1 <= pipeline.condition_cache.max_chunks
+    off = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True, condition_cache=False)
+    assert off.new_session(image, "a harbour", seed=3).condition.replay is None

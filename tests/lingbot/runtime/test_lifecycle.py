@@ -28,8 +28,8 @@ def test_measured_capacity_by_hand(tiny):
     session = 3 * GIB
     memory = MemoryReport(total=100 * GIB, free=60 * GIB, allocated=40 * GIB, peak=48 * GIB, loaded=40 * GIB)
     # activations = 48 - 40 - 3 = 5 GiB; usable = 60 - 5 - 1 (prompt cache) - 5 (5% margin) = 49 GiB -> 16
-    assert measured_capacity(memory, session, prompt_cache=GIB, max_sessions=100) == 16
-    assert measured_capacity(memory, session, prompt_cache=GIB, max_sessions=4) == 4      # the config caps it
+    assert measured_capacity(memory, session, shared_caches=GIB, max_sessions=100) == 16
+    assert measured_capacity(memory, session, shared_caches=GIB, max_sessions=4) == 4     # the config caps it
     tight = MemoryReport(total=100 * GIB, free=8 * GIB, allocated=90 * GIB, peak=95 * GIB, loaded=90 * GIB)
-    assert measured_capacity(tight, session, prompt_cache=GIB, max_sessions=4) == 0       # never negative
+    assert measured_capacity(tight, session, shared_caches=GIB, max_sessions=4) == 0      # never negative
     assert session_footprint(tiny).total > 0

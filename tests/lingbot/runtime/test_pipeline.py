@@ -50,3 +50,45 @@ def test_uint8_image_flow_shift_and_profiling_are_session_arguments(tiny, tiny_p
         tiny_pipeline.new_session(pixels.permute(2, 0, 1).contiguous(), "x")
     with pytest.raises(ValueError, match="flow_shift must be a finite number > 0"):
         tiny_pipeline.new_session(pixels, "x", flow_shift=-1.0)
+
+
+class ForbidHostReads:
+    """While active, .item(), .tolist(), .cpu(), .numpy() and truth-testing of a tensor raise, except `allow`
+    calls of .cpu() on uint8 frames [F, H, W, 3] (the one copy a served chunk makes, at its end)."""
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__bool__")
+
+    def __init__(self, allow_frame_copies: int = 0):
+        self.allowed = allow_frame_copies
+        self.saved = {}
+
+    def __enter__(self):
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            self.saved[name] = original
+
+            def guard(tensor, *args, _name=name, _original=original, **kwargs):
+                if _name == "cpu" and tensor.dtype == torch.uint8 and tensor.dim() == 4 and self.allowed > 0:
+                    self.allowed -= 1
+                    return _original(tensor, *args, **kwargs)
+                raise AssertionError(f"host read on the step path: Tensor.{_name} of {tuple(tensor.shape)}")
+            setattr(torch.Tensor, name, guard)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def test_steady_whole_chunks_read_nothing_back_but_their_frames(tiny, tiny_pipeline):
+    session = tiny_pipeline.new_session(random_image(tiny, seed=4), "a harbour", seed=5)
+    while session.condition.fixed_latents is None:          # the encoder's fixed point: the steady state
+        session.step(Controls(keys=("w", "", "l")))
+    steady = 3
+    with ForbidHostReads(allow_frame_copies=steady) as guard:
+        for _ in range(steady):
+            chunk = session.step(Controls(keys=("w", "i", "j")))
+            chunk.frames.cpu()
+    assert guard.allowed == 0
+    with ForbidHostReads(), pytest.raises(AssertionError, match=r"host read on the step path: Tensor.item"):
+        torch.ones(2).sum().item()                          # the guard does catch a read
