@@ -5,14 +5,15 @@
         [--steady 3] [--json out.json] [--no-compile] [--peak-seconds 2]
 
 It builds the preset with seeded random weights straight on the device in its dtype (no checkpoint; no
-text encoder: a random text embedding stands in for UMT5's output), then for eager and for regional
-compile: warm-up (every window length a session passes through), the steady DiT chunk (prepare, 4 probes,
-commit) and the steady whole chunk (condition, DiT, VAE decode, uint8, the copy to the host), the DiT's
-achieved FLOP/s from the cost model against the device's measured matmul peak, and memory (weights, peak,
-one session measured against the budget model). Checks: compiled latents within the stated tolerance of
-eager (a GPU eager reference: TF32 convolutions and the CUDA RNG make CPU values irrelevant here); no
-host synchronisation on the DiT step path (CUDA: torch.cuda.set_sync_debug_mode("error")). Prints a
-table and writes one JSON. The whole run is sized for at most 8 minutes on one H200.
+text encoder: a random text embedding stands in for UMT5's output), chooses the attention kernel at the
+steady-state shape, then for eager and for regional compile: warm-up (every window length a session
+passes through), the steady DiT chunk (prepare, 4 probes, commit) and the steady whole chunk (condition,
+DiT, VAE decode, uint8, the copy to the host), the DiT's achieved FLOP/s from the cost model against the
+device's measured matmul peak, and memory (weights, peak, one session measured against the budget
+model). Checks: compiled latents within the stated tolerance of eager (a GPU eager reference: TF32
+convolutions and the CUDA RNG make CPU values irrelevant here); no host synchronisation on the DiT step
+path (CUDA: torch.cuda.set_sync_debug_mode("error")). Prints a table and writes one JSON. The whole run
+is sized for at most 8 minutes on one H200.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 from lingbot.builder import build_pipeline
 from lingbot.camera import Controls
 from lingbot.config import get_preset
+from lingbot.runtime.attention import choose_for_model
 from lingbot.runtime.budget import session_footprint
 from lingbot.runtime.compile import compile_blocks
 from lingbot.runtime.condition import LatentCondition
@@ -111,6 +113,8 @@ def run(args) -> dict:
     text = (torch.randn(1, preset.text.max_length, cfg.text_dim, generator=g) * 0.1).to(device, preset.torch_dtype)
     latents = torch.randn(16, cfg.num_frames_per_block * (warm + steady), *preset.latent_hw, generator=g).to(device)
     image = np.random.RandomState(0).randint(0, 256, (preset.height, preset.width, 3), dtype=np.uint8)
+    chunk_tokens = cfg.num_frames_per_block * preset.tokens_per_frame
+    kernel, trials = choose_for_model(pipe.runner.model, chunk_tokens, cfg.window_chunks * chunk_tokens, device)
 
     modes = {"eager": _measure_mode(pipe, text, latents, image, warm, steady, device)}
     if args.compile:
@@ -131,6 +135,9 @@ def run(args) -> dict:
         "build_s": build_s, "weights_bytes": weights_bytes, "peak_bytes": peak_bytes,
         "matmul_peak_tflops": peak_flops / 1e12, "dit_chunk_tflop": flops / 1e12,
         "session_bytes_budget_model": budget_session, "no_sync_on_step_path": no_sync, "modes": {},
+        "attention_kernel": kernel,
+        "attention_trials": [{"name": t.name, "ms": None if t.seconds is None else t.seconds * 1e3,
+                              "dropped": t.error} for t in trials],
     }
     for name, m in modes.items():
         report["modes"][name] = {k: v for k, v in m.items() if k != "latents"}
@@ -165,6 +172,9 @@ def print_table(report: dict) -> None:
         ok = "within" if report["compiled_within_tolerance"] else "OUTSIDE"
         print(f"  compiled vs eager latents: max |diff| {report['compiled_vs_eager_max_abs']:.2e} "
               f"({ok} {report['compile_tolerance']:g})")
+    print(f"  attention kernel: {report['attention_kernel']} ("
+          + ", ".join(f"{t['name']} {t['ms']:.3f} ms" if t["ms"] is not None else f"{t['name']} dropped"
+                      for t in report["attention_trials"]) + ")")
     print(f"  no host sync on the step path: {report['no_sync_on_step_path']}")
     print(f"  CUDA graphs: {report['cuda_graphs']}")
 

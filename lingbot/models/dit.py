@@ -111,12 +111,18 @@ class KVWindowLike(Protocol):
 
 
 class WindowAttention(nn.Module):
-    """Attention of the chunk's queries over the visible window (sequence parallelism swaps this module)."""
+    """Attention of the chunk's queries over the visible window (sequence parallelism swaps this module).
+    `attend(q, k, v)` on [B, H, S, D] is the kernel: PyTorch's SDPA unless the runtime picked another
+    (lingbot/runtime/attention.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attend = F.scaled_dot_product_attention
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: KVWindowLike, layer: int) -> Tensor:
         # q, k, v: [B, L, H, D] -> stored / attended as [B, H, S, D]
         keys, values = kv.update(layer, k.transpose(1, 2), v.transpose(1, 2))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values)   # no mask inside the window
+        out = self.attend(q.transpose(1, 2), keys, values)                      # no mask inside the window
         return out.transpose(1, 2)                                               # [B, L, H, D]
 
 

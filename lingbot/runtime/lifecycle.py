@@ -2,9 +2,10 @@
 
     connect  -> the device and the group's process group (NCCL communicators formed here, not mid-session)
     load     -> weights straight to the device in their dtype, parallelism, regional compile
-    warm_up  -> a throwaway session through every window length a session passes through (chunks 0 to
-                window_chunks), so compiles, kernel choices and allocator growth happen here, never in a
-                viewer's time to first chunk; then the session is freed
+    warm_up  -> the attention kernel is chosen at the steady-state shape; then a throwaway session runs
+                through every window length a session passes through (chunks 0 to window_chunks), so
+                compiles, kernel choices and allocator growth happen here, never in a viewer's time to
+                first chunk; then the session is freed
     measure  -> device memory after warm-up
     capacity -> sessions this rank can hold
 
@@ -25,6 +26,7 @@ import torch
 
 from ..camera import Controls
 from ..parallel.comm import Comm
+from .attention import choose_for_model
 from .budget import session_footprint, sessions_that_fit, shared_cache_bytes
 from .pipeline import WorldPipeline
 
@@ -61,6 +63,7 @@ class RankLifecycle:
         self.pipeline: Optional[WorldPipeline] = None
         self.loaded_bytes = 0
         self.warmup: Optional[WarmupReport] = None
+        self.attention_kernel: Optional[str] = None
         self.memory: Optional[MemoryReport] = None
 
     # ---- 1. connect ---------------------------------------------------------------------------
@@ -90,7 +93,11 @@ class RankLifecycle:
         keys, then free it. Every rank of the group runs it together (it holds the same collectives)."""
         pipeline = self.pipeline
         preset = pipeline.preset
-        chunks = chunks or preset.transformer.window_chunks + 1
+        cfg = preset.transformer
+        chunk_tokens = cfg.num_frames_per_block * preset.tokens_per_frame
+        self.attention_kernel, _ = choose_for_model(pipeline.runner.model, chunk_tokens,
+                                                    cfg.window_chunks * chunk_tokens, self.device)
+        chunks = chunks or cfg.window_chunks + 1
         image = np.zeros((preset.height, preset.width, 3), dtype=np.uint8)
         session = pipeline.new_session(image, "warm-up", seed=0)
         keys = Controls(keys=("w", "l", "i")[:preset.transformer.num_frames_per_block])

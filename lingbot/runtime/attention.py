@@ -1,0 +1,124 @@
+"""Choosing the window attention's kernel once, at warm-up, on the device and at the shapes it will run.
+
+The call is one chunk of queries against the visible window: q [1, H_local, L, 128], k/v [1, H_local, S, 128]
+in the model's dtype, no mask. Candidates (those this machine has): PyTorch SDPA restricted to its cuDNN,
+flash or memory-efficient backend (CUDA), FlashAttention 3 when its package (`flash_attn_interface`) is
+installed, and SDPA as PyTorch dispatches it. Each candidate runs on a probe of the steady-state shape;
+one that fails or disagrees with SDPA's math backend beyond the tolerance is dropped, the fastest of the
+rest is set on every layer's window attention, and the table is logged.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+log = logging.getLogger(__name__)
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}   # max |diff| vs the math backend
+
+
+def _sdpa_with(backend: SDPBackend) -> Attend:
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+    attend.__name__ = f"sdpa_{backend.name.lower()}"
+    return attend
+
+
+def _flash_attention_3() -> Optional[Attend]:
+    try:
+        from flash_attn_interface import flash_attn_func  # FlashAttention 3 (Hopper), when installed
+    except ImportError:
+        return None
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))   # [B, S, H, D] layout
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+    return attend
+
+
+def candidates(device: torch.device) -> dict[str, Attend]:
+    """The kernels worth trying on `device`, by name."""
+    out: dict[str, Attend] = {"sdpa": F.scaled_dot_product_attention}
+    if device.type == "cuda":
+        for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                              ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            out[name] = _sdpa_with(backend)
+        fa3 = _flash_attention_3()
+        if fa3 is not None:
+            out["flash_attention_3"] = fa3
+    return out
+
+
+@dataclass(frozen=True)
+class Trial:
+    name: str
+    seconds: Optional[float]       # median per call; None when dropped
+    error: Optional[str] = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def choose(kernels: dict[str, Attend], q: Tensor, k: Tensor, v: Tensor, repeats: int = 5) -> tuple[str, list[Trial]]:
+    """The fastest kernel that runs and agrees with SDPA's math backend on (q, k, v); every trial."""
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    tolerance = TOLERANCE.get(q.dtype, 1e-2)
+    trials = []
+    for name, attend in kernels.items():
+        try:
+            out = attend(q, k, v)
+            diff = (out.float() - reference).abs().max().item()
+            if not diff <= tolerance:
+                trials.append(Trial(name, None, f"max |diff| {diff:.2e} > {tolerance:g}"))
+                continue
+            times = []
+            for _ in range(repeats):
+                _sync(q.device)
+                t0 = time.perf_counter()
+                attend(q, k, v)
+                _sync(q.device)
+                times.append(time.perf_counter() - t0)
+            trials.append(Trial(name, sorted(times)[len(times) // 2]))
+        except Exception as e:                        # not available for this device / dtype / shape
+            trials.append(Trial(name, None, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"))
+    timed = [t for t in trials if t.seconds is not None]
+    if not timed:
+        raise RuntimeError(f"no attention kernel ran: {trials}")
+    return min(timed, key=lambda t: t.seconds).name, trials
+
+
+def window_attentions(model) -> list:
+    """Every layer's WindowAttention (under Ulysses, the local one inside the parallel module)."""
+    return [getattr(block.self_attn.attn, "local", block.self_attn.attn) for block in model.blocks]
+
+
+def choose_for_model(model, tokens: int, window_tokens: int, device: torch.device | str) -> tuple[str, list[Trial]]:
+    """Probe the steady-state shape of `model` (this device's heads, all `tokens` queries of a chunk against
+    `window_tokens` keys), set the fastest kernel on every layer, log the table."""
+    device = torch.device(device)
+    heads, dim = model.local_heads, model.config.attention_head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, dim, generator=g, device=device).to(model.dtype)
+               for n in (tokens, window_tokens, window_tokens))
+    name, trials = choose(candidates(device), q, k, v)
+    attend = candidates(device)[name]
+    for attention in window_attentions(model):
+        attention.attend = attend
+    log.info("attention kernel: %s (%s)", name, ", ".join(
+        f"{t.name} {t.seconds * 1e3:.3f} ms" if t.seconds is not None else f"{t.name} dropped: {t.error}"
+        for t in trials))
+    return name, trials
