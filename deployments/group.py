@@ -5,8 +5,10 @@ ServeSettings.placement_bundles), starts the rank actors pinned to their bundles
 process group, and starts the muxer (H.264) and the control mailbox (client controls). Each session is
 one long-lived streaming call (`session`): the lease that Serve counts for routing and autoscaling. A
 background loop runs the sessions' chunks one at a time, earliest playback deadline first, within the
-pacing lead; every chunk is one call to every rank. A second task long-polls the mailbox and wakes the
-loop when a control arrives.
+pacing lead; every chunk is one call to every rank. As soon as the ranks return a chunk, the loop may
+start the next one: the chunk's delivery (its fragment from the muxer, then the session's stream) runs
+as a task of its own, in chunk order per session, with at most max_in_flight_chunks per session waiting
+for delivery. A second task long-polls the mailbox and wakes the loop when a control arrives.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from typing import Optional
 import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from lingbot.config import get_preset
 
 from .mailbox import ControlMailbox
 from .messages import (
@@ -37,7 +41,7 @@ from .messages import (
 from .metrics import Metrics
 from .muxer import Muxer
 from .rank import RankWorker
-from .sessions import ScheduledSession, Scheduler
+from .sessions import ChunkPlan, ScheduledSession, Scheduler
 from .settings import ServeSettings
 
 log = logging.getLogger("ray.serve")
@@ -83,9 +87,10 @@ class WorldGroup:
                                f"more than is left after the weights and warm-up (memory_budget_gib: "
                                f"{s.memory_budget_gib})")
         self.size = (infos[0].width, infos[0].height)
-        self.frames_per_chunk = infos[0].frames_per_chunk
-        self.muxer = ray.remote(Muxer).options(num_cpus=s.muxer_cpus, max_concurrency=8,
-                                               scheduling_strategy=pinned(s.muxer_bundle)).remote(*self.size)
+        self.geometry = get_preset(s.preset).geometry
+        self.muxer = ray.remote(Muxer).options(num_cpus=s.muxer_cpus, num_gpus=s.muxer_gpus, max_concurrency=8,
+                                               scheduling_strategy=pinned(s.muxer_bundle)
+                                               ).remote(*self.size, s.h264_settings)
         # the mailbox only relays small messages: it takes no CPU of its own and lives in the replica's bundle
         self.mailbox = ray.remote(ControlMailbox).options(num_cpus=0,
                                                           scheduling_strategy=pinned(s.replica_bundle)).remote()
@@ -93,6 +98,7 @@ class WorldGroup:
         self.scheduler = Scheduler(s.pacing_lead_s)
         self.reserved = 0                              # admitted or being admitted
         self.outboxes: dict[str, asyncio.Queue] = {}
+        self.deliveries: dict[str, asyncio.Task] = {}  # per session: the delivery of its newest chunk
         self.loop_task: Optional[asyncio.Task] = None
         self.controls_task: Optional[asyncio.Task] = None
         self.wake: Optional[asyncio.Event] = None
@@ -119,7 +125,8 @@ class WorldGroup:
             return
         self.reserved += 1
         sid, start = request.session_id, request.start
-        state = ScheduledSession(sid, start, self.frames_per_chunk, self.settings.max_queued_controls)
+        state = ScheduledSession(sid, start, self.geometry, self.settings.max_queued_controls,
+                                 max_in_flight=self.settings.max_in_flight_chunks)
         try:
             mime = await self.muxer.open.remote(sid, start.fps)
             opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
@@ -144,6 +151,7 @@ class WorldGroup:
                 r.stop.remote(sid)                   # a running chunk ends at its next step, on every rank
             self.scheduler.remove(sid)
             self.outboxes.pop(sid, None)
+            self.deliveries.pop(sid, None)
             for r in self.ranks:
                 r.close_session.remote(sid)
             self.muxer.close.remote(sid)
@@ -204,16 +212,12 @@ class WorldGroup:
                     continue
                 await self._run_chunk(state)
                 await self._report_devices()
-            except SessionFailure as e:               # one session's chunk could not be delivered
-                log.warning("group %s: session %s failed: %s", self.id, e.session_id, e)
-                self._post(e.session_id, SessionError("internal_error",
-                                                      "this session failed; please start a new one"))
-                self.scheduler.remove(e.session_id)
             except Exception as e:                    # a rank or the muxer failed: the group is gone with it
                 self._fail_group(e)
                 return
 
     async def _run_chunk(self, state: ScheduledSession) -> None:
+        """Run the session's next chunk on every rank; its delivery goes on as a task of its own."""
         plan = state.plan_next_chunk()
         t0 = time.monotonic()
         calls = [r.run_chunk.remote(state.id, plan.index, plan.controls, self.muxer if i == 0 else None)
@@ -222,29 +226,53 @@ class WorldGroup:
         root = replies[0]
         if root.stopped or state.stopped:
             return
+        state.commit_plan(plan)                       # the ranks advanced the session: the chunk is in flight
+        previous = self.deliveries.get(state.id)
+        self.deliveries[state.id] = asyncio.get_running_loop().create_task(
+            self._deliver(state, plan, root, t0, previous), context=contextvars.Context())
+
+    async def _deliver(self, state: ScheduledSession, plan: ChunkPlan, root: ChunkReply, t0: float,
+                       previous: Optional[asyncio.Task]) -> None:
+        """Await the chunk's fragment, then (after the session's previous chunk) put it on the stream."""
+        delivered = False
         try:
-            fragment: Optional[Fragment] = await root.fragment
-        except Exception as e:
-            raise SessionFailure(state.id, f"encoding failed: {type(e).__name__}") from e
-        if fragment is None or state.stopped:        # the session ended while its chunk was being encoded
-            return
-        done_at = time.monotonic()
-        state.commit_plan(plan)
-        stalls_before = state.stalls
-        state.delivered(fragment.frames, done_at)
-        timings = dict(root.timings)
-        timings.update(encode=fragment.encode_s, root_to_muxer=fragment.transfer_s,
-                       outside_engine=(done_at - t0) - root.engine_s)
-        for stage, seconds in timings.items():
-            self.metrics.stage.observe(seconds, tags={"stage": stage})
-        video_s = fragment.frames / state.start.fps
-        self.metrics.rtf.set((done_at - t0) / video_s, tags={"group": self.id})
-        if state.stalls > stalls_before:
-            self.metrics.stalls.inc(tags={"group": self.id})
-        self._post(state.id, ChunkReady(plan.index, fragment.data, fragment.frames, plan.started, plan.active,
-                                        plan.completed, timings, done_at - t0))
-        if state.finished:
-            self._post(state.id, SessionDone(state.next_chunk))
+            try:
+                fragment: Optional[Fragment] = await root.fragment
+            except Exception as e:
+                raise SessionFailure(state.id, f"encoding failed: {type(e).__name__}") from e
+            fragment_at = time.monotonic()
+            if previous is not None:
+                await previous                        # chunk order on the stream; it never raises
+            if fragment is None or state.stopped:     # the session ended while its chunk was being encoded
+                return
+            done_at = time.monotonic()
+            stalls_before = state.stalls
+            state.delivered(fragment.frames, done_at)
+            delivered = True
+            timings = dict(root.timings)
+            timings.update(encode=fragment.encode_s, root_to_muxer=fragment.transfer_s,
+                           outside_engine=(fragment_at - t0) - root.engine_s)
+            for stage, seconds in timings.items():
+                self.metrics.stage.observe(seconds, tags={"stage": stage})
+            self.metrics.rtf.set((done_at - t0) / (fragment.frames / state.start.fps), tags={"group": self.id})
+            if state.stalls > stalls_before:
+                self.metrics.stalls.inc(tags={"group": self.id})
+            self._post(state.id, ChunkReady(plan.index, fragment.data, fragment.frames, plan.started, plan.active,
+                                            plan.completed, timings, done_at - t0,
+                                            {"dispatched": t0, "fragment": fragment_at}))
+            if state.start.chunks is not None and plan.index == state.start.chunks - 1:
+                self._post(state.id, SessionDone(plan.index + 1))
+        except SessionFailure as e:                   # this session's chunk could not be delivered
+            log.warning("group %s: session %s failed: %s", self.id, e.session_id, e)
+            state.stopped = True
+            self._post(e.session_id, SessionError("internal_error", "this session failed; please start a new one"))
+            self.scheduler.remove(e.session_id)
+        except Exception as e:                        # the muxer failed: the group is gone with it
+            self._fail_group(e)
+        finally:
+            if not delivered:
+                state.undelivered()
+            self.wake.set()                           # the session may start another chunk now
 
     async def _report_devices(self) -> None:
         """Every metrics_interval_s: each rank's own accelerator utilisation and memory, tagged by rank."""

@@ -199,7 +199,8 @@ class Connection:
                         "transport_chunk_index": self.chunks_sent, "num_frames": event.num_frames,
                         "byte_length": len(event.data), "started_event_ids": event.started,
                         "active_event_ids": event.active, "completed_event_ids": event.completed,
-                        "timings": {k: round(v, 5) for k, v in event.timings.items()}})
+                        "timings": {k: round(v, 5) for k, v in event.timings.items()},
+                        "group_clock": {k: round(v, 4) for k, v in event.clock.items()}})
                     await self.ws.send_bytes(event.data)
                     self.chunks_sent += 1
                 elif isinstance(event, SessionDone):

@@ -91,6 +91,7 @@ class ChunkReady:
     completed: list[str]
     timings: dict[str, float]
     wall_s: float
+    clock: dict[str, float] = field(default_factory=dict)   # the group's monotonic clock: dispatched, fragment
 
 
 @dataclass(frozen=True)

@@ -1,49 +1,85 @@
 """The group's muxer: one H.264 fMP4 encoder per session, fed by rank 0's uint8 frames point to point.
-Plain Python; the group makes it a Ray actor with max_concurrency > 1 (sessions encode in parallel)."""
+Plain Python; the group makes it a Ray actor with max_concurrency > 1 (sessions encode in parallel).
+
+Chunks of one session may overlap here (the ranks run chunk k+1 while chunk k is encoded), and the calls
+of a threaded actor run in any order, so each session's chunks are encoded strictly in index order: a
+chunk waits for its predecessor (or for the session to close).
+"""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Optional
 
 import numpy as np
 
-from lingbot.io.video import FragmentedMp4Encoder
+from lingbot.io.video import FragmentedMp4Encoder, H264Settings, pick_h264_encoder
 
 from .messages import Fragment
 from .sessions import Tombstones
 
+log = logging.getLogger(__name__)
+
+ORDER_TIMEOUT_S = 120.0       # how long a chunk waits for its predecessor's encode before failing
+
+
+class _Stream:
+    def __init__(self, encoder: FragmentedMp4Encoder):
+        self.encoder = encoder
+        self.next_index = 0
+
 
 class Muxer:
-    def __init__(self, width: int, height: int):
+    def __init__(self, width: int, height: int, settings: Optional[H264Settings] = None):
         self.width, self.height = width, height
-        self.encoders: dict[str, FragmentedMp4Encoder] = {}
+        settings = settings or H264Settings(encoder="auto")
+        self.settings = H264Settings(pick_h264_encoder(settings.encoder), settings.preset, settings.crf,
+                                     settings.threads)
+        log.info("muxer: H.264 with %s (%s)", self.settings.encoder, self.settings.preset)
+        self.streams: dict[str, _Stream] = {}
         self.closed = Tombstones()            # calls run in any order: a close may overtake its open
-        self.lock = threading.Lock()
+        self.turn = threading.Condition()     # guards streams / closed; wakes chunks waiting for their turn
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        return self.settings.encoder
 
     def open(self, session_id: str, fps: float) -> str:
         """Start a session's encoder; returns the MSE mime type of its stream."""
-        encoder = FragmentedMp4Encoder(self.width, self.height, fps)
-        with self.lock:
+        encoder = FragmentedMp4Encoder(self.width, self.height, fps, self.settings)
+        with self.turn:
             if session_id not in self.closed:
-                self.encoders[session_id] = encoder
+                self.streams[session_id] = _Stream(encoder)
         return encoder.mime
 
     def encode(self, session_id: str, index: int, frames: np.ndarray, sent_at: float) -> Optional[Fragment]:
-        """Encode one chunk (None when the session is gone). `sent_at` is rank 0's perf_counter when it sent
-        the frames (CLOCK_MONOTONIC is shared by the processes of one node: the difference is the transfer)."""
+        """Encode chunk `index` once chunk index-1 is done (None when the session is gone). `sent_at` is rank
+        0's perf_counter when it sent the frames (CLOCK_MONOTONIC is shared by the processes of one node:
+        the difference is the transfer)."""
         t0 = time.perf_counter()
-        with self.lock:
-            encoder = self.encoders.get(session_id)
-        if encoder is None:
-            return None
-        data = encoder.encode_chunk(frames)
-        return Fragment(index, data, int(frames.shape[0]), time.perf_counter() - t0, t0 - sent_at)
+        with self.turn:
+            ok = self.turn.wait_for(lambda: self._turn_of(session_id, index), timeout=ORDER_TIMEOUT_S)
+            stream = self.streams.get(session_id)
+            if stream is None:
+                return None
+            if not ok:
+                raise RuntimeError(f"chunk {index} of session {session_id} waited {ORDER_TIMEOUT_S:g} s for "
+                                   f"chunk {stream.next_index}")
+        t1 = time.perf_counter()
+        try:
+            data = stream.encoder.encode_chunk(frames)
+        finally:
+            with self.turn:
+                stream.next_index = index + 1
+                self.turn.notify_all()
+        return Fragment(index, data, int(frames.shape[0]), time.perf_counter() - t1, t0 - sent_at)
+
+    def _turn_of(self, session_id: str, index: int) -> bool:
+        stream = self.streams.get(session_id)
+        return stream is None or stream.next_index == index
 
     def close(self, session_id: str) -> None:
-        with self.lock:
-            self.encoders.pop(session_id, None)
+        with self.turn:
+            self.streams.pop(session_id, None)
             self.closed.add(session_id)
+            self.turn.notify_all()

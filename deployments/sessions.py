@@ -4,9 +4,13 @@ Plain Python (no Ray): the WorldGroup replica owns one `Scheduler` of `Scheduled
 directly. `Tombstones` remembers ended sessions for the actors whose calls may arrive out of order.
 
 Playback clock: a session's player starts when its first chunk is delivered; chunk k (k >= 1) is due
-when the video delivered before it has played out: deadline = first_delivery + frames_delivered / fps.
-The scheduler runs the session with the earliest deadline, and never lets a session's buffered video
-exceed `pacing_lead_s` (it idles instead), so no session runs far ahead while another is late.
+when the video before it has played out: deadline = first_delivery + frames before it / fps. The
+scheduler runs the session with the earliest deadline, and never lets a session's video run more than
+`pacing_lead_s` ahead of playback (it idles instead), so no session runs far ahead while another is late.
+
+A chunk is generated when the ranks return it, and delivered when its fMP4 fragment reaches the session's
+stream; between the two (device-to-host copy, encode, send) the ranks already run the next chunk. At most
+`max_in_flight` chunks of a session are generated but not yet delivered.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Optional
+
+from lingbot.config import LINGBOT_GEOMETRY, ChunkGeometry
 
 from .messages import ChunkControls
 from .protocol import Interaction, StartRequest
@@ -61,15 +67,19 @@ class ChunkPlan:
 class ScheduledSession:
     """A session as its group schedules it: start request, pacing clock, queued and running interactions."""
 
-    def __init__(self, session_id: str, start: StartRequest, frames_per_chunk: int = 3,
-                 max_queued_controls: int = 64, now: Optional[float] = None):
+    def __init__(self, session_id: str, start: StartRequest, geometry: ChunkGeometry = LINGBOT_GEOMETRY,
+                 max_queued_controls: int = 64, now: Optional[float] = None, max_in_flight: int = 2):
         self.id = session_id
         self.start = start
-        self.frames_per_chunk = frames_per_chunk
+        self.geometry = geometry
+        self.frames_per_chunk = geometry.latent_frames
         self.max_queued = max_queued_controls
+        self.max_in_flight = max_in_flight
         self.created = time.monotonic() if now is None else now
         self.next_chunk = 0
-        self.frames_delivered = 0
+        self.frames_generated = 0                    # chunks the ranks returned
+        self.frames_delivered = 0                    # chunks whose fragment reached the stream
+        self.in_flight = 0
         self.first_delivery: Optional[float] = None
         self.pending: deque[Interaction] = deque()
         self.events: dict[str, _Progress] = {}
@@ -82,22 +92,38 @@ class ScheduledSession:
     def finished(self) -> bool:
         return self.stopped or (self.start.chunks is not None and self.next_chunk >= self.start.chunks)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the session may start another chunk (not finished, in-flight bound not reached)."""
+        return not self.finished and self.in_flight < self.max_in_flight
+
     def deadline(self) -> float:
+        """When the next chunk to generate is due at the player."""
         if self.first_delivery is None:
             return self.created                      # the first chunk is due at once
-        return self.first_delivery + self.frames_delivered / self.start.fps
+        return self.first_delivery + self.frames_generated / self.start.fps
+
+    def generated(self, frames: int) -> None:
+        """The ranks returned a chunk of `frames` frames; it is in flight until delivered."""
+        self.frames_generated += frames
+        self.in_flight += 1
 
     def delivered(self, frames: int, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
+        self.in_flight = max(0, self.in_flight - 1)
         if self.first_delivery is None:
             self.first_delivery = now
         else:
-            late = now - self.deadline()
+            late = now - (self.first_delivery + self.frames_delivered / self.start.fps)
             if late > 0:                             # the player ran dry before this chunk arrived
                 self.stalls += 1
                 self.stall_seconds += late
                 self.first_delivery += late          # playback resumes now
         self.frames_delivered += frames
+
+    def undelivered(self) -> None:
+        """A chunk in flight will not be delivered (the session ended or failed meanwhile)."""
+        self.in_flight = max(0, self.in_flight - 1)
 
     # ---- interactions -------------------------------------------------------------------------
     def queue(self, interaction: Interaction) -> bool:
@@ -161,10 +187,12 @@ class ScheduledSession:
         return ChunkPlan(k, controls, started, active, completed)
 
     def commit_plan(self, plan: ChunkPlan) -> None:
+        """The ranks ran the planned chunk: its controls are spent, and the chunk is in flight."""
         for _ in plan.started:
             self.pending.popleft()
         self.events = self._planned
         self.next_chunk = plan.index + 1
+        self.generated(self.geometry.pixel_frames(plan.index))
 
 
 class Scheduler:
@@ -183,7 +211,7 @@ class Scheduler:
     def pick(self, now: Optional[float] = None) -> tuple[Optional[ScheduledSession], float]:
         """(session to run now, 0) or (None, seconds to wait before the earliest becomes due)."""
         now = time.monotonic() if now is None else now
-        ready = [s for s in self.sessions.values() if not s.finished]
+        ready = [s for s in self.sessions.values() if s.ready]
         if not ready:
             return None, math.inf
         best = min(ready, key=lambda s: s.deadline())

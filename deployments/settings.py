@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lingbot.config import PRESETS, ConfigError, get_preset
+from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
 ENV_PREFIX = "LINGBOT_"
@@ -30,6 +31,7 @@ class ServeSettings:
     rank_cpus: float = 0.3
     rank_devices: float = 0.0                # accelerators per rank (GPUs for cuda, NPUs for npu): 1
     muxer_cpus: float = 0.1
+    muxer_gpus: float = 0.0                  # > 0 lets the muxer see a GPU, so encoder "auto" can use NVENC
     ingress_cpus: float = 0.05
     # capacity: sessions per group = min(max_sessions_per_group, what fits per rank): on accelerators in the
     # memory measured after warm-up, unless memory_budget_gib (per rank) overrides it; on CPU in
@@ -60,6 +62,11 @@ class ServeSettings:
     group_start_timeout_s: float = 1800.0
     collective_timeout_s: float = 120.0
     metrics_interval_s: float = 5.0
+    # delivery: the ranks start a session's next chunk while its last one is copied, encoded and sent
+    max_in_flight_chunks: int = 2            # per session: generated but not yet delivered
+    encoder: str = "auto"                    # auto (NVENC where the muxer sees a GPU, else x264) | libx264 | h264_nvenc
+    encoder_preset: str = "veryfast"         # x264 preset (NVENC: p1..p7)
+    encoder_threads: int = 0                 # 0: the encoder's choice
     api_keys: str = ""                       # comma-separated; when set, clients must present one (see README)
 
     def __post_init__(self):
@@ -84,6 +91,13 @@ class ServeSettings:
             raise ConfigError(f"need 1 <= min_groups ({self.min_groups}) <= max_groups ({self.max_groups})")
         if self.max_sessions_per_group < 1:
             raise ConfigError("max_sessions_per_group must be >= 1")
+        if self.encoder not in H264_ENCODERS:
+            raise ConfigError(f"encoder {self.encoder!r} is not one of {list(H264_ENCODERS)}")
+        if self.max_in_flight_chunks < 1:
+            raise ConfigError(f"max_in_flight_chunks must be >= 1, got {self.max_in_flight_chunks}")
+        if self.muxer_gpus > 0 and self.device != "cuda":
+            raise ConfigError("muxer_gpus is for NVENC on CUDA nodes; set it to 0 for device "
+                              f"{self.device}")
         for name in ("fps", "pacing_lead_s", "admission_wait_s", "start_timeout_s", "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -140,7 +154,12 @@ class ServeSettings:
     def placement_bundles(self) -> list[dict]:
         """[replica] + one bundle per rank + [muxer]: derived here, and only here."""
         rank = {"CPU": self.rank_cpus, **self.rank_accelerators}
-        return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [{"CPU": self.muxer_cpus}]
+        muxer = {"CPU": self.muxer_cpus, **({"GPU": self.muxer_gpus} if self.muxer_gpus > 0 else {})}
+        return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [muxer]
+
+    @property
+    def h264_settings(self) -> H264Settings:
+        return H264Settings(self.encoder, self.encoder_preset, threads=self.encoder_threads)
 
     def rank_actor_options(self) -> dict:
         """Ray actor options of a rank (its bundle's resources): GPUs through num_gpus, which makes Ray set

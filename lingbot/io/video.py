@@ -1,7 +1,13 @@
-"""H.264 video out through PyAV: an MP4 file (CLI) or fragmented MP4 bytes (streaming)."""
+"""H.264 video out through PyAV: an MP4 file (CLI) or fragmented MP4 bytes (streaming).
+
+The encoder is x264 (software) or NVENC (`h264_nvenc`, on nodes whose GPU driver provides it), both set
+for low latency: no B-frames, no lookahead, so every frame's packet is out before the next frame.
+"""
 from __future__ import annotations
 
 import io
+import logging
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import BinaryIO, Union
@@ -9,22 +15,57 @@ from typing import BinaryIO, Union
 import av
 import numpy as np
 
+log = logging.getLogger(__name__)
+
+H264_ENCODERS = ("auto", "libx264", "h264_nvenc")
+
+
+@dataclass(frozen=True)
+class H264Settings:
+    encoder: str = "libx264"       # libx264 | h264_nvenc (see pick_h264_encoder for "auto")
+    preset: str = "veryfast"       # x264's preset; NVENC takes p1 (fastest) .. p7 and gets p1 otherwise
+    crf: int = 23                  # quality (x264 CRF; NVENC constant quality)
+    threads: int = 0               # encoder threads; 0: the codec's choice
+
+    def stream_options(self) -> dict[str, str]:
+        if self.encoder == "h264_nvenc":
+            preset = self.preset if self.preset in {f"p{i}" for i in range(1, 8)} else "p1"
+            return {"preset": preset, "tune": "ull", "zerolatency": "1", "bf": "0", "rc": "vbr", "cq": str(self.crf)}
+        return {"crf": str(self.crf), "preset": self.preset, "tune": "zerolatency"}
+
+
+def pick_h264_encoder(preference: str = "auto") -> str:
+    """The encoder to use: NVENC where it opens (asked for, or "auto"), else x264, the fallback everywhere."""
+    if preference not in H264_ENCODERS:
+        raise ValueError(f"H.264 encoder {preference!r} is not one of {list(H264_ENCODERS)}")
+    if preference == "libx264":
+        return preference
+    try:
+        container, stream = open_h264(io.BytesIO(), 64, 64, 16.0, H264Settings("h264_nvenc"))
+        stream.encode(av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24"))
+        container.close()
+        return "h264_nvenc"
+    except Exception as e:                     # no NVIDIA encoder on this node (or no driver for it)
+        if preference == "h264_nvenc":
+            log.warning("h264_nvenc does not open here (%s); encoding with libx264", str(e).splitlines()[0][:100])
+        return "libx264"
+
 
 def frame_rate(fps: float) -> Fraction:
     return Fraction(fps).limit_denominator(1000)
 
 
-def open_h264(target: Union[str, BinaryIO], width: int, height: int, fps: float, crf: int, preset: str,
+def open_h264(target: Union[str, BinaryIO], width: int, height: int, fps: float, settings: H264Settings,
               movflags: str = "") -> tuple:
-    """An MP4 container writing one H.264 yuv420p stream (x264, zerolatency: no B-frames, no lookahead).
-    Returns (container, stream)."""
+    """An MP4 container writing one H.264 yuv420p stream. Returns (container, stream)."""
     if width % 2 or height % 2:
         raise ValueError(f"H.264 yuv420p needs an even size, got {width}x{height}")
     container = av.open(target, mode="w", format="mp4", options={"movflags": movflags} if movflags else {})
-    stream = container.add_stream("libx264", rate=frame_rate(fps))
+    stream = container.add_stream(settings.encoder, rate=frame_rate(fps))
     stream.width, stream.height = width, height
     stream.pix_fmt = "yuv420p"
-    stream.options = {"crf": str(crf), "preset": preset, "tune": "zerolatency"}
+    stream.options = settings.stream_options()
+    stream.codec_context.thread_count = settings.threads
     return container, stream
 
 
@@ -34,7 +75,7 @@ class H264Writer:
     def __init__(self, target: Union[str, Path, BinaryIO], width: int, height: int, fps: float, crf: int = 23,
                  preset: str = "veryfast"):
         target = str(target) if isinstance(target, Path) else target
-        self.container, self.stream = open_h264(target, width, height, fps, crf, preset)
+        self.container, self.stream = open_h264(target, width, height, fps, H264Settings(crf=crf, preset=preset))
         self.frames_written = 0
 
     def write(self, frames: np.ndarray) -> None:
@@ -93,12 +134,11 @@ class FragmentedMp4Encoder:
     """H.264 encoder whose output is a byte stream Media Source Extensions play as it arrives.
 
     `encode_chunk(frames)` returns the bytes for one chunk: the init segment (ftyp + moov, from FFmpeg's
-    mp4 muxer) before the first fragment, then exactly one moof + mdat with every frame of the chunk
-    (zerolatency x264: no B-frames, no lookahead, so each frame's packet is out before the next frame)."""
+    mp4 muxer) before the first fragment, then exactly one moof + mdat with every frame of the chunk."""
 
-    def __init__(self, width: int, height: int, fps: float, crf: int = 23, preset: str = "veryfast"):
+    def __init__(self, width: int, height: int, fps: float, settings: H264Settings = H264Settings()):
         self._header = io.BytesIO()
-        self._container, self.stream = open_h264(self._header, width, height, fps, crf, preset,
+        self._container, self.stream = open_h264(self._header, width, height, fps, settings,
                                                  movflags="frag_keyframe+empty_moov+default_base_moof")
         rate = frame_rate(fps)
         self._container.start_encoding()                     # opens the codec, writes ftyp + moov

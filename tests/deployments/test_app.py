@@ -275,3 +275,15 @@ def test_stall_timeout_counts_pings(serve_app):
     assert chunks >= 5
     assert rest.error["code"] == "stall_timeout" and rest.close_code == 1008
     assert 10 < waited < 25
+
+
+def test_the_ranks_start_a_chunk_before_the_last_one_is_encoded(serve_app):
+    """Delivery overlaps the device: chunk k+1 is dispatched to the ranks before chunk k's fragment is back
+    from the muxer (both on the group's clock), and the stream stays in order, whole and playable."""
+    result = run(session(serve_app, 5, seed=2))
+    assert result.error is None and result.done["chunks"] == 5
+    clocks = [c["group_clock"] for c in result.chunks]
+    assert [c["generation_chunk_index"] for c in result.chunks] == list(range(5))
+    for k in range(4):
+        assert clocks[k + 1]["dispatched"] < clocks[k]["fragment"], (k, clocks[k], clocks[k + 1])
+    assert read_frames(result.video).shape == (12 * 5 - 3, H, W, 3)

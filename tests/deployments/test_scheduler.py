@@ -1,4 +1,6 @@
 """The session scheduler without a server: pacing, stalls, interaction lifecycle, flow control."""
+import math
+
 import pytest
 
 from deployments.protocol import Interaction
@@ -21,17 +23,21 @@ def test_edf_and_pacing():
     sched.add(a), sched.add(b)
     assert sched.pick(now=1.0)[0] is a                    # both due at once: the earlier created first
     a.next_chunk += 1
+    a.generated(9)
     a.delivered(9, now=1.0)                               # a's player: 9 frames = 0.5625 s from t=1.0
     assert sched.pick(now=1.1)[0] is b                    # b is due (since 0.5), a not until 1.5625
     b.next_chunk += 1
+    b.generated(9)
     b.delivered(9, now=1.2)
     # both ahead; a is due at 1.5625, b at 1.7625: a is next, and may run up to 0.5 s (the lead) early
     assert sched.pick(now=1.2)[0] is a
     a.next_chunk += 1
+    a.generated(12)
     a.delivered(12, now=1.3)                              # a now buffered until 2.3125
     who, wait = sched.pick(now=1.3)
     assert who is b                                       # b (1.7625) is earlier: never a while b is behind it
     b.next_chunk += 1
+    b.generated(12)
     b.delivered(12, now=1.4)                              # b until 2.5125
     who, wait = sched.pick(now=1.4)
     assert who is None and wait == pytest.approx(2.3125 - 1.4 - 0.5)   # both over 0.5 s ahead: idle
@@ -39,7 +45,9 @@ def test_edf_and_pacing():
 
 def test_stall_accounting():
     s = _state("a", now=0.0)
+    s.generated(9)
     s.delivered(9, now=1.0)              # plays until 1.5625
+    s.generated(12)
     s.delivered(12, now=2.0)             # 0.4375 s late
     assert s.stalls == 1 and s.stall_seconds == pytest.approx(0.4375)
     assert s.deadline() == pytest.approx(2.0 + 12 / 16)
@@ -85,3 +93,22 @@ def test_tombstones_keep_the_newest():
     for sid in ("a", "b", "c"):
         t.add(sid)
     assert "a" not in t and "b" in t and "c" in t
+
+
+def test_in_flight_chunks_pace_and_bound_a_session():
+    """A chunk counts for pacing when the ranks return it, not when its fragment arrives; at most
+    max_in_flight chunks of a session are generated but undelivered."""
+    sched = Scheduler(pacing_lead_s=10.0)
+    s = ScheduledSession("a", start(num_frames=None), now=0.0, max_in_flight=2)
+    sched.add(s)
+    plan = s.plan_next_chunk()
+    s.commit_plan(plan)                                   # chunk 0 generated (9 frames), in flight
+    assert (s.in_flight, s.frames_generated, s.frames_delivered) == (1, 9, 0)
+    assert sched.pick(now=0.1)[0] is s                    # chunk 1 may start while chunk 0 is encoded
+    s.commit_plan(s.plan_next_chunk())
+    assert s.in_flight == 2 and not s.ready
+    assert sched.pick(now=0.2) == (None, math.inf)        # the bound: no third chunk in flight
+    s.delivered(9, now=0.3)                               # chunk 0's fragment reached the stream
+    assert s.ready and s.deadline() == pytest.approx(0.3 + 21 / 16)   # 9 + 12 frames generated
+    s.undelivered()                                       # chunk 1 will not be delivered (e.g. stopped)
+    assert s.in_flight == 0

@@ -1,0 +1,57 @@
+"""The muxer without Ray: chunks of a session handed over out of order (as a threaded actor may run them)
+are encoded in index order, at the size of the real model, into one stream that decodes frame for frame."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from deployments.muxer import Muxer
+from lingbot.io.video import read_frames
+
+W, H = 832, 480
+
+
+def _chunk(index: int) -> np.ndarray:
+    frames = 9 if index == 0 else 12
+    rng = np.random.RandomState(index)
+    return rng.randint(0, 255, (frames, H, W, 3), dtype=np.uint8)
+
+
+def test_out_of_order_chunks_are_encoded_in_order():
+    muxer = Muxer(W, H)
+    assert muxer.ready() == "libx264"                           # no NVENC on a CPU machine: the fallback
+    muxer.open("s", 16.0)
+    results: dict[int, object] = {}
+
+    def encode(index):
+        results[index] = muxer.encode("s", index, _chunk(index), time.perf_counter())
+
+    threads = [threading.Thread(target=encode, args=(i,)) for i in (2, 1, 0)]   # the latest first
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(timeout=60)
+    assert [results[i].index for i in range(3)] == [0, 1, 2]
+    stream = b"".join(results[i].data for i in range(3))
+    assert read_frames(stream).shape == (33, H, W, 3)
+    assert all(results[i].encode_s > 0 for i in range(3))
+
+
+def test_close_releases_waiting_chunks_and_drops_late_ones():
+    muxer = Muxer(W, H)
+    muxer.open("s", 16.0)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault(1, muxer.encode("s", 1, _chunk(1), 0.0)))
+    waiter.start()
+    time.sleep(0.1)
+    muxer.close("s")                                             # chunk 0 never came: the session ended
+    waiter.join(timeout=10)
+    assert got == {1: None}
+    assert muxer.encode("s", 0, _chunk(0), 0.0) is None
+    muxer.open("s", 16.0)                                        # a close overtook its open: stays closed
+    assert muxer.encode("s", 0, _chunk(0), 0.0) is None
+    with pytest.raises(ValueError, match=r"H\.264 encoder 'vp9' is not one of"):
+        from lingbot.io.video import pick_h264_encoder
+        pick_h264_encoder("vp9")
