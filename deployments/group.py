@@ -7,8 +7,9 @@ one long-lived streaming call (`session`): the lease that Serve counts for routi
 background loop runs the sessions' chunks one at a time, earliest playback deadline first, within the
 pacing lead; every chunk is one call to every rank. As soon as the ranks return a chunk, the loop may
 start the next one: the chunk's delivery (its fragment from the muxer, then the session's stream) runs
-as a task of its own, in chunk order per session, with at most max_in_flight_chunks per session waiting
-for delivery. A second task long-polls the mailbox and wakes the loop when a control arrives.
+as a task of its own, in chunk order per session, with at most `in_flight_chunks` per session waiting
+for delivery (1 on CPU, where it would only compete for the cores). A second task long-polls the
+mailbox and wakes the loop when a control arrives.
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ class WorldGroup:
         self.reserved += 1
         sid, start = request.session_id, request.start
         state = ScheduledSession(sid, start, self.geometry, self.settings.max_queued_controls,
-                                 max_in_flight=self.settings.max_in_flight_chunks)
+                                 max_in_flight=self.settings.in_flight_chunks)
         try:
             mime = await self.muxer.open.remote(sid, start.fps)
             opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,

@@ -63,7 +63,9 @@ class ServeSettings:
     collective_timeout_s: float = 120.0
     metrics_interval_s: float = 5.0
     # delivery: the ranks start a session's next chunk while its last one is copied, encoded and sent
-    max_in_flight_chunks: int = 2            # per session: generated but not yet delivered
+    # per session, generated but not yet delivered; None: 2 on accelerators (the host's copy, encode and send
+    # overlap the device), 1 on CPU (measured slower there: the encoder and the next chunk share the cores)
+    max_in_flight_chunks: Optional[int] = None
     encoder: str = "auto"                    # auto (NVENC where the muxer sees a GPU, else x264) | libx264 | h264_nvenc
     encoder_preset: str = "veryfast"         # x264 preset (NVENC: p1..p7)
     encoder_threads: int = 0                 # 0: the encoder's choice
@@ -93,7 +95,7 @@ class ServeSettings:
             raise ConfigError("max_sessions_per_group must be >= 1")
         if self.encoder not in H264_ENCODERS:
             raise ConfigError(f"encoder {self.encoder!r} is not one of {list(H264_ENCODERS)}")
-        if self.max_in_flight_chunks < 1:
+        if self.max_in_flight_chunks is not None and self.max_in_flight_chunks < 1:
             raise ConfigError(f"max_in_flight_chunks must be >= 1, got {self.max_in_flight_chunks}")
         if self.muxer_gpus > 0 and self.device != "cuda":
             raise ConfigError("muxer_gpus is for NVENC on CUDA nodes; set it to 0 for device "
@@ -156,6 +158,12 @@ class ServeSettings:
         rank = {"CPU": self.rank_cpus, **self.rank_accelerators}
         muxer = {"CPU": self.muxer_cpus, **({"GPU": self.muxer_gpus} if self.muxer_gpus > 0 else {})}
         return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [muxer]
+
+    @property
+    def in_flight_chunks(self) -> int:
+        if self.max_in_flight_chunks is not None:
+            return self.max_in_flight_chunks
+        return 1 if self.device == "cpu" else 2
 
     @property
     def h264_settings(self) -> H264Settings:

@@ -60,6 +60,17 @@ def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
     assert worker.device.type == "cpu" and worker.device_stats() is None
 
 
+def test_in_flight_chunks_default_by_device():
+    assert ServeSettings.from_args({}).in_flight_chunks == 1
+    assert ServeSettings.from_args({"max_in_flight_chunks": 3}).in_flight_chunks == 3
+    gpu = {"preset": "lingbot-world-v2-14b", "model_path": "/m", "device": "cuda", "rank_devices": 1, "sp": 4}
+    assert ServeSettings.from_args(gpu).in_flight_chunks == 2
+    with pytest.raises(ConfigError, match="max_in_flight_chunks must be >= 1"):
+        ServeSettings.from_args({"max_in_flight_chunks": 0})
+    with pytest.raises(ConfigError, match="encoder 'vp9' is not one of"):
+        ServeSettings.from_args({"encoder": "vp9"})
+
+
 def test_sessions_per_group_from_the_budget():
     assert ServeSettings.from_args({}).budget_bytes == 2 ** 30                    # the CPU rule: 1 GiB per rank
     assert ServeSettings.from_args({}).sessions_per_group() == 2                 # capped by max_sessions_per_group
