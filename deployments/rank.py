@@ -62,7 +62,7 @@ class RankWorker:
         life = RankLifecycle(self.rank, self.world_size, self.device)
         self.comm = life.connect(init_method, s.collective_timeout_s)
         self.pipeline = life.load(s.preset, s.model_path, pixel_mode=s.pixel_mode,
-                                  skip_fixed_point=s.skip_fixed_point, compile=s.compile)
+                                  skip_fixed_point=s.skip_fixed_point, compile=s.compile, cuda_graphs=s.cuda_graphs)
         warmup = life.warm_up()
         life.measure()
         capacity = life.capacity(s.max_sessions_per_group, s.budget_bytes)

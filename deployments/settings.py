@@ -26,6 +26,8 @@ class ServeSettings:
     pixel_mode: str = DEFAULT_PIXEL_MODE
     skip_fixed_point: bool = True
     compile: Optional[bool] = None           # regional torch.compile of the DiT blocks; None: on for cuda/npu
+    cuda_graphs: bool = False                # the compiled regions as CUDA graphs (off until the device check
+                                             # measures them faster on the target GPU)
     # placement (resources per bundle: [replica] + sp x [rank] + [muxer])
     replica_cpus: float = 0.05
     rank_cpus: float = 0.3
@@ -95,6 +97,8 @@ class ServeSettings:
             raise ConfigError("max_sessions_per_group must be >= 1")
         if self.encoder not in H264_ENCODERS:
             raise ConfigError(f"encoder {self.encoder!r} is not one of {list(H264_ENCODERS)}")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ConfigError(f"cuda_graphs needs device cuda, not {self.device}")
         if self.max_in_flight_chunks is not None and self.max_in_flight_chunks < 1:
             raise ConfigError(f"max_in_flight_chunks must be >= 1, got {self.max_in_flight_chunks}")
         if self.muxer_gpus > 0 and self.device != "cuda":

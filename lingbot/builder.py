@@ -33,13 +33,14 @@ log = logging.getLogger(__name__)
 
 def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
                      dtype: Optional[torch.dtype] = None, comm: Optional[Comm] = None,
-                     compile: Optional[bool] = None, text_encoder: bool = True, seed: Optional[int] = None,
-                     **runner_kwargs) -> DiTRunner:
+                     compile: Optional[bool] = None, cuda_graphs: bool = False, text_encoder: bool = True,
+                     seed: Optional[int] = None, **runner_kwargs) -> DiTRunner:
     """A DiT runner for `preset`: weights from `model_path` (a diffusers-format folder), or seeded random
     weights (`seed`, default the preset's own; presets of real checkpoints need one). With `comm` (world
     size > 1) the DiT runs Ulysses sequence parallelism and only rank 0 holds the text encoder.
-    `compile`: regional torch.compile of the blocks (None: on accelerators only). `text_encoder=False`
-    builds none: sessions then take ready text embeddings."""
+    `compile`: regional torch.compile of the blocks (None: on accelerators only); `cuda_graphs`: the
+    compiled regions as CUDA graphs (implies compile). `text_encoder=False` builds none: sessions then take
+    ready text embeddings."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
     dtype = dtype or preset.torch_dtype
     comm = comm or Comm(device=device)
@@ -69,21 +70,22 @@ def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = No
     model = apply_sequence_parallel(model, comm)
     if compile is None:
         compile = compile_default(device)
-    if compile:
-        compile_blocks(model)
+    if compile or cuda_graphs:
+        compile_blocks(model, graphs=cuda_graphs)
     return DiTRunner(preset, model, encoder, device=device, **runner_kwargs)
 
 
 def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
                    skip_fixed_point: bool = True, comm: Optional[Comm] = None, pixel_mode: str = DEFAULT_PIXEL_MODE,
-                   compile: Optional[bool] = None, seed: Optional[int] = None, **runner_kwargs) -> WorldPipeline:
+                   compile: Optional[bool] = None, cuda_graphs: bool = False, seed: Optional[int] = None,
+                   **runner_kwargs) -> WorldPipeline:
     """DiT runner + VAE: from `model_path` (transformer/, vae/, text_encoder/, tokenizer/) or seeded random
     weights (see build_dit_runner). With `comm` (world size > 1) the decoder is sharded by width and its
     frames reach the root by `pixel_mode`."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
     comm = comm or Comm(device=device)
-    runner = build_dit_runner(preset, model_path, device=device, comm=comm, compile=compile, seed=seed,
-                              **runner_kwargs)
+    runner = build_dit_runner(preset, model_path, device=device, comm=comm, compile=compile,
+                              cuda_graphs=cuda_graphs, seed=seed, **runner_kwargs)
     vae_dtype = parse_dtype(preset.vae_dtype)
     if model_path is not None:
         vae = load_vae(Path(model_path) / "vae", dtype=vae_dtype, device=device)

@@ -2,17 +2,19 @@
 
     python -m perf.device_check                                   # lingbot-world-v2-14b dims on cuda
     python -m perf.device_check --preset tiny --device cpu        # the same script end to end on any machine
-        [--steady 3] [--json out.json] [--no-compile] [--peak-seconds 2]
+        [--steady 3] [--json out.json] [--no-compile] [--no-graphs] [--peak-seconds 2]
 
 It builds the preset with seeded random weights straight on the device in its dtype (no checkpoint; no
 text encoder: a random text embedding stands in for UMT5's output), chooses the attention kernel at the
-steady-state shape, then for eager and for regional compile: warm-up (every window length a session
-passes through), the steady DiT chunk (prepare, 4 probes, commit) and the steady whole chunk (condition,
-DiT, VAE decode, uint8, the copy to the host), the DiT's achieved FLOP/s from the cost model against the
-device's measured matmul peak, and memory (weights, peak, one session measured against the budget
-model). Checks: compiled latents within the stated tolerance of eager (a GPU eager reference: TF32
-convolutions and the CUDA RNG make CPU values irrelevant here); no host synchronisation on the DiT step
-path (CUDA: torch.cuda.set_sync_debug_mode("error")). Prints a table and writes one JSON. The whole run
+steady-state shape, then for eager, regional compile, and the compiled regions as CUDA graphs: warm-up
+(every window length a session passes through), the steady DiT chunk (prepare, 4 probes, commit) and
+the steady whole chunk (condition, DiT, VAE decode, uint8, the copy to the host), the DiT's achieved
+FLOP/s from the cost model against the device's measured matmul peak, and memory (weights, peak, one
+session measured against the budget model). Checks: compiled and graph latents within the stated
+tolerance of eager (a GPU eager reference: TF32 convolutions and the CUDA RNG make CPU values irrelevant
+here), graph replay bitwise equal to the compiled result, two sessions interleaved leave each other's
+outputs intact, and no host synchronisation on the DiT step path (CUDA:
+torch.cuda.set_sync_debug_mode("error")). Prints a table and writes one JSON. The whole run
 is sized for at most 8 minutes on one H200.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -33,7 +36,7 @@ from lingbot.camera import Controls
 from lingbot.config import get_preset
 from lingbot.runtime.attention import choose_for_model
 from lingbot.runtime.budget import session_footprint
-from lingbot.runtime.compile import compile_blocks
+from lingbot.runtime.compile import compile_blocks, uncompile_blocks
 from lingbot.runtime.condition import LatentCondition
 from perf.cost_model import matmul_peak, preset_chunk_flops
 
@@ -59,16 +62,18 @@ def _allocated(device: torch.device) -> int:
 
 
 def _measure_mode(pipe, text, latents, image, warm: int, steady: int, device) -> dict:
-    """Warm-up and steady chunk times of the DiT alone and of the whole chunk, and the DiT's latents."""
+    """Warm-up and steady chunk times of the DiT alone and of the whole chunk, and the DiT's latents (one
+    session at a time: at 14B a session's slab is ~21 GiB)."""
     runner = pipe.runner
     dit = runner.new_session(LatentCondition(latents), text_embedding=text, seed=0)
     before = _allocated(device)
     dit_times, outs = [], []
     for _ in range(warm + steady):
-        seconds, result = _timed(device, lambda: dit.run_chunk(KEYS))
+        seconds, result = _timed(device, partial(dit.run_chunk, KEYS))
         dit_times.append(seconds)
         outs.append(result.latents)
     session_bytes = _allocated(device) - before          # the session's slab and caches (the output kept)
+    del dit
     whole = pipe.new_session(image, None, seed=0, text_embedding=text)
     whole_times = []
     for _ in range(warm + steady):
@@ -80,8 +85,25 @@ def _measure_mode(pipe, text, latents, image, warm: int, steady: int, device) ->
             "session_bytes_measured": session_bytes, "latents": torch.cat(outs, dim=1).float().cpu()}
 
 
+def _interleaved_check(pipe, text, latents, chunks: int, device) -> bool:
+    """With the last mode's regions (graphs when built): session A alone, then A again interleaved chunk by
+    chunk with a session B; A's latents must be the same bitwise (no replay overwrote what A still used)."""
+    def session(seed):
+        return pipe.runner.new_session(LatentCondition(latents), text_embedding=text, seed=seed)
+    alone = session(5)
+    reference = [alone.run_chunk(KEYS).latents.clone() for _ in range(chunks)]
+    del alone                                        # at 14B a session's slab is ~21 GiB: two at a time
+    a, b = session(5), session(6)
+    again = []
+    for _ in range(chunks):
+        again.append(a.run_chunk(KEYS).latents)
+        b.run_chunk(KEYS)
+    _sync(device)
+    return all(torch.equal(x, y) for x, y in zip(reference, again))
+
+
 def _no_sync_check(pipe, text, latents, warm: int, device) -> str:
-    """Steady DiT chunks with every host synchronisation an error (CUDA); 'ok' or where it synced."""
+    """A DiT chunk after `warm` chunks with every host synchronisation an error (CUDA); 'ok' or where."""
     session = pipe.runner.new_session(LatentCondition(latents), text_embedding=text, seed=1)
     for _ in range(warm):
         session.run_chunk(KEYS)
@@ -117,13 +139,18 @@ def run(args) -> dict:
     kernel, trials = choose_for_model(pipe.runner.model, chunk_tokens, cfg.window_chunks * chunk_tokens, device)
 
     modes = {"eager": _measure_mode(pipe, text, latents, image, warm, steady, device)}
-    if args.compile:
+    for name, wanted, graphs in (("compiled", args.compile, False), ("compiled+graphs", args.graphs, True)):
+        if not wanted:
+            continue
+        uncompile_blocks(pipe.runner.model)
+        torch._dynamo.reset()
         t = time.perf_counter()
-        compile_blocks(pipe.runner.model)
-        modes["compiled"] = _measure_mode(pipe, text, latents, image, warm, steady, device)
-        modes["compiled"]["compile_and_warmup_s"] = time.perf_counter() - t
+        compile_blocks(pipe.runner.model, graphs=graphs)
+        modes[name] = _measure_mode(pipe, text, latents, image, warm, steady, device)
+        modes[name]["compile_and_warmup_s"] = time.perf_counter() - t
+    interleaved = _interleaved_check(pipe, text, latents, 3, device)
     peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    no_sync = _no_sync_check(pipe, text, latents, warm, device)
+    no_sync = _no_sync_check(pipe, text, latents, 2, device)
 
     flops = preset_chunk_flops(preset, warm).total                   # a steady chunk's DiT FLOPs
     peak_flops = matmul_peak(str(device), preset.dtype, seconds=args.peak_seconds)
@@ -143,12 +170,17 @@ def run(args) -> dict:
         report["modes"][name] = {k: v for k, v in m.items() if k != "latents"}
         report["modes"][name]["dit_tflops"] = flops / m["dit_steady_s"] / 1e12
         report["modes"][name]["dit_fraction_of_peak"] = flops / m["dit_steady_s"] / peak_flops
-    if "compiled" in modes:
-        diff = (modes["compiled"]["latents"] - modes["eager"]["latents"]).abs().max().item()
-        report["compiled_vs_eager_max_abs"] = diff
-        report["compiled_within_tolerance"] = diff <= COMPILE_TOLERANCE
-        report["compile_tolerance"] = COMPILE_TOLERANCE
-    report["cuda_graphs"] = "not built yet: the eager and compiled rows are the fast path measured so far"
+    report["compile_tolerance"] = COMPILE_TOLERANCE
+    for name in ("compiled", "compiled+graphs"):
+        if name in modes:
+            diff = (modes[name]["latents"] - modes["eager"]["latents"]).abs().max().item()
+            report["modes"][name]["vs_eager_max_abs"] = diff
+            report["modes"][name]["within_tolerance"] = diff <= COMPILE_TOLERANCE
+    if "compiled" in modes and "compiled+graphs" in modes:
+        report["graphs_vs_compiled_bitwise"] = torch.equal(modes["compiled"]["latents"],
+                                                           modes["compiled+graphs"]["latents"])
+    report["interleaved_sessions_intact"] = interleaved
+    report["last_mode"] = list(modes)[-1]
     return report
 
 
@@ -168,15 +200,19 @@ def print_table(report: dict) -> None:
     print(f"  one session measured {eager['session_bytes_measured'] / gib:.3f} GiB "
           f"vs budget model {report['session_bytes_budget_model'] / gib:.3f} GiB"
           + ("" if eager["session_bytes_measured"] else " (no device allocator on CPU)"))
-    if "compiled_vs_eager_max_abs" in report:
-        ok = "within" if report["compiled_within_tolerance"] else "OUTSIDE"
-        print(f"  compiled vs eager latents: max |diff| {report['compiled_vs_eager_max_abs']:.2e} "
-              f"({ok} {report['compile_tolerance']:g})")
+    for name, m in report["modes"].items():
+        if "vs_eager_max_abs" in m:
+            ok = "within" if m["within_tolerance"] else "OUTSIDE"
+            print(f"  {name} vs eager latents: max |diff| {m['vs_eager_max_abs']:.2e} "
+                  f"({ok} {report['compile_tolerance']:g})")
+    if "graphs_vs_compiled_bitwise" in report:
+        print(f"  graph replay vs compiled latents bitwise equal: {report['graphs_vs_compiled_bitwise']}")
+    print(f"  two sessions interleaved ({report['last_mode']}): outputs intact: "
+          f"{report['interleaved_sessions_intact']}")
     print(f"  attention kernel: {report['attention_kernel']} ("
           + ", ".join(f"{t['name']} {t['ms']:.3f} ms" if t["ms"] is not None else f"{t['name']} dropped"
                       for t in report["attention_trials"]) + ")")
     print(f"  no host sync on the step path: {report['no_sync_on_step_path']}")
-    print(f"  CUDA graphs: {report['cuda_graphs']}")
 
 
 def main(argv=None) -> dict:
@@ -185,6 +221,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steady", type=int, default=3, help="steady chunks timed per measurement")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="also compiled regions as CUDA graphs (on CPU: compiled without graphs)")
     ap.add_argument("--peak-seconds", type=float, default=2.0, help="how long the matmul peak is measured")
     ap.add_argument("--json", default="device_check.json", help="where the JSON goes")
     args = ap.parse_args(argv)

@@ -64,6 +64,7 @@ class RankLifecycle:
         self.loaded_bytes = 0
         self.warmup: Optional[WarmupReport] = None
         self.attention_kernel: Optional[str] = None
+        self.graphs = False
         self.memory: Optional[MemoryReport] = None
 
     # ---- 1. connect ---------------------------------------------------------------------------
@@ -80,6 +81,7 @@ class RankLifecycle:
     def load(self, preset: str, model_path: Optional[str] = None, **pipeline_kwargs) -> WorldPipeline:
         from ..builder import build_pipeline
         torch.set_grad_enabled(False)
+        self.graphs = bool(pipeline_kwargs.get("cuda_graphs"))
         self.pipeline = build_pipeline(preset, model_path, device=self.device, comm=self.comm, **pipeline_kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -122,7 +124,8 @@ class RankLifecycle:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
-        unused_cache = torch.cuda.memory_reserved(self.device) - allocated
+        # memory the caching allocator holds unused is free for sessions, unless graphs hold private pools in it
+        unused_cache = 0 if self.graphs else torch.cuda.memory_reserved(self.device) - allocated
         self.memory = MemoryReport(total, free + unused_cache, allocated,
                                    torch.cuda.max_memory_allocated(self.device), self.loaded_bytes)
         return self.memory
