@@ -48,12 +48,22 @@ def compile_blocks(model: CausalWanModel, backend: str = "inductor", mode: Optio
                                                fullgraph=True, dynamic=False)
         block.attention_output = torch.compile(block.attention_output, backend=backend, mode=mode,
                                                fullgraph=True, dynamic=False)
+    if graphs:
+        # every forward is one step of the graph trees: the previous forward's graph outputs are dead by then
+        model.graph_step_hook = model.register_forward_pre_hook(_mark_graph_step)
     log.info("compiled the 2 regions of %d blocks (backend %s, mode %s)", len(model.blocks), backend, mode)
     return model
 
 
+def _mark_graph_step(module, args) -> None:
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def uncompile_blocks(model: CausalWanModel) -> CausalWanModel:
     """Back to the eager regions (the class's methods)."""
+    hook = model.__dict__.pop("graph_step_hook", None)
+    if hook is not None:
+        hook.remove()
     for block in model.blocks:
         block.__dict__.pop("attention_inputs", None)
         block.__dict__.pop("attention_output", None)

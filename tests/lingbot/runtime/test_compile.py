@@ -52,3 +52,15 @@ def test_compiled_output_is_within_tolerance_of_eager(tiny, tiny_text_encoder):
 
 def test_compile_is_on_by_default_only_on_accelerators():
     assert compile_default("cuda") and compile_default("npu:0") and not compile_default("cpu")
+
+
+def test_graph_mode_marks_each_forward_as_a_step_and_uncompile_restores_eager(tiny):
+    from lingbot.runtime.compile import uncompile_blocks
+    model = build_random_transformer(tiny.transformer, tiny.weights_seed)
+    compile_blocks(model, backend="aot_eager", graphs=True)
+    assert len(model._forward_pre_hooks) == 1                   # cudagraph_mark_step_begin per forward
+    assert all("attention_inputs" in b.__dict__ and "attention_output" in b.__dict__ for b in model.blocks)
+    compile_blocks(model, backend="aot_eager")                   # re-compiling starts from the eager regions
+    assert len(model._forward_pre_hooks) == 0
+    uncompile_blocks(model)
+    assert not any("attention_inputs" in b.__dict__ for b in model.blocks)
