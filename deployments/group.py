@@ -223,7 +223,11 @@ class WorldGroup:
         t0 = time.monotonic()
         calls = [r.run_chunk.remote(state.id, plan.index, plan.controls, self.muxer if i == 0 else None)
                  for i, r in enumerate(self.ranks)]
-        replies: list[ChunkReply] = await asyncio.gather(*calls)     # a failure here is a rank's: the group breaks
+        try:                                          # a failure here is a rank's: the group breaks
+            replies: list[ChunkReply] = await asyncio.wait_for(asyncio.gather(*calls), self.settings.chunk_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"chunk {plan.index} of session {state.id} did not come back from every rank "
+                               f"within {self.settings.chunk_timeout_s:g} s") from None
         root = replies[0]
         if root.stopped or state.stopped:
             return

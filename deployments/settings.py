@@ -63,6 +63,9 @@ class ServeSettings:
     # from a shared volume, then compiling); the tiny CPU default takes well under a minute
     group_start_timeout_s: float = 1800.0
     collective_timeout_s: float = 120.0
+    # a chunk not back from every rank by then fails the group: NCCL errors abort asynchronously (its
+    # watchdog), so a hung collective must not rely on an exception at the call site
+    chunk_timeout_s: float = 600.0
     metrics_interval_s: float = 5.0
     # delivery: the ranks start a session's next chunk while its last one is copied, encoded and sent
     # per session, generated but not yet delivered; None: 2 on accelerators (the host's copy, encode and send

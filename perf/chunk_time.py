@@ -29,7 +29,7 @@ def run_session(runner, chunks: int, seed: int = 0) -> list:
     results = []
     for k in range(chunks):
         t0 = time.perf_counter()
-        r = session.run_chunk(Controls(keys=KEYS[k % len(KEYS)]))
+        r = session.run_chunk(Controls(keys=KEYS[k % len(KEYS)]), profile=runner.device.type != "cpu")
         if runner.device.type != "cpu":
             torch.accelerator.synchronize(runner.device)
         r.timings["total"] = time.perf_counter() - t0
