@@ -28,7 +28,10 @@ def _register_cpu_sdpa():
 def test_count_matches_flop_counter(tiny, tiny_model, tiny_text_encoder, cached):
     _register_cpu_sdpa()
     runner = DiTRunner(tiny, tiny_model, tiny_text_encoder, cache_camera_modulation=cached)
-    s = runner.new_session(LatentCondition(random_condition(tiny)), prompt="a fjord", seed=0)
+    # the text K/V is made once per prompt, not per chunk: made here from the embedding, outside the count
+    # (a session from a prompt encodes it at its first chunk)
+    text = tiny_text_encoder.encode(["a fjord"])
+    s = runner.new_session(LatentCondition(random_condition(tiny)), text_embedding=text, seed=0)
     for k in range(8):
         with FlopCounterMode(display=False) as counter:
             s.run_chunk(Controls(keys=("w", "", "")))
