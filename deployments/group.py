@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import time
 import uuid
 from typing import Optional
@@ -207,7 +208,8 @@ class WorldGroup:
                 if state is None:
                     self.wake.clear()
                     try:
-                        await asyncio.wait_for(self.wake.wait(), timeout=wait)
+                        # inf: nothing is due (sessions finished or at their in-flight bound) until a wake
+                        await asyncio.wait_for(self.wake.wait(), timeout=None if math.isinf(wait) else wait)
                     except asyncio.TimeoutError:
                         pass
                     continue
