@@ -287,7 +287,11 @@ class WorldGroup:
         if now - self.last_metrics < self.settings.metrics_interval_s or self.settings.device == "cpu":
             return
         self.last_metrics = now
-        stats = await asyncio.gather(*[r.device_stats.remote() for r in self.ranks])
+        try:                                          # metrics never stall or fail the chunk loop
+            stats = await asyncio.wait_for(asyncio.gather(*[r.device_stats.remote() for r in self.ranks]), 5.0)
+        except Exception as e:
+            log.warning("group %s: device stats unavailable: %s", self.id, type(e).__name__)
+            return
         for st, tags in gpu_metric_tags(self.id, stats):
             self.metrics.gpu_util.set(st.utilization, tags=tags)
             self.metrics.gpu_memory.set(st.memory_used, tags=tags)

@@ -34,8 +34,8 @@ class Muxer:
     def __init__(self, width: int, height: int, settings: Optional[H264Settings] = None):
         self.width, self.height = width, height
         settings = settings or H264Settings(encoder="auto")
-        self.settings = H264Settings(pick_h264_encoder(settings.encoder), settings.preset, settings.crf,
-                                     settings.threads)
+        self.settings = H264Settings(pick_h264_encoder(settings.encoder, width, height), settings.preset,
+                                     settings.crf, settings.threads)
         log.info("muxer: H.264 with %s (%s)", self.settings.encoder, self.settings.preset)
         self.streams: dict[str, _Stream] = {}
         self.closed = Tombstones()            # calls run in any order: a close may overtake its open

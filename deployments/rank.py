@@ -4,6 +4,10 @@ Every chunk is one call to every rank (`run_chunk`); the rank runs all steps of 
 returning, checking between steps whether its session was stopped (`stop` arrives on a second thread:
 the actor runs with max_concurrency > 1). Rank 0 sends the chunk's uint8 frames straight to the
 muxer and returns the reference to the encoded fragment. The rank only calls the pipeline's API.
+
+All device work (join, open_session, run_chunk) runs on one thread of the rank's own, whatever Ray thread
+the call came in on: the CUDA current device, grad mode and CUDA graph trees are per thread (a graph tree
+recorded at warm-up on one thread would be recorded again, in a pool of its own, on every other thread).
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -37,8 +42,12 @@ class RankWorker:
         self.sessions: dict[str, WorldSession] = {}
         self.stopped = Tombstones()         # stopped or closed sessions: a close can overtake its open
         self.lock = threading.Lock()        # sessions / stopped
-        self.work = threading.Lock()        # open_session and run_chunk never overlap
-        torch.set_grad_enabled(False)
+        self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
+        self._on_device(torch.set_grad_enabled, False)
+
+    def _on_device(self, fn, *args):
+        """Run fn(*args) on the device thread (one at a time: open_session and run_chunk never overlap)."""
+        return self.device_thread.submit(fn, *args).result()
 
     # ---- set-up -------------------------------------------------------------------------------
     def address(self) -> str:
@@ -55,6 +64,9 @@ class RankWorker:
     def join(self, init_method: str) -> RankInfo:
         """The rank's lifecycle up to serving (every rank concurrently): connect, load, warm up, measure,
         capacity. The group replica, and so /readyz, is ready only once every rank returned from here."""
+        return self._on_device(self._join, init_method)
+
+    def _join(self, init_method: str) -> RankInfo:
         from lingbot.runtime.budget import session_footprint
         from lingbot.runtime.lifecycle import RankLifecycle
         s = self.settings
@@ -86,23 +98,33 @@ class RankWorker:
             return None
         try:
             free, total = torch.cuda.mem_get_info(self.device)
-            return DeviceStats(float(torch.cuda.utilization(self.device)), total - free)
-        except Exception as e:                # a driver hiccup (or no NVML) must not take the rank down
-            log.warning("rank %d: device stats unavailable: %s", self.rank, e)
+        except Exception as e:                # a driver hiccup must not take the rank down
+            log.warning("rank %d: device memory unavailable: %s", self.rank, e)
             return None
+        try:
+            utilization = float(torch.cuda.utilization(self.device))      # through NVML (nvidia-ml-py)
+        except Exception as e:
+            if not getattr(self, "_warned_utilization", False):
+                log.warning("rank %d: device utilisation unavailable (NVML): %s", self.rank, e)
+                self._warned_utilization = True
+            utilization = float("nan")
+        return DeviceStats(utilization, total - free)
 
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
                      flow_shift: Optional[float]) -> bool:
         """Build the session; False (and nothing kept) when it was stopped or closed meanwhile."""
-        with self.work:
-            if self._is_stopped(session_id):
+        return self._on_device(self._open_session, session_id, image, prompt, seed, flow_shift)
+
+    def _open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
+                      flow_shift: Optional[float]) -> bool:
+        if self._is_stopped(session_id):
+            return False
+        session = self.pipeline.new_session(image, prompt, seed, flow_shift=flow_shift)
+        with self.lock:
+            if session_id in self.stopped:              # closed while we were building it
                 return False
-            session = self.pipeline.new_session(image, prompt, seed, flow_shift=flow_shift)
-            with self.lock:
-                if session_id in self.stopped:          # closed while we were building it
-                    return False
-                self.sessions[session_id] = session
+            self.sessions[session_id] = session
         return True
 
     def _is_stopped(self, session_id: str) -> bool:
@@ -122,24 +144,26 @@ class RankWorker:
 
     def run_chunk(self, session_id: str, index: int, controls: ChunkControls, muxer=None) -> ChunkReply:
         """Run chunk `index` of a session: condition, 4 probes, commit, decode, pixels to the root."""
-        with self.work:
-            session = self.sessions.get(session_id)
+        return self._on_device(self._run_chunk, session_id, index, controls, muxer)
 
-            def should_stop() -> bool:
-                # the ranks agree (over the CPU control group): a stop, or a close that reached only some
-                # ranks so far, ends the chunk at the same step everywhere; a lone rank would hang its collectives
-                return self.comm.any_true(session is None or self._is_stopped(session_id))
+    def _run_chunk(self, session_id: str, index: int, controls: ChunkControls, muxer) -> ChunkReply:
+        session = self.sessions.get(session_id)
 
-            if should_stop():
-                return ChunkReply(stopped=True)
-            if session.chunk_index != index:
-                raise RuntimeError(f"session {session_id} is at chunk {session.chunk_index}, asked for {index}")
-            t0 = time.perf_counter()
-            prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
-            chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
-                                 prompt=prompt, profile=controls.profile)
-            if chunk is None:
-                return ChunkReply(stopped=True)
+        def should_stop() -> bool:
+            # the ranks agree (over the CPU control group): a stop, or a close that reached only some
+            # ranks so far, ends the chunk at the same step everywhere; a lone rank would hang its collectives
+            return self.comm.any_true(session is None or self._is_stopped(session_id))
+
+        if should_stop():
+            return ChunkReply(stopped=True)
+        if session.chunk_index != index:
+            raise RuntimeError(f"session {session_id} is at chunk {session.chunk_index}, asked for {index}")
+        t0 = time.perf_counter()
+        prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
+        chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
+                             prompt=prompt, profile=controls.profile)
+        if chunk is None:
+            return ChunkReply(stopped=True)
         reply = ChunkReply(stopped=False, timings=chunk.timings, engine_s=time.perf_counter() - t0)
         if chunk.frames is not None and muxer is not None:
             frames = chunk.frames.cpu().numpy()                   # the one device -> host copy, uint8

@@ -40,7 +40,9 @@ from lingbot.runtime.compile import compile_blocks, uncompile_blocks
 from lingbot.runtime.condition import LatentCondition
 from perf.cost_model import matmul_peak, preset_chunk_flops
 
-COMPILE_TOLERANCE = 5e-2     # bf16 on GPU: fused kernels round differently; fp32 CPU (tiny) agrees to ~1e-6
+# compiled vs eager on the first chunk, relative to its largest value: bf16 fused kernels round differently
+# (later chunks drift further through the chained K/V, so they are reported, not judged)
+COMPILE_TOLERANCE = 2e-2
 KEYS = Controls(keys=("w", "l", "i"))
 
 
@@ -65,14 +67,14 @@ def _measure_mode(pipe, text, latents, image, warm: int, steady: int, device) ->
     """Warm-up and steady chunk times of the DiT alone and of the whole chunk, and the DiT's latents (one
     session at a time: at 14B a session's slab is ~21 GiB)."""
     runner = pipe.runner
-    dit = runner.new_session(LatentCondition(latents), text_embedding=text, seed=0)
     before = _allocated(device)
+    dit = runner.new_session(LatentCondition(latents), text_embedding=text, seed=0)
     dit_times, outs = [], []
     for _ in range(warm + steady):
         seconds, result = _timed(device, partial(dit.run_chunk, KEYS))
         dit_times.append(seconds)
         outs.append(result.latents)
-    session_bytes = _allocated(device) - before          # the session's slab and caches (the output kept)
+    session_bytes = _allocated(device) - before          # slab, text K/V and caches (and the outputs kept)
     del dit
     whole = pipe.new_session(image, None, seed=0, text_embedding=text)
     whole_times = []
@@ -153,7 +155,9 @@ def run(args) -> dict:
     no_sync = _no_sync_check(pipe, text, latents, 2, device)
 
     flops = preset_chunk_flops(preset, warm).total                   # a steady chunk's DiT FLOPs
-    peak_flops = matmul_peak(str(device), preset.dtype, seconds=args.peak_seconds)
+    # large matmuls on a GPU: small ones stay far from its peak and would flatter the achieved fraction
+    peak_flops = matmul_peak(str(device), preset.dtype, n=8192 if device.type == "cuda" else 2048,
+                             seconds=args.peak_seconds)
     budget_session = session_footprint(preset).total
     report = {
         "check": "lingbot_device_check", "preset": preset.name, "device": str(device),
@@ -173,9 +177,12 @@ def run(args) -> dict:
     report["compile_tolerance"] = COMPILE_TOLERANCE
     for name in ("compiled", "compiled+graphs"):
         if name in modes:
-            diff = (modes[name]["latents"] - modes["eager"]["latents"]).abs().max().item()
-            report["modes"][name]["vs_eager_max_abs"] = diff
-            report["modes"][name]["within_tolerance"] = diff <= COMPILE_TOLERANCE
+            ref, got = modes["eager"]["latents"], modes[name]["latents"]
+            first = cfg.num_frames_per_block                          # chunk 0's latent frames
+            relative = ((got[:, :first] - ref[:, :first]).abs().max() / ref[:, :first].abs().max()).item()
+            report["modes"][name]["vs_eager_max_abs"] = (got - ref).abs().max().item()   # all chunks, reported
+            report["modes"][name]["chunk0_relative_diff"] = relative
+            report["modes"][name]["within_tolerance"] = relative <= COMPILE_TOLERANCE
     if "compiled" in modes and "compiled+graphs" in modes:
         report["graphs_vs_compiled_bitwise"] = torch.equal(modes["compiled"]["latents"],
                                                            modes["compiled+graphs"]["latents"])
@@ -203,8 +210,8 @@ def print_table(report: dict) -> None:
     for name, m in report["modes"].items():
         if "vs_eager_max_abs" in m:
             ok = "within" if m["within_tolerance"] else "OUTSIDE"
-            print(f"  {name} vs eager latents: max |diff| {m['vs_eager_max_abs']:.2e} "
-                  f"({ok} {report['compile_tolerance']:g})")
+            print(f"  {name} vs eager latents: chunk 0 relative {m['chunk0_relative_diff']:.2e} ({ok} "
+                  f"{report['compile_tolerance']:g}); all chunks max |diff| {m['vs_eager_max_abs']:.2e}")
     if "graphs_vs_compiled_bitwise" in report:
         print(f"  graph replay vs compiled latents bitwise equal: {report['graphs_vs_compiled_bitwise']}")
     print(f"  two sessions interleaved ({report['last_mode']}): outputs intact: "

@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=832)
     ap.add_argument("--height", type=int, default=480)
     args = ap.parse_args(argv)
-    nvenc = pick_h264_encoder("auto") == "h264_nvenc"
+    nvenc = pick_h264_encoder("auto", args.width, args.height) == "h264_nvenc"
     print(f"H.264 encode of one 12-frame chunk at {args.width}x{args.height} (median of {args.chunks - 1} chunks)")
     for s in SETTINGS:
         name = f"{s.encoder} {s.preset} threads={s.threads or 'auto'}"

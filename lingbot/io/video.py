@@ -30,19 +30,22 @@ class H264Settings:
     def stream_options(self) -> dict[str, str]:
         if self.encoder == "h264_nvenc":
             preset = self.preset if self.preset in {f"p{i}" for i in range(1, 8)} else "p1"
-            return {"preset": preset, "tune": "ull", "zerolatency": "1", "bf": "0", "rc": "vbr", "cq": str(self.crf)}
+            # delay 0: no frames held back in NVENC's output queue (a chunk's fragment must hold all its frames)
+            return {"preset": preset, "tune": "ull", "zerolatency": "1", "delay": "0", "bf": "0", "rc": "vbr",
+                    "cq": str(self.crf)}
         return {"crf": str(self.crf), "preset": self.preset, "tune": "zerolatency"}
 
 
-def pick_h264_encoder(preference: str = "auto") -> str:
-    """The encoder to use: NVENC where it opens (asked for, or "auto"), else x264, the fallback everywhere."""
+def pick_h264_encoder(preference: str = "auto", width: int = 832, height: int = 480) -> str:
+    """The encoder to use: NVENC where it opens at the session size (asked for, or "auto"; NVENC refuses
+    very small frames), else x264, the fallback everywhere."""
     if preference not in H264_ENCODERS:
         raise ValueError(f"H.264 encoder {preference!r} is not one of {list(H264_ENCODERS)}")
     if preference == "libx264":
         return preference
     try:
-        container, stream = open_h264(io.BytesIO(), 64, 64, 16.0, H264Settings("h264_nvenc"))
-        stream.encode(av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24"))
+        container, stream = open_h264(io.BytesIO(), width, height, 16.0, H264Settings("h264_nvenc"))
+        stream.encode(av.VideoFrame.from_ndarray(np.zeros((height, width, 3), np.uint8), format="rgb24"))
         container.close()
         return "h264_nvenc"
     except Exception as e:                     # no NVIDIA encoder on this node (or no driver for it)

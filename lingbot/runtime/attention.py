@@ -23,7 +23,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 log = logging.getLogger(__name__)
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}   # max |diff| vs the math backend
+# max |diff| against SDPA's math backend in fp32, relative to the reference's largest value
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+REFERENCE_QUERIES = 256      # the reference is checked on a slice: fp32 scores at full size are ~20 GiB at 14B
 
 
 def _sdpa_with(backend: SDPBackend) -> Attend:
@@ -73,17 +75,20 @@ def _sync(device: torch.device) -> None:
 
 
 def choose(kernels: dict[str, Attend], q: Tensor, k: Tensor, v: Tensor, repeats: int = 5) -> tuple[str, list[Trial]]:
-    """The fastest kernel that runs and agrees with SDPA's math backend on (q, k, v); every trial."""
+    """The fastest kernel that runs and agrees with SDPA's math backend on (q, k, v); every trial. q, k, v
+    are [B, H, S, D] in the layout the model calls with (q a transposed view)."""
+    head = q[:, :1, :REFERENCE_QUERIES]
     with sdpa_kernel(SDPBackend.MATH):
-        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        reference = F.scaled_dot_product_attention(head.float(), k[:, :1].float(), v[:, :1].float())
+    scale = max(reference.abs().max().item(), 1e-6)
     tolerance = TOLERANCE.get(q.dtype, 1e-2)
     trials = []
     for name, attend in kernels.items():
         try:
             out = attend(q, k, v)
-            diff = (out.float() - reference).abs().max().item()
+            diff = (out[:, :1, :REFERENCE_QUERIES].float() - reference).abs().max().item() / scale
             if not diff <= tolerance:
-                trials.append(Trial(name, None, f"max |diff| {diff:.2e} > {tolerance:g}"))
+                trials.append(Trial(name, None, f"relative max |diff| {diff:.2e} > {tolerance:g}"))
                 continue
             times = []
             for _ in range(repeats):
@@ -112,8 +117,9 @@ def choose_for_model(model, tokens: int, window_tokens: int, device: torch.devic
     device = torch.device(device)
     heads, dim = model.local_heads, model.config.attention_head_dim
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, heads, n, dim, generator=g, device=device).to(model.dtype)
-               for n in (tokens, window_tokens, window_tokens))
+    # the layouts of the real call: q a [B, L, H, D] -> [B, H, L, D] view, k/v prefixes of a [B, H, S, D] slab
+    q = torch.randn(1, tokens, heads, dim, generator=g, device=device).to(model.dtype).transpose(1, 2)
+    k, v = (torch.randn(1, heads, window_tokens, dim, generator=g, device=device).to(model.dtype) for _ in range(2))
     name, trials = choose(candidates(device), q, k, v)
     attend = candidates(device)[name]
     for attention in window_attentions(model):

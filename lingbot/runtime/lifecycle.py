@@ -9,8 +9,8 @@
     measure  -> device memory after warm-up
     capacity -> sessions this rank can hold
 
-Capacity on an accelerator comes from the measured memory: what is free after warm-up (free device memory
-plus what the caching allocator holds unused), less the activations the warm-up needed beyond one
+Capacity on an accelerator comes from the measured memory: what is free on the device after warm-up (the
+allocator's unused cache handed back first), less the activations the warm-up needed beyond one
 session, the shared caches (prompts, first-frame conditions) and a safety margin, divided by the
 per-session footprint, capped by the config. A configured budget overrides the measurement, and is the rule on CPU.
 """
@@ -48,7 +48,7 @@ class WarmupReport:
 class MemoryReport:
     """Bytes on this rank's device (None on CPU, where the configured budget rules)."""
     total: int
-    free: int                       # free on the device + held unused by the caching allocator
+    free: int                       # free on the device (the allocator's unused cache handed back first)
     allocated: int                  # live tensors after warm-up (weights, caches)
     peak: int                       # peak live tensors during warm-up (one session and its activations)
     loaded: int                     # live tensors after load, before warm-up
@@ -64,7 +64,6 @@ class RankLifecycle:
         self.loaded_bytes = 0
         self.warmup: Optional[WarmupReport] = None
         self.attention_kernel: Optional[str] = None
-        self.graphs = False
         self.memory: Optional[MemoryReport] = None
 
     # ---- 1. connect ---------------------------------------------------------------------------
@@ -81,7 +80,6 @@ class RankLifecycle:
     def load(self, preset: str, model_path: Optional[str] = None, **pipeline_kwargs) -> WorldPipeline:
         from ..builder import build_pipeline
         torch.set_grad_enabled(False)
-        self.graphs = bool(pipeline_kwargs.get("cuda_graphs"))
         self.pipeline = build_pipeline(preset, model_path, device=self.device, comm=self.comm, **pipeline_kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -99,6 +97,9 @@ class RankLifecycle:
         chunk_tokens = cfg.num_frames_per_block * preset.tokens_per_frame
         self.attention_kernel, _ = choose_for_model(pipeline.runner.model, chunk_tokens,
                                                     cfg.window_chunks * chunk_tokens, self.device)
+        if self.device.type == "cuda":                     # the probe is not a session's: off the peak
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         chunks = chunks or cfg.window_chunks + 1
         image = np.zeros((preset.height, preset.width, 3), dtype=np.uint8)
         session = pipeline.new_session(image, "warm-up", seed=0)
@@ -122,11 +123,11 @@ class RankLifecycle:
         if self.device.type != "cuda":
             return None
         torch.cuda.synchronize(self.device)
+        # hand the allocator's unused cache (the freed warm-up session) back, so the device's free memory is
+        # what sessions can have; CUDA graphs keep their private pools, which are in use
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
-        # memory the caching allocator holds unused is free for sessions, unless graphs hold private pools in it
-        unused_cache = 0 if self.graphs else torch.cuda.memory_reserved(self.device) - allocated
-        self.memory = MemoryReport(total, free + unused_cache, allocated,
+        self.memory = MemoryReport(total, free, torch.cuda.memory_allocated(self.device),
                                    torch.cuda.max_memory_allocated(self.device), self.loaded_bytes)
         return self.memory
 
