@@ -3,12 +3,15 @@
 Conventions (docs/architecture.md, "Camera and keys"): poses are 4x4 camera-to-world matrices in OpenCV axes (x right,
 y down, z forward), one per latent frame. Each chunk's poses are preceded by an anchor (the previous
 chunk's last pose; identity for a new session) and turned into frame-to-frame relative transforms
-inv(P[i-1]) @ P[i]; live translations are divided by the 0.05 controller unit. Rays per pixel centre:
+inv(P[i-1]) @ P[i]. Translations are scaled as the reference runtime scales them: a chunk moved by a live
+SE3 event divides them by the 0.05 controller unit; a chunk moved by keys (live or scripted) divides them
+by its largest frame-to-frame step (when that is non-zero), so a held key gives unit steps. Rays per pixel centre:
 d = normalize(R . normalize(((x+.5)-cx)/fx, ((y+.5)-cy)/fy, 1)), o = t; channels [o, d].
 
 Controls act at chunk boundaries:
 - keys, one set per latent frame: W/S forward/back and A/D right/left by 0.05 in the yaw plane;
-  I/K pitch +/-4 deg (the cumulative pitch clamped to +/-85 deg), L/J yaw +/-6 deg;
+  I/K pitch +/-4 deg (a cumulative pitch counter: a step that would pass +/-85 deg is dropped), L/J yaw
+  +/-6 deg;
   R' = Ry(dyaw) . R . Rx(dpitch). Rx(+) tilts the view up in OpenCV axes, Ry(+) turns right.
 - SE3 events (the vLLM-Omni `camera` interaction): mode "target" moves to an absolute pose
   (lerp of translation, nlerp of the (x, y, z, w) quaternion) over transition_chunks * 3 latent
@@ -23,7 +26,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -122,10 +125,15 @@ class Intrinsics:
         return Intrinsics(KEYBOARD_FOCAL, KEYBOARD_FOCAL, width / 2, height / 2)
 
 
-def relative_poses(anchor: np.ndarray, poses: np.ndarray, translation_unit: float = TRANSLATION_UNIT) -> np.ndarray:
-    """Frame-to-frame transforms inv(P[i-1]) @ P[i] with P[-1] = anchor; translations / unit. [F, 4, 4]"""
+def relative_poses(anchor: np.ndarray, poses: np.ndarray,
+                   translation_unit: Optional[float] = TRANSLATION_UNIT) -> np.ndarray:
+    """Frame-to-frame transforms inv(P[i-1]) @ P[i] with P[-1] = anchor [F, 4, 4]; translations divided by
+    `translation_unit`, or (None) by the largest step among them when that is non-zero."""
     chain = np.concatenate([anchor[None], poses], axis=0)
     rel = np.linalg.inv(chain[:-1]) @ chain[1:]
+    if translation_unit is None:
+        largest = np.linalg.norm(rel[:, :3, 3], axis=1).max()
+        translation_unit = largest if largest > 0 else 1.0
     rel[:, :3, 3] /= translation_unit
     return rel
 
@@ -225,23 +233,26 @@ class CameraState:
     motion: Optional[CameraEvent] = None    # the active SE3 event (a finished target is dropped)
     motion_start: Optional[np.ndarray] = None
     motion_step: int = 0
+    pitch_deg: float = 0.0                  # the keys' cumulative pitch (its own counter, as the reference)
 
 
-def pitch_of(pose: np.ndarray) -> float:
-    """Elevation of the view direction in degrees (+ = up, OpenCV y down): asin(-R[1, 2]).
-    For R = Ry(yaw) . Rx(pitch) this is exactly `pitch`; it also holds after SE3 events moved the camera."""
-    return math.degrees(math.asin(min(1.0, max(-1.0, -pose[1, 2]))))
+class PlannedChunk(NamedTuple):
+    poses: np.ndarray                       # absolute poses [frames, 4, 4]
+    state: CameraState                      # the rig's state once the chunk is committed
+    live_event: bool                        # an SE3 event moved the camera in this chunk (fixed unit)
 
 
-def keyboard_step(pose: np.ndarray, keys: str) -> tuple[np.ndarray, float]:
-    """Apply one latent frame's keys to an absolute pose. Returns (new pose, its pitch in degrees)."""
+def keyboard_step(pose: np.ndarray, keys: str, pitch_deg: float = 0.0) -> tuple[np.ndarray, float]:
+    """Apply one latent frame's keys to an absolute pose whose key pitch counter is `pitch_deg`. Returns
+    (new pose, new pitch counter). A pitch step that would take the counter past +/-85 deg is dropped."""
     keys = parse_keys(keys)
-    pitch_deg = pitch_of(pose)
     d_pitch = PITCH_STEP_DEG * (("i" in keys) - ("k" in keys))
-    new_pitch = min(max(pitch_deg + d_pitch, -PITCH_LIMIT_DEG), PITCH_LIMIT_DEG) if d_pitch else pitch_deg
+    if abs(pitch_deg + d_pitch) > PITCH_LIMIT_DEG:
+        d_pitch = 0.0
+    new_pitch = pitch_deg + d_pitch
     d_yaw = YAW_STEP_DEG * (("l" in keys) - ("j" in keys))
-    r = rot_y(d_yaw) @ pose[:3, :3] @ rot_x(new_pitch - pitch_deg)
-    # movement stays in the yaw plane (non-degenerate: the pitch clamp keeps the view off the vertical)
+    r = rot_y(d_yaw) @ pose[:3, :3] @ rot_x(d_pitch)
+    # movement stays in the yaw plane (non-degenerate: the pitch limit keeps the view off the vertical)
     forward = np.array([r[0, 2], 0.0, r[2, 2]])
     right = np.array([r[0, 0], 0.0, r[2, 0]])
     forward /= np.linalg.norm(forward)
@@ -256,7 +267,7 @@ class CameraRig:
 
     def __init__(self, intrinsics: Intrinsics, translation_unit: float = TRANSLATION_UNIT):
         self.intrinsics = intrinsics
-        self.translation_unit = translation_unit
+        self.translation_unit = translation_unit          # for chunks moved by live SE3 events
         self.reset()
 
     @classmethod
@@ -266,26 +277,28 @@ class CameraRig:
     def reset(self) -> None:
         self.state = CameraState(pose=np.eye(4))
 
-    def plan(self, controls: Optional[Controls], frames: int) -> tuple[np.ndarray, CameraState]:
-        """Absolute poses [frames, 4, 4] of the next chunk and the state after it; hand the pair to
-        rays() and, once the chunk succeeded, to commit()."""
+    def plan(self, controls: Optional[Controls], frames: int) -> PlannedChunk:
+        """Absolute poses [frames, 4, 4] of the next chunk and the state after it; hand the plan to rays()
+        and, once the chunk succeeded, to commit()."""
         state = self.state
         if controls is not None and controls.camera is not None:
             state = dataclasses.replace(state, motion=controls.camera, motion_start=state.pose, motion_step=0)
         keys = controls.keys if controls is not None and controls.keys is not None else ("",) * frames
         if len(keys) != frames:
             raise CameraError(f"{len(keys)} key sets for a chunk of {frames} latent frames")
-        pose, step, motion = state.pose, state.motion_step, state.motion
-        poses = []
+        pose, step, motion, pitch = state.pose, state.motion_step, state.motion, state.pitch_deg
+        poses, live = [], False
         for frame_keys in keys:
             if motion is not None:
+                live = True
                 step += 1
                 pose = self._motion_pose(motion, state.motion_start, pose, step, frames)
                 if motion.mode == "target" and step >= motion.transition_frames(frames):
                     motion = None                      # arrived: keys move the camera from here on
-            pose, _ = keyboard_step(pose, frame_keys)
+            pose, pitch = keyboard_step(pose, frame_keys, pitch)
             poses.append(pose)
-        return np.stack(poses), dataclasses.replace(state, pose=pose, motion=motion, motion_step=step)
+        return PlannedChunk(np.stack(poses), dataclasses.replace(state, pose=pose, motion=motion, motion_step=step,
+                                                                 pitch_deg=pitch), live)
 
     @staticmethod
     def _motion_pose(event: CameraEvent, start: np.ndarray, current: np.ndarray, step: int,
@@ -302,11 +315,13 @@ class CameraRig:
         q = nlerp(matrix_to_quat(start[:3, :3]), matrix_to_quat(target[:3, :3]), alpha)
         return make_pose(quat_to_matrix(q), t)
 
-    def rays(self, planned, height: int, width: int, device="cpu") -> Tensor:
-        poses, _ = planned
-        rel = relative_poses(self.state.pose, poses, self.translation_unit)
-        return ray_map(rel, self.intrinsics, height, width, device)
+    def relative(self, planned: PlannedChunk) -> np.ndarray:
+        """The chunk's frame-to-frame transforms as the model receives them [frames, 4, 4]."""
+        unit = self.translation_unit if planned.live_event else None          # keys: by the largest step
+        return relative_poses(self.state.pose, planned.poses, unit)
 
-    def commit(self, planned) -> None:
-        _, state = planned
-        self.state = state
+    def rays(self, planned: PlannedChunk, height: int, width: int, device="cpu") -> Tensor:
+        return ray_map(self.relative(planned), self.intrinsics, height, width, device)
+
+    def commit(self, planned: PlannedChunk) -> None:
+        self.state = planned.state

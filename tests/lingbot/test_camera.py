@@ -61,23 +61,57 @@ def test_keyboard_pitch_up_keeps_movement_horizontal():
     np.testing.assert_allclose(pose2[:3, :3], rot_y(6) @ rot_x(4), atol=1e-15)
 
 
-def test_pitch_is_clamped_at_85_degrees():
-    pose = I4
+def test_a_pitch_step_past_85_degrees_is_dropped():
+    """The pitch lives in its own counter; a step that would pass +/-85 is dropped, not cut short:
+    21 presses of i give 84, the 22nd is dropped (88 > 85), then k gives 80."""
+    pose, pitch = I4, 0.0
     pitches = []
-    for _ in range(23):
-        pose, pitch = keyboard_step(pose, "i")
+    for _ in range(22):
+        pose, pitch = keyboard_step(pose, "i", pitch)
         pitches.append(pitch)
-    assert pitches[20] == pytest.approx(84.0) and pitches[21] == pytest.approx(85.0)
-    assert pitches[22] == pytest.approx(85.0)
-    np.testing.assert_allclose(pose[:3, :3], rot_x(85), atol=1e-9)
-    pose, pitch = keyboard_step(pose, "k")
-    assert pitch == pytest.approx(81.0)
-    np.testing.assert_allclose(pose[:3, :3], rot_x(81), atol=1e-9)
+    assert pitches[19:] == [80.0, 84.0, 84.0]
+    np.testing.assert_allclose(pose[:3, :3], rot_x(84), atol=1e-9)
+    pose, pitch = keyboard_step(pose, "k", pitch)
+    assert pitch == 80.0
+    np.testing.assert_allclose(pose[:3, :3], rot_x(80), atol=1e-9)
     down = np.eye(4)
     down[:3, :3] = rot_y(30) @ rot_x(-84)
-    pose, pitch = keyboard_step(down, "k")
-    assert pitch == pytest.approx(-85.0)
-    np.testing.assert_allclose(pose[:3, :3], rot_y(30) @ rot_x(-85), atol=1e-9)
+    pose, pitch = keyboard_step(down, "k", -84.0)                      # -88 would pass -85: dropped
+    assert pitch == -84.0
+    np.testing.assert_allclose(pose[:3, :3], rot_y(30) @ rot_x(-84), atol=1e-9)
+    pose, pitch = keyboard_step(down, "kj", -84.0)                     # the yaw of the same frame still applies
+    np.testing.assert_allclose(pose[:3, :3], rot_y(-6) @ rot_y(30) @ rot_x(-84), atol=1e-9)
+
+
+def test_the_rig_keeps_the_pitch_counter_across_chunks():
+    rig = CameraRig.default(112, 64)
+    for _ in range(7):                                                 # 21 presses of i
+        planned = rig.plan(Controls(keys=("i", "i", "i")), 3)
+        rig.commit(planned)
+    assert rig.state.pitch_deg == 84.0
+    planned = rig.plan(Controls(keys=("i", "k", "")), 3)
+    assert planned.state.pitch_deg == 80.0
+    rig.reset()
+    assert rig.state.pitch_deg == 0.0
+
+
+@pytest.mark.parametrize("keys,steps", [
+    (("wd", "wd", "wd"), [1.0, 1.0, 1.0]),                             # a held diagonal: unit steps
+    (("wd", "w", ""), [1.0, 0.05 / math.hypot(0.05, 0.05), 0.0]),     # [1, 0.707, 0]
+    (("w", "w", "w"), [1.0, 1.0, 1.0]),
+    (("", "", ""), [0.0, 0.0, 0.0]),                                   # no move: nothing to divide by
+])
+def test_key_moves_are_scaled_by_the_chunks_largest_step(keys, steps):
+    rig = CameraRig.default(112, 64)
+    rel = rig.relative(rig.plan(Controls(keys=keys), 3))
+    np.testing.assert_allclose(np.linalg.norm(rel[:, :3, 3], axis=1), steps, atol=1e-12)
+
+
+def test_live_se3_moves_keep_the_fixed_unit():
+    rig = CameraRig.default(112, 64)
+    planned = rig.plan(Controls(camera=CameraEvent("velocity", (0.0, 0.0, 0.1), (0, 0, 0, 1))), 3)
+    assert planned.live_event
+    np.testing.assert_allclose(rig.relative(planned)[:, :3, 3], [[0, 0, 2]] * 3, atol=1e-12)   # 0.1 / 0.05
 
 
 def test_bad_keys_are_refused():
@@ -150,21 +184,21 @@ def test_target_mode_interpolates_over_transition_chunks():
     rig = CameraRig.default(112, 64)
     q90 = (0.0, math.sin(math.pi / 4), 0.0, math.cos(math.pi / 4))
     event = CameraEvent("target", (0.0, 0.0, 3.0), q90, transition_chunks=1)
-    poses, state = rig.plan(Controls(camera=event), 3)
+    poses, state, _ = rig.plan(Controls(camera=event), 3)
     np.testing.assert_allclose(poses[:, :3, 3], [[0, 0, 1], [0, 0, 2], [0, 0, 3]], atol=1e-12)
     q_third = np.array([0, q90[1] / 3, 0, 2 / 3 + q90[3] / 3])            # nlerp at alpha 1/3
     q_third /= np.linalg.norm(q_third)
     np.testing.assert_allclose(poses[0, :3, :3], quat_to_matrix(q_third), atol=1e-12)
     np.testing.assert_allclose(poses[2, :3, :3], rot_y(90), atol=1e-12)
-    rig.commit((poses, state))
-    later, _ = rig.plan(None, 3)                                          # stays at the target
+    rig.commit(rig.plan(Controls(camera=event), 3))
+    later = rig.plan(None, 3).poses                                          # stays at the target
     np.testing.assert_allclose(later[:, :3, 3], [[0, 0, 3]] * 3, atol=1e-12)
     assert state.motion is None                                           # arrived: the event is done
-    moved, _ = rig.plan(Controls(keys=("w", "w", "w")), 3)                # keys move on from the target
+    moved = rig.plan(Controls(keys=("w", "w", "w")), 3).poses                # keys move on from the target
     np.testing.assert_allclose(moved[:, 2, 3], [3, 3, 3], atol=1e-12)      # yaw 90: forward is +x
     np.testing.assert_allclose(moved[:, 0, 3], [0.05, 0.10, 0.15], atol=1e-12)
-    snap, _ = CameraRig.default(112, 64).plan(
-        Controls(camera=CameraEvent("target", (1.0, 0.0, 0.0), (0, 0, 0, 1), 0)), 3)
+    snap = CameraRig.default(112, 64).plan(
+        Controls(camera=CameraEvent("target", (1.0, 0.0, 0.0), (0, 0, 0, 1), 0)), 3).poses
     np.testing.assert_allclose(snap[:, :3, 3], [[1, 0, 0]] * 3, atol=0)
 
 
@@ -183,8 +217,8 @@ def test_velocity_mode_applies_delta_every_latent_frame_until_replaced():
 
 def test_plan_does_not_change_state_until_commit():
     rig = CameraRig.default(112, 64)
-    a, _ = rig.plan(Controls(keys=("w", "w", "l")), 3)
-    b, _ = rig.plan(Controls(keys=("w", "w", "l")), 3)
+    a = rig.plan(Controls(keys=("w", "w", "l")), 3).poses
+    b = rig.plan(Controls(keys=("w", "w", "l")), 3).poses
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(rig.state.pose, np.eye(4))
     with pytest.raises(CameraError, match="2 key sets for a chunk of 3 latent frames"):
