@@ -43,7 +43,7 @@ class ProtocolError(Exception):
 @dataclass
 class StartRequest:
     prompt: str
-    image: np.ndarray                     # uint8 [H, W, 3] at the session size
+    image: np.ndarray                     # float32 [3, H, W] at the session size (lingbot.io.images)
     width: int
     height: int
     chunks: Optional[int]                 # None = endless
@@ -101,7 +101,8 @@ def _require(obj: dict, key: str, kind, where: str):
 
 
 def decode_image(url: str, width: int, height: int) -> np.ndarray:
-    """A data: URL (base64) of an image -> uint8 [height, width, 3], resized as on every path (lingbot.io.images)."""
+    """A data: URL (base64) of an image -> float32 [3, height, width], resized as on every path
+    (lingbot.io.images)."""
     if not url.startswith("data:"):
         raise ProtocolError("invalid_image", "image_reference.image_url must be a data: URL (http(s) URLs are not "
                             "fetched by this server)")

@@ -1,7 +1,10 @@
 """First-frame images: read (file, bytes or array), resize to the served size, and the model's input form.
 
-Every path that takes a first frame (the CLI, the server, the Python client) goes through `resize_image`,
-so a given photo gives the same pixels everywhere.
+Resizing follows the reference runtime: the image goes to float in [-1, 1] first, then bicubic
+interpolation (torch, align_corners=False, no antialiasing, no clamping) to the served size; an image
+already at that size is only converted. Every path that takes a first frame (the CLI, the server, and so
+the Python client, which sends the file as it is) goes through `resize_image`, so a given photo gives the
+same input everywhere.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -44,19 +48,24 @@ def open_image(source: Union[str, Path, bytes, PIL.Image.Image, np.ndarray]) -> 
 
 
 def resize_image(image: PIL.Image.Image, width: int, height: int) -> np.ndarray:
-    """An RGB image resized (bicubic) to width x height -> uint8 [height, width, 3]."""
-    from PIL import Image
-    return np.asarray(image.resize((width, height), Image.BICUBIC), dtype=np.uint8).copy()
+    """An RGB image -> float32 [3, height, width] in [-1, 1] (about: bicubic may overshoot, as in the
+    reference), resized after the conversion to float."""
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1).float()
+    pixels = (pixels / 255.0 - 0.5) / 0.5                                     # [3, h, w] in [-1, 1]
+    if tuple(pixels.shape[1:]) != (height, width):
+        pixels = F.interpolate(pixels[None], size=(height, width), mode="bicubic", align_corners=False,
+                               antialias=False)[0]
+    return pixels.numpy()
 
 
 def load_image(source, width: int, height: int) -> np.ndarray:
-    """open_image + resize_image: any first frame -> uint8 [height, width, 3]."""
+    """open_image + resize_image: any first frame -> float32 [3, height, width]."""
     return resize_image(open_image(source), width, height)
 
 
 def model_image(image: Union[np.ndarray, Tensor]) -> Tensor:
     """The model's first-frame input: uint8 [H, W, 3] (array or tensor) -> float32 [3, H, W] in [-1, 1];
-    a float [3, H, W] tensor already in [-1, 1] passes through."""
+    a float [3, H, W] image (from resize_image) passes through."""
     if isinstance(image, np.ndarray):
         image = torch.from_numpy(image)
     if image.dtype == torch.uint8:

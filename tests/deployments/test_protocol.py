@@ -40,7 +40,7 @@ def test_start_parsing():
     req = start(extra_params={"flow_shift": 5, "camera_action_script": [[["w"], "wa", ""], ["", "", "l"]]})
     assert (req.chunks, req.width, req.height, req.seed, req.flow_shift) == (3, 112, 64, 1, 5.0)
     assert req.action_script == [("w", "wa", ""), ("", "", "l")]
-    assert req.image.shape == (64, 112, 3) and req.image.dtype == np.uint8
+    assert req.image.shape == (3, 64, 112) and req.image.dtype == np.float32
     assert start(num_frames=None).chunks == 8
     assert start(extra_params={"endless": True}).chunks is None
 
