@@ -159,7 +159,7 @@ class ScheduledSession:
             if inter.prompt is not None:
                 for other in events.values():
                     other.prompt_chunks = None if other.prompt_chunks is None else 0
-                chunks = math.ceil(inter.transition_chunks or 0)
+                chunks = int(inter.transition_chunks or 0)    # a fractional count is truncated, as the reference
                 controls.prompt, controls.prompt_transition_chunks = inter.prompt, chunks
                 prog.prompt_chunks = max(1, chunks)
             events[inter.event_id] = prog

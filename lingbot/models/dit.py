@@ -278,17 +278,14 @@ class TimeConditioning:
 
 @dataclass
 class TextKV:
-    """Cross-attention K/V of one prompt for every layer: lists of [B, H, T, D]."""
+    """Cross-attention K/V of one prompt for every layer: lists of [B, H, T, D], and the text encoder output
+    they were projected from, [B, T, text_dim] in the model's dtype (prompt transitions blend that)."""
     keys: list[Tensor]
     values: list[Tensor]
+    embedding: Tensor
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-    def lerp(self, other: TextKV, alpha: float) -> TextKV:
-        """(1 - alpha) * self + alpha * other, per layer (a prompt transition)."""
-        return TextKV([torch.lerp(a, b, alpha) for a, b in zip(self.keys, other.keys)],
-                      [torch.lerp(a, b, alpha) for a, b in zip(self.values, other.values)])
+        return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values, self.embedding])
 
 
 @dataclass
@@ -349,9 +346,10 @@ class CausalWanModel(nn.Module):
 
     def text_kv(self, context: Tensor) -> TextKV:
         """UMT5 output [B, 512, text_dim] (pad rows zero) -> per-layer cross-attention K/V."""
-        ctx = self.text_embedding(context.to(self.dtype))                        # [B, T, dim]
+        context = context.to(self.dtype)
+        ctx = self.text_embedding(context)                                        # [B, T, dim]
         kvs = [block.cross_attn.text_kv(ctx) for block in self.blocks]
-        return TextKV([k for k, _ in kvs], [v for _, v in kvs])
+        return TextKV([k for k, _ in kvs], [v for _, v in kvs], context)
 
     def camera_tokens(self, camera_patches: Tensor) -> Tensor:
         """[B, L, 1536] ray patches -> camera tokens c = c + L2(SiLU(L1(c))), [B, L, dim]."""

@@ -49,7 +49,7 @@ def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
     heads = cfg.num_attention_heads // world_size
     tokens = cfg.num_frames_per_block * preset.tokens_per_frame
     kv = KVWindow.nbytes_for(cfg, preset.tokens_per_frame, heads, dtype)
-    text = 2 * cfg.num_layers * preset.text.max_length * cfg.dim * esize
+    text = (2 * cfg.num_layers * cfg.dim + cfg.text_dim) * preset.text.max_length * esize    # K/V + embedding
     camera = 2 * cfg.num_layers * math.ceil(tokens / world_size) * cfg.dim * esize
     decoder, condition = _vae_cache_bytes(preset, math.ceil(preset.latent_hw[1] / world_size),
                                           parse_dtype(preset.vae_dtype))
@@ -64,10 +64,12 @@ def condition_chunk_bytes(preset: Preset) -> int:
 
 
 def prompt_cache_bytes(preset: Preset, prompts: int = PROMPT_CACHE_SIZE) -> int:
-    """A runner's prompt LRU at its full size (+2: a prompt transition's start and blend)."""
+    """A runner's prompt LRU at its full size (+2: a prompt transition's start and blend): per prompt the
+    K/V of every layer and the encoder output they came from."""
     cfg = preset.transformer
     esize = torch.empty((), dtype=preset.torch_dtype).element_size()
-    return (prompts + 2) * 2 * cfg.num_layers * preset.text.max_length * cfg.dim * esize
+    per_prompt = (2 * cfg.num_layers * cfg.dim + cfg.text_dim) * preset.text.max_length * esize
+    return (prompts + 2) * per_prompt
 
 
 def shared_cache_bytes(preset: Preset) -> int:

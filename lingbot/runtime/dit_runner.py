@@ -39,6 +39,11 @@ class ChunkResult:
     timings: dict[str, float] = field(default_factory=dict)   # stage -> s: condition, prepare, probe_i, commit
 
 
+def normalize_prompt(prompt: str) -> str:
+    """Runs of whitespace become one space, none at the ends."""
+    return " ".join(prompt.strip().split())
+
+
 class StageTimer:
     """Wall time per stage of one chunk. With `sync` (profiling) every stage boundary waits for the device,
     so the times are exact; without it nothing synchronises (a device queue may shift time between stages)."""
@@ -98,9 +103,11 @@ class DiTRunner:
 
     @torch.no_grad()
     def text_kv(self, prompt: str) -> TextKV:
-        """Cross-attention K/V of a prompt, computed once and kept in an LRU across sessions."""
+        """Cross-attention K/V of a prompt, computed once and kept in an LRU across sessions. Whitespace is
+        collapsed first, as the reference runtime does before tokenising."""
         if self.text_encoder is None:
             raise RuntimeError("this runner has no text encoder; pass text embeddings to new_session")
+        prompt = normalize_prompt(prompt)
 
         def compute() -> TextKV:
             return self.model.text_kv(self.text_encoder.encode([prompt]).to(self.device))
@@ -154,8 +161,9 @@ class DiTSession:
         self.chunk_index = 0
 
     def set_prompt(self, prompt: str, transition_chunks: int = 0) -> None:
-        """Switch the prompt from the next chunk on: at once (0), or blending the text K/V linearly over
-        `transition_chunks` chunks (1/N, 2/N, ..., 1)."""
+        """Switch the prompt from the next chunk on: at once (0), or over `transition_chunks` chunks, where
+        chunk i of N runs on the text encoder outputs blended linearly (i/N), projected to K/V (the
+        reference blends the embeddings, not the K/V: k goes through an RMSNorm)."""
         if transition_chunks < 0:
             raise ValueError(f"transition_chunks must be >= 0, got {transition_chunks}")
         target = self.runner.text_kv(prompt)
@@ -170,7 +178,9 @@ class DiTSession:
             return None
         start, target, total, done = self._transition
         done += 1
-        self.text = target if done >= total else start.lerp(target, done / total)
+        alpha = done / total
+        self.text = target if done >= total else \
+            self.runner.model.text_kv((1 - alpha) * start.embedding + alpha * target.embedding)
         return None if done >= total else (start, target, total, done)
 
     @torch.no_grad()

@@ -112,3 +112,9 @@ def test_in_flight_chunks_pace_and_bound_a_session():
     assert s.ready and s.deadline() == pytest.approx(0.3 + 21 / 16)   # 9 + 12 frames generated
     s.undelivered()                                       # chunk 1 will not be delivered (e.g. stopped)
     assert s.in_flight == 0
+
+
+def test_a_fractional_prompt_transition_is_truncated():
+    s = _state("a", chunks=4)
+    s.queue(Interaction("p", prompt="night", transition_chunks=2.7))
+    assert s.plan_next_chunk().controls.prompt_transition_chunks == 2

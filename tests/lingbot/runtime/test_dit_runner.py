@@ -77,3 +77,23 @@ def test_out_of_range_condition_is_a_clear_error(tiny, tiny_runner):
     with pytest.raises(ValueError, match="condition latents hold 3 frames; chunk 1 needs 6"):
         s.run_chunk()
     assert s.chunk_index == 1
+
+
+def test_prompts_differing_in_whitespace_share_one_text(tiny_runner):
+    assert tiny_runner.text_kv("  a   red\tbarn \n") is tiny_runner.text_kv("a red barn")
+
+
+def test_a_prompt_transition_blends_the_encoder_outputs_then_projects(tiny, tiny_runner):
+    """Chunk 1 of a 2-chunk transition runs on the K/V of the half-way embedding (computed by hand here),
+    which is not the half-way K/V (k goes through an RMSNorm); chunk 2 runs on the new prompt's K/V."""
+    s = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a canyon", seed=0)
+    s.run_chunk()
+    a, b = tiny_runner.text_kv("a canyon"), tiny_runner.text_kv("a glacier")
+    s.run_chunk(prompt=("a glacier", 2))
+    half = 0.5 * a.embedding + 0.5 * b.embedding
+    expected = tiny_runner.model.text_kv(half)
+    assert all(torch.equal(x, y) for x, y in zip(s.text.keys + s.text.values, expected.keys + expected.values))
+    kv_midpoint = 0.5 * (a.keys[0] + b.keys[0])
+    assert (s.text.keys[0] - kv_midpoint).abs().max() > 1e-4          # blending K/V would be another thing
+    s.run_chunk()
+    assert s.text is b
