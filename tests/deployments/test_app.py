@@ -91,28 +91,27 @@ def test_interaction_changes_frames_from_its_chunk_and_runs_repeat(serve_app):
 
 def test_two_sessions_capacity_and_release(serve_app):
     async def scenario():
-        held = asyncio.Event()
-
-        async def long_session(tag):
-            async def mark(client, result, meta):
-                held.set()
-            return await session(serve_app, 4, seed=tag, on_chunk=mark)
-
-        first = asyncio.create_task(long_session(1))
-        second = asyncio.create_task(long_session(2))
-        await held.wait()
-        await asyncio.sleep(0.5)
-        # a third client finds both slots taken: refused after admission_wait_s with 1013
-        refused = await session(serve_app, 2, seed=3)
-        results = await asyncio.gather(first, second)
+        # two endless sessions hold both slots until the third client has been refused (no race with their end)
+        async with RealtimeClient(serve_app) as a, RealtimeClient(serve_app) as b:
+            for seed, client in enumerate((a, b)):
+                await client.start("p", png_url(), W, H, None, seed=seed)
+            for client in (a, b):                                 # both admitted and streaming
+                while json.loads(await client.ws.recv())["type"] != "video.chunk_metadata":
+                    pass
+            # a third client finds both slots taken: refused after admission_wait_s with 1013
+            refused = await session(serve_app, 2, seed=3)
+            results = []
+            for client in (a, b):
+                await client.send({"type": "session.stop"})
+                results.append(await client.receive_session())
         return refused, results
 
     refused, results = run(scenario())
     assert refused.error["code"] == "capacity_exhausted" and refused.error["retry_after_s"] == 7
     assert refused.close_code == 1013
     for r in results:
-        assert r.error is None and r.done["chunks"] == 4
-        assert read_frames(r.video).shape == (45, H, W, 3)
+        assert r.error is None and r.done["stopped"] is True and r.done["chunks"] >= 1
+        assert read_frames(r.video).shape[0] == sum(c["num_frames"] for c in r.chunks)
 
     async def disconnect_then_admit():
         async with RealtimeClient(serve_app) as a, RealtimeClient(serve_app) as b:
