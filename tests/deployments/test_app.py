@@ -109,9 +109,8 @@ def test_two_sessions_capacity_and_release(serve_app):
     refused, results = run(scenario())
     assert refused.error["code"] == "capacity_exhausted" and refused.error["retry_after_s"] == 7
     assert refused.close_code == 1013
-    for r in results:
+    for r in results:                                         # the holders were untouched by the refusal
         assert r.error is None and r.done["stopped"] is True and r.done["chunks"] >= 1
-        assert read_frames(r.video).shape[0] == sum(c["num_frames"] for c in r.chunks)
 
     async def disconnect_then_admit():
         async with RealtimeClient(serve_app) as a, RealtimeClient(serve_app) as b:
