@@ -4,6 +4,7 @@ more than one rank is given, then the runtime objects that use them.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Optional
@@ -18,6 +19,7 @@ from .io.weights import (
     load_text_encoder,
     load_transformer,
     load_vae,
+    read_flow_shift,
 )
 from .models.vae import FrameDecoder
 from .parallel import Comm, apply_sequence_parallel
@@ -31,6 +33,17 @@ from .runtime.pipeline import WorldPipeline
 log = logging.getLogger(__name__)
 
 
+def with_checkpoint_shift(preset: Preset, model_path: str | Path) -> Preset:
+    """The preset with its flow shift taken from the folder's scheduler config, where it has one (a
+    request's flow_shift still wins over both)."""
+    shift = read_flow_shift(model_path)
+    if shift is None or shift == preset.sampler.shift:
+        return preset
+    log.info("flow shift %g from %s/scheduler (preset %s has %g)", shift, model_path, preset.name,
+             preset.sampler.shift)
+    return dataclasses.replace(preset, sampler=dataclasses.replace(preset.sampler, shift=shift))
+
+
 def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
                      dtype: Optional[torch.dtype] = None, comm: Optional[Comm] = None,
                      compile: Optional[bool] = None, cuda_graphs: bool = False, text_encoder: bool = True,
@@ -42,6 +55,8 @@ def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = No
     compiled regions as CUDA graphs (implies compile). `text_encoder=False` builds none: sessions then take
     ready text embeddings."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
+    if model_path is not None:
+        preset = with_checkpoint_shift(preset, model_path)
     dtype = dtype or preset.torch_dtype
     comm = comm or Comm(device=device)
     load_encoder = text_encoder and comm.is_root

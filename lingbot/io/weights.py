@@ -281,6 +281,26 @@ def save_text_encoder(encoder: TextEncoder, root: str | Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# scheduler/
+# ---------------------------------------------------------------------------------------------------
+SCHEDULER_CONFIG = "scheduler/scheduler_config.json"
+
+
+def read_flow_shift(root: str | Path) -> Optional[float]:
+    """The flow shift of a checkpoint folder's scheduler config (`shift` or `flow_shift`), or None."""
+    path = Path(root) / SCHEDULER_CONFIG
+    if not path.exists():
+        return None
+    config = json.loads(path.read_text())
+    value = config.get("shift", config.get("flow_shift"))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise WeightsError(f"{path}: shift {value!r} must be a positive number")
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------------
 # the whole folder
 # ---------------------------------------------------------------------------------------------------
 def write_random_checkpoint(preset: Preset, folder: str | Path, seed: Optional[int] = None,
@@ -294,10 +314,15 @@ def write_random_checkpoint(preset: Preset, folder: str | Path, seed: Optional[i
     save_transformer(model, folder / "transformer", max_shard_bytes)
     save_vae(build_random_vae(preset.vae, seed, parse_dtype(preset.vae_dtype)), folder / "vae")
     save_text_encoder(build_random_text_encoder(preset.text, seed), folder)
+    (folder / "scheduler").mkdir(parents=True, exist_ok=True)
+    (folder / SCHEDULER_CONFIG).write_text(json.dumps(
+        {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": preset.sampler.shift,
+         "num_train_timesteps": preset.sampler.num_train_timesteps}, indent=2))
     index = {"_class_name": "LingBotWorldPipeline", "lingbot_preset": preset.name,
              "transformer": ["lingbot", "CausalWanModel"], "vae": ["diffusers", "AutoencoderKLWan"],
              "text_encoder": ["transformers", "UMT5EncoderModel"],
-             "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}
+             "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))
     log.info("wrote random %s checkpoint (seed %d) to %s", preset.name, seed, folder)
     return folder

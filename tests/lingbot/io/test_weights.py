@@ -104,3 +104,24 @@ def test_real_preset_needs_a_folder():
         build_dit_runner(get_preset("lingbot-world-v2-14b"))
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         get_preset("huge")
+
+
+def test_flow_shift_default_comes_from_the_scheduler_config(tmp_path, tiny):
+    import json
+
+    from lingbot.io.weights import SCHEDULER_CONFIG, read_flow_shift
+    folder = write_random_checkpoint(tiny, tmp_path / "ckpt")
+    assert read_flow_shift(folder) == 5.0                        # written with the preset's shift
+    config = folder / SCHEDULER_CONFIG
+    config.write_text(json.dumps({"shift": 7}))
+    runner = build_dit_runner("tiny", model_path=folder)
+    assert runner.preset.sampler.shift == 7.0
+    assert runner.schedule(None)[0].config.shift == 7.0          # the session default
+    assert runner.schedule(3.0)[0].config.shift == 3.0           # a request's flow_shift still wins
+    config.write_text(json.dumps({"flow_shift": 2.5}))
+    assert read_flow_shift(folder) == 2.5
+    config.write_text(json.dumps({"shift": -1}))
+    with pytest.raises(WeightsError, match="shift -1 must be a positive number"):
+        read_flow_shift(folder)
+    config.unlink()
+    assert read_flow_shift(folder) is None
