@@ -36,6 +36,7 @@ from torch import Tensor
 REFERENCE_SIZE = (832, 480)          # (width, height) the checkpoint's intrinsics are given in
 TRANSLATION_UNIT = 0.05              # one controller step; live translations are divided by it
 KEY_STEP = 0.05
+STILL = 1e-9                         # a frame-to-frame translation shorter than this is no move
 PITCH_STEP_DEG = 4.0
 YAW_STEP_DEG = 6.0
 PITCH_LIMIT_DEG = 85.0
@@ -128,12 +129,15 @@ class Intrinsics:
 def relative_poses(anchor: np.ndarray, poses: np.ndarray,
                    translation_unit: Optional[float] = TRANSLATION_UNIT) -> np.ndarray:
     """Frame-to-frame transforms inv(P[i-1]) @ P[i] with P[-1] = anchor [F, 4, 4]; translations divided by
-    `translation_unit`, or (None) by the largest step among them when that is non-zero."""
+    `translation_unit`, or (None) by the largest step among them when that is non-zero (steps below
+    STILL are rounding left by the inverse of a pose that did not move: zero)."""
     chain = np.concatenate([anchor[None], poses], axis=0)
     rel = np.linalg.inv(chain[:-1]) @ chain[1:]
     if translation_unit is None:
-        largest = np.linalg.norm(rel[:, :3, 3], axis=1).max()
-        translation_unit = largest if largest > 0 else 1.0
+        steps = np.linalg.norm(rel[:, :3, 3], axis=1)
+        rel[steps < STILL, :3, 3] = 0.0
+        largest = steps.max()
+        translation_unit = largest if largest >= STILL else 1.0
     rel[:, :3, 3] /= translation_unit
     return rel
 
@@ -219,6 +223,23 @@ def parse_key_script(script: str, chunks: int, frames_per_chunk: int) -> list[tu
     return [tuple(frames[i:i + frames_per_chunk]) for i in range(0, total, frames_per_chunk)]
 
 
+def trajectory(keys_per_chunk: Sequence[Sequence[str]], width: int, height: int) -> list[dict]:
+    """What the model receives for a key script, one entry per latent frame: the camera-to-world pose, the
+    frame-to-frame translation as scaled for the model, the key pitch counter and the cumulative yaw."""
+    rig = CameraRig.default(width, height)
+    out, yaw = [], 0.0
+    for keys in keys_per_chunk:
+        planned = rig.plan(Controls(keys=tuple(keys)), len(keys))
+        relative = rig.relative(planned)
+        for pose, rel, pitch, frame_keys in zip(planned.poses, relative, planned.pitch_deg, keys):
+            pressed = parse_keys(frame_keys)
+            yaw += YAW_STEP_DEG * (("l" in pressed) - ("j" in pressed))
+            out.append({"frame": len(out), "c2w": pose.tolist(), "translation": rel[:3, 3].tolist(),
+                        "pitch_deg": pitch, "yaw_deg": yaw})
+        rig.commit(planned)
+    return out
+
+
 @dataclass(frozen=True)
 class Controls:
     """Controls applied to one chunk: keys per latent frame and/or a new SE3 event."""
@@ -240,6 +261,7 @@ class PlannedChunk(NamedTuple):
     poses: np.ndarray                       # absolute poses [frames, 4, 4]
     state: CameraState                      # the rig's state once the chunk is committed
     live_event: bool                        # an SE3 event moved the camera in this chunk (fixed unit)
+    pitch_deg: tuple[float, ...] = ()       # the key pitch counter after each frame
 
 
 def keyboard_step(pose: np.ndarray, keys: str, pitch_deg: float = 0.0) -> tuple[np.ndarray, float]:
@@ -287,7 +309,7 @@ class CameraRig:
         if len(keys) != frames:
             raise CameraError(f"{len(keys)} key sets for a chunk of {frames} latent frames")
         pose, step, motion, pitch = state.pose, state.motion_step, state.motion, state.pitch_deg
-        poses, live = [], False
+        poses, pitches, live = [], [], False
         for frame_keys in keys:
             if motion is not None:
                 live = True
@@ -297,8 +319,9 @@ class CameraRig:
                     motion = None                      # arrived: keys move the camera from here on
             pose, pitch = keyboard_step(pose, frame_keys, pitch)
             poses.append(pose)
+            pitches.append(pitch)
         return PlannedChunk(np.stack(poses), dataclasses.replace(state, pose=pose, motion=motion, motion_step=step,
-                                                                 pitch_deg=pitch), live)
+                                                                 pitch_deg=pitch), live, tuple(pitches))
 
     @staticmethod
     def _motion_pose(event: CameraEvent, start: np.ndarray, current: np.ndarray, step: int,

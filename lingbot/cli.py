@@ -3,6 +3,7 @@
     lingbot presets                                   list the model presets
     lingbot write-checkpoint DIR [--preset tiny]      a random checkpoint in the real folder layout
     lingbot generate --image I --prompt P -o out.mp4  image + prompt + key script -> H.264 MP4
+    lingbot trajectory --keys "w,wd,,i" [--json]      what the model receives for a key script
 """
 from __future__ import annotations
 
@@ -29,6 +30,27 @@ def cmd_write_checkpoint(args) -> None:
     from .io.weights import write_random_checkpoint
     folder = write_random_checkpoint(get_preset(args.preset), args.output, seed=args.seed)
     print(f"wrote {args.preset} with random weights to {folder}")
+
+
+def cmd_trajectory(args) -> None:
+    import json
+    import math
+
+    from .camera import parse_key_script, trajectory
+    from .config import get_preset
+    preset = get_preset(args.preset)
+    frames_per_chunk = preset.transformer.num_frames_per_block
+    given = len(args.keys.split(",")) if args.keys else 0
+    chunks = args.chunks or max(1, math.ceil(given / frames_per_chunk))
+    frames = trajectory(parse_key_script(args.keys, chunks, frames_per_chunk), preset.width, preset.height)
+    if args.json:
+        print(json.dumps(frames))
+        return
+    print(f"{'frame':>5} {'translation (model units)':>30} {'pitch':>7} {'yaw':>7}   position")
+    for f in frames:
+        t = ", ".join(f"{v:6.3f}" for v in f["translation"])
+        pos = ", ".join(f"{row[3]:6.3f}" for row in f["c2w"][:3])
+        print(f"{f['frame']:>5} {t:>30} {f['pitch_deg']:>7.1f} {f['yaw_deg']:>7.1f}   {pos}")
 
 
 def positive_int(text: str) -> int:
@@ -97,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=None, help="weights seed (default: the preset's)")
     p.set_defaults(func=cmd_write_checkpoint)
+    p = sub.add_parser("trajectory", help="per latent frame: the pose, the scaled translation, pitch and yaw "
+                                          "the model receives for a key script")
+    p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,wd,,i"')
+    p.add_argument("--chunks", type=positive_int, default=None, help="chunks (default: enough for the keys)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--json", action="store_true", help="a JSON list, one object per latent frame")
+    p.set_defaults(func=cmd_trajectory)
     p = sub.add_parser("generate", help="image + prompt + key script -> H.264 MP4, chunk by chunk")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--model-path", default=None,

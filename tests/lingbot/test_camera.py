@@ -100,6 +100,7 @@ def test_the_rig_keeps_the_pitch_counter_across_chunks():
     (("wd", "w", ""), [1.0, 0.05 / math.hypot(0.05, 0.05), 0.0]),     # [1, 0.707, 0]
     (("w", "w", "w"), [1.0, 1.0, 1.0]),
     (("", "", ""), [0.0, 0.0, 0.0]),                                   # no move: nothing to divide by
+    (("i", "i", "l"), [0.0, 0.0, 0.0]),                                # turning only: the inverse's rounding is no move
 ])
 def test_key_moves_are_scaled_by_the_chunks_largest_step(keys, steps):
     rig = CameraRig.default(112, 64)

@@ -46,3 +46,17 @@ def test_generate_cli_with_sp2(tmp_path, image_file):
     assert main(args) == 0
     assert read_frames(out).shape == (21, 64, 112, 3)
     assert main(args[:-2] + ["--device", "cuda", "-o", str(out)]) == 2          # --sp is for local CPU ranks
+
+
+def test_trajectory_shows_what_the_model_receives(capsys):
+    import json
+    assert main(["trajectory", "--keys", "wd,wd,wd,w,i,l", "--json"]) == 0
+    frames = json.loads(capsys.readouterr().out)
+    assert [f["frame"] for f in frames] == list(range(6))
+    steps = [round(float(np.linalg.norm(f["translation"])), 6) for f in frames]
+    assert steps == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]          # held diagonal: unit steps; w alone is its chunk's largest
+    assert [f["pitch_deg"] for f in frames] == [0, 0, 0, 0, 4.0, 4.0]
+    assert [f["yaw_deg"] for f in frames] == [0, 0, 0, 0, 0, 6.0]
+    np.testing.assert_allclose(np.array(frames[2]["c2w"])[:3, 3], [0.15, 0, 0.15], atol=1e-12)   # 3 x 0.05 each way
+    assert main(["trajectory", "--keys", "w,q"]) == 2
+    assert "unknown key(s) 'q'" in capsys.readouterr().err
