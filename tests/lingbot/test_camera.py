@@ -185,7 +185,8 @@ def test_target_mode_interpolates_over_transition_chunks():
     rig = CameraRig.default(112, 64)
     q90 = (0.0, math.sin(math.pi / 4), 0.0, math.cos(math.pi / 4))
     event = CameraEvent("target", (0.0, 0.0, 3.0), q90, transition_chunks=1)
-    poses, state, _ = rig.plan(Controls(camera=event), 3)
+    planned = rig.plan(Controls(camera=event), 3)
+    poses, state = planned.poses, planned.state
     np.testing.assert_allclose(poses[:, :3, 3], [[0, 0, 1], [0, 0, 2], [0, 0, 3]], atol=1e-12)
     q_third = np.array([0, q90[1] / 3, 0, 2 / 3 + q90[3] / 3])            # nlerp at alpha 1/3
     q_third /= np.linalg.norm(q_third)
