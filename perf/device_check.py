@@ -34,7 +34,7 @@ import torch
 from lingbot.builder import build_pipeline
 from lingbot.camera import Controls
 from lingbot.config import get_preset
-from lingbot.runtime.attention import choose_for_model
+from lingbot.runtime.attention import choose_for_steady_state
 from lingbot.runtime.budget import session_footprint
 from lingbot.runtime.compile import compile_blocks, uncompile_blocks
 from lingbot.runtime.condition import LatentCondition
@@ -137,8 +137,7 @@ def run(args) -> dict:
     text = (torch.randn(1, preset.text.max_length, cfg.text_dim, generator=g) * 0.1).to(device, preset.torch_dtype)
     latents = torch.randn(16, cfg.num_frames_per_block * (warm + steady), *preset.latent_hw, generator=g).to(device)
     image = np.random.RandomState(0).randint(0, 256, (preset.height, preset.width, 3), dtype=np.uint8)
-    chunk_tokens = cfg.num_frames_per_block * preset.tokens_per_frame
-    kernel, trials = choose_for_model(pipe.runner.model, chunk_tokens, cfg.window_chunks * chunk_tokens, device)
+    kernel, trials = choose_for_steady_state(pipe.runner.model, preset, device)
 
     modes = {"eager": _measure_mode(pipe, text, latents, image, warm, steady, device)}
     for name, wanted, graphs in (("compiled", args.compile, False), ("compiled+graphs", args.graphs, True)):

@@ -128,3 +128,9 @@ def choose_for_model(model, tokens: int, window_tokens: int, device: torch.devic
         f"{t.name} {t.seconds * 1e3:.3f} ms" if t.seconds is not None else f"{t.name} dropped: {t.error}"
         for t in trials))
     return name, trials
+
+
+def choose_for_steady_state(model, preset, device: torch.device | str) -> tuple[str, list[Trial]]:
+    """choose_for_model at `preset`'s steady-state shape: one chunk's queries against a full window."""
+    chunk_tokens = preset.transformer.num_frames_per_block * preset.tokens_per_frame
+    return choose_for_model(model, chunk_tokens, preset.transformer.window_chunks * chunk_tokens, device)

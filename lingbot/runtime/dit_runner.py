@@ -105,13 +105,16 @@ class DiTRunner:
     def text_kv(self, prompt: str) -> TextKV:
         """Cross-attention K/V of a prompt, computed once and kept in an LRU across sessions. Whitespace is
         collapsed first, as the reference runtime does before tokenising."""
-        if self.text_encoder is None:
-            raise RuntimeError("this runner has no text encoder; pass text embeddings to new_session")
+        self._require_text_encoder()
         prompt = normalize_prompt(prompt)
 
         def compute() -> TextKV:
             return self.model.text_kv(self.text_encoder.encode([prompt]).to(self.device))
         return self.prompt_cache.get_or_compute(prompt, compute)
+
+    def _require_text_encoder(self) -> None:
+        if self.text_encoder is None:
+            raise RuntimeError("this runner has no text encoder; pass text embeddings to new_session")
 
     def new_session(self, condition: ConditionSource, prompt: Optional[str] = None, seed: int = 0,
                     text_embedding: Optional[Tensor] = None, rig: Optional[CameraRig] = None,
@@ -121,8 +124,8 @@ class DiTRunner:
         what every rank of a group runs in the same order."""
         if (prompt is None) == (text_embedding is None):
             raise ValueError("give exactly one of prompt or text_embedding")
-        if prompt is not None and self.text_encoder is None:
-            raise RuntimeError("this runner has no text encoder; pass text embeddings to new_session")
+        if prompt is not None:
+            self._require_text_encoder()
         text = None
         if text_embedding is not None:
             with torch.no_grad():

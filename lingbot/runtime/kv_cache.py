@@ -108,16 +108,12 @@ class LRUCache:
         self.misses = 0
 
     def get_or_compute(self, key: Hashable, compute: Callable[[], object]):
+        """The value, computed and kept on a miss (values are never None)."""
         with self._lock:
-            if key in self._items:
-                self.hits += 1
-                self._items.move_to_end(key)
-                return self._items[key]
-            self.misses += 1
-            value = compute()
-            self._items[key] = value
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            value = self.get(key)
+            if value is None:
+                value = compute()
+                self.put(key, value)
             return value
 
     def get(self, key: Hashable):

@@ -26,7 +26,7 @@ import torch
 
 from ..camera import Controls
 from ..parallel.comm import Comm
-from .attention import choose_for_model
+from .attention import choose_for_steady_state
 from .budget import session_footprint, sessions_that_fit, shared_cache_bytes
 from .pipeline import WorldPipeline
 
@@ -94,9 +94,7 @@ class RankLifecycle:
         pipeline = self.pipeline
         preset = pipeline.preset
         cfg = preset.transformer
-        chunk_tokens = cfg.num_frames_per_block * preset.tokens_per_frame
-        self.attention_kernel, _ = choose_for_model(pipeline.runner.model, chunk_tokens,
-                                                    cfg.window_chunks * chunk_tokens, self.device)
+        self.attention_kernel, _ = choose_for_steady_state(pipeline.runner.model, preset, self.device)
         if self.device.type == "cuda":                     # the probe is not a session's: off the peak
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
