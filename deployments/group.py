@@ -132,7 +132,8 @@ class WorldGroup:
         try:
             mime = await self.muxer.open.remote(sid, start.fps)
             opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
-                                                                  start.flow_shift) for r in self.ranks])
+                                                                  start.flow_shift, start.trajectory)
+                                            for r in self.ranks])
             if not all(opened):
                 return                                 # cancelled while opening: the finally cleans up
             outbox: asyncio.Queue = asyncio.Queue()

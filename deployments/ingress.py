@@ -166,7 +166,7 @@ class Connection:
                   "frames_per_chunk": [geometry.pixel_frames(0), geometry.pixel_frames(1)], "seed": start.seed}
         await self.ws.send_json({"type": "video.start", "request_id": self.session_id, "format": "m4s",
                                  "config": config})
-        reader = asyncio.create_task(self.read_controls())
+        reader = asyncio.create_task(self.read_controls(scripted=start.trajectory is not None))
         try:
             stopped = await self.pump(reader)
         finally:
@@ -226,9 +226,10 @@ class Connection:
                     (self.started_at + s.max_lifetime_s, "max_lifetime",
                      f"session reached its maximum lifetime of {s.max_lifetime_s:g} s")])
 
-    async def read_controls(self) -> Optional[bool]:
+    async def read_controls(self, scripted: bool = False) -> Optional[bool]:
         """Client messages during the session. Returns True on session.stop, None when the connection
-        ends (disconnect or a timeout refusal)."""
+        ends (disconnect or a timeout refusal). `scripted`: the camera follows an offline trajectory, so
+        camera and key events are refused."""
         s = self.settings
         while True:
             until, _, _ = self._next_limit()
@@ -253,6 +254,11 @@ class Connection:
                     interaction = parse_interaction(msg)
                 except ProtocolError as e:
                     await self.refuse(e)
+                    continue
+                if scripted and (interaction.camera is not None or interaction.keys is not None):
+                    await self.refuse(ProtocolError("camera_scripted", "this session's camera follows its "
+                                                    "camera_trajectory; only prompt events apply",
+                                                    event_id=interaction.event_id))
                     continue
                 self.last_interaction = time.monotonic()
                 self.sequence += 1

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from lingbot.camera import CameraError, CameraEvent, parse_keys
+from lingbot.camera import CameraError, CameraEvent, Trajectory, TrajectoryError, parse_keys
 from lingbot.config import ChunkGeometry
 from lingbot.io.images import open_image, resize_image
 
@@ -54,6 +54,7 @@ class StartRequest:
     action_script: list[tuple[str, ...]]  # keys per chunk (one set per latent frame)
     model: Optional[str] = None
     profile: bool = False                 # stage timings with device synchronisation (extra_params.profile_stages)
+    trajectory: Optional[Trajectory] = None   # offline camera path (extra_params.camera_trajectory)
 
 
 @dataclass
@@ -202,12 +203,50 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
                 raise ProtocolError("invalid_field", f"camera_action_script[{i}] has {len(frames)} key sets; each "
                                     f"chunk has {geometry.latent_frames} latent frames", close=CLOSE_POLICY)
             script.append(tuple(frames))
+    trajectory = None
+    if extra.get("camera_trajectory") is not None:
+        if script:
+            raise ProtocolError("conflicting_camera", "extra_params takes camera_action_script or camera_trajectory, "
+                                "not both", close=CLOSE_POLICY)
+        trajectory = parse_trajectory(extra["camera_trajectory"], width, height, geometry,
+                                      geometry.video_frames(max_chunks), num_frames)
     profile = extra.get("profile_stages", False)
     if not isinstance(profile, bool):
         raise ProtocolError("invalid_field", "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
     image = decode_image(url, width, height)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
-                        None if shift is None else float(shift), script, msg.get("model"), profile)
+                        None if shift is None else float(shift), script, msg.get("model"), profile, trajectory)
+
+
+def parse_trajectory(value: Any, width: int, height: int, geometry: ChunkGeometry, max_frames: int,
+                     session_frames: Optional[int]) -> Trajectory:
+    """extra_params.camera_trajectory {poses [F][4][4], intrinsics [F][4]} (per video frame, as the offline
+    poses.npy / intrinsics.npy) -> Trajectory, cut to the session's video frames (None: endless) as the
+    reference cuts it. F is at most `max_frames` (max_chunks' worth). Each violation has its code:
+    invalid_field, trajectory_too_long, trajectory_shape, trajectory_not_finite, trajectory_not_rigid,
+    trajectory_intrinsics."""
+    where = "extra_params.camera_trajectory"
+    if not isinstance(value, dict) or not isinstance(value.get("poses"), list) \
+            or not isinstance(value.get("intrinsics"), list):
+        raise ProtocolError("invalid_field", f"{where} must be an object with lists 'poses' [frames][4][4] and "
+                            f"'intrinsics' [frames][4]", close=CLOSE_POLICY)
+    frames = len(value["poses"])
+    if frames > max_frames or len(value["intrinsics"]) > max_frames:
+        raise ProtocolError("trajectory_too_long", f"{where} has {max(frames, len(value['intrinsics']))} frames; "
+                            f"at most {max_frames} (max_chunks) are taken", close=CLOSE_POLICY)
+    numbers = (int, float)
+    def numeric(x, depth: int) -> bool:                  # nested lists of JSON numbers only (no bools, strings)
+        if depth == 0:
+            return isinstance(x, numbers) and not isinstance(x, bool)
+        return isinstance(x, list) and all(numeric(v, depth - 1) for v in x)
+    if not numeric(value["poses"], 3) or not numeric(value["intrinsics"], 2):
+        raise ProtocolError("trajectory_shape", f"{where}: poses must be [frames][4][4] and intrinsics [frames][4], "
+                            f"all numbers", close=CLOSE_POLICY)
+    try:
+        return Trajectory.from_video_frames(value["poses"], value["intrinsics"], width, height,
+                                            geometry.temporal_stride, max_video_frames=session_frames)
+    except TrajectoryError as e:
+        raise ProtocolError(e.code, f"{where}: {e}", close=CLOSE_POLICY) from None
 
 
 def parse_interaction(msg: dict) -> Interaction:

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lingbot.camera import Controls
+from lingbot.camera import CameraRig, Controls, Trajectory
 from lingbot.runtime.pipeline import WorldSession
 
 from .messages import ChunkControls, ChunkReply, DeviceStats, RankInfo
@@ -112,15 +112,17 @@ class RankWorker:
 
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
-                     flow_shift: Optional[float]) -> bool:
+                     flow_shift: Optional[float], trajectory: Optional[Trajectory] = None) -> bool:
         """Build the session; False (and nothing kept) when it was stopped or closed meanwhile."""
-        return self._on_device(self._open_session, session_id, image, prompt, seed, flow_shift)
+        return self._on_device(self._open_session, session_id, image, prompt, seed, flow_shift, trajectory)
 
     def _open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
-                      flow_shift: Optional[float]) -> bool:
+                      flow_shift: Optional[float], trajectory: Optional[Trajectory]) -> bool:
         if self._is_stopped(session_id):
             return False
-        session = self.pipeline.new_session(image, prompt, seed, flow_shift=flow_shift)
+        preset = self.pipeline.runner.preset
+        rig = CameraRig.default(preset.width, preset.height, trajectory)
+        session = self.pipeline.new_session(image, prompt, seed, rig=rig, flow_shift=flow_shift)
         with self.lock:
             if session_id in self.stopped:              # closed while we were building it
                 return False

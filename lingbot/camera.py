@@ -142,15 +142,29 @@ def relative_poses(anchor: np.ndarray, poses: np.ndarray,
     return rel
 
 
-def ray_map(rel: np.ndarray, intrinsics: Intrinsics, height: int, width: int, device="cpu") -> Tensor:
-    """Per pixel centre rays [o, d] of each relative pose: [6, F, H, W] float32."""
-    ys = (torch.arange(height, dtype=torch.float32, device=device) + 0.5 - intrinsics.cy) / intrinsics.fy
-    xs = (torch.arange(width, dtype=torch.float32, device=device) + 0.5 - intrinsics.cx) / intrinsics.fx
-    cam = torch.stack([xs[None, :].expand(height, width), ys[:, None].expand(height, width),
-                       torch.ones(height, width, device=device)], dim=-1)           # [H, W, 3]
+def intrinsics_table(intrinsics, frames: int) -> np.ndarray:
+    """One Intrinsics for every frame, or per-frame (fx, fy, cx, cy) rows -> [frames, 4] float64."""
+    if isinstance(intrinsics, Intrinsics):
+        row = [intrinsics.fx, intrinsics.fy, intrinsics.cx, intrinsics.cy]
+        return np.tile(np.asarray(row, dtype=np.float64), (frames, 1))
+    table = np.asarray(intrinsics, dtype=np.float64)
+    if table.shape != (frames, 4):
+        raise CameraError(f"intrinsics of shape {list(table.shape)} for {frames} frames; expected [{frames}, 4]")
+    return table
+
+
+def ray_map(rel: np.ndarray, intrinsics, height: int, width: int, device="cpu") -> Tensor:
+    """Per pixel centre rays [o, d] of each relative pose: [6, F, H, W] float32. `intrinsics`: one
+    Intrinsics for all frames or an [F, 4] table of (fx, fy, cx, cy)."""
+    k = torch.as_tensor(intrinsics_table(intrinsics, len(rel)), dtype=torch.float32, device=device)   # [F, 4]
+    ys = (torch.arange(height, dtype=torch.float32, device=device)[None] + 0.5 - k[:, 3:4]) / k[:, 1:2]  # [F, H]
+    xs = (torch.arange(width, dtype=torch.float32, device=device)[None] + 0.5 - k[:, 2:3]) / k[:, 0:1]   # [F, W]
+    f = len(rel)
+    cam = torch.stack([xs[:, None, :].expand(f, height, width), ys[:, :, None].expand(f, height, width),
+                       torch.ones(f, height, width, device=device)], dim=-1)         # [F, H, W, 3]
     cam = F.normalize(cam, dim=-1)
     rel_t = torch.as_tensor(rel, dtype=torch.float32, device=device)                  # [F, 4, 4]
-    d = F.normalize(torch.einsum("fij,hwj->fhwi", rel_t[:, :3, :3], cam), dim=-1)     # [F, H, W, 3]
+    d = F.normalize(torch.einsum("fij,fhwj->fhwi", rel_t[:, :3, :3], cam), dim=-1)    # [F, H, W, 3]
     o = rel_t[:, None, None, :3, 3].expand_as(d)
     return torch.cat([o, d], dim=-1).permute(3, 0, 1, 2).contiguous()               # [6, F, H, W]
 
@@ -168,6 +182,128 @@ def camera_patches(rays: Tensor, unshuffle: int = 8, patch: tuple[int, int] = (2
     x = x.view(f, x.shape[1], hh, ph, ww, pw)                           # [F, 384, h, ph, w, pw]
     x = x.permute(0, 2, 4, 1, 3, 5)                                     # [F, h, w, 384, ph, pw]
     return x.reshape(f * hh * ww, -1)                                   # [L, 1536]
+
+
+# ---------------------------------------------------------------------------------------------------
+# offline trajectories (the reference's poses.npy / intrinsics.npy input)
+# ---------------------------------------------------------------------------------------------------
+ROTATION_TOLERANCE = 1e-3            # max |R^T R - I| entry (and |det R - 1|) of a pose accepted as rigid
+
+
+class TrajectoryError(CameraError):
+    """A bad offline trajectory; `code` names the violation (stable, sent to WebSocket clients)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def check_trajectory(poses, intrinsics) -> tuple[np.ndarray, np.ndarray]:
+    """Camera-to-world poses [F, 4, 4] and intrinsics [F, 4] (fx, fy, cx, cy) as float64, or the first
+    violation found: trajectory_shape, trajectory_not_finite, trajectory_not_rigid, trajectory_intrinsics."""
+    try:
+        poses = np.asarray(poses, dtype=np.float64)
+        intrinsics = np.asarray(intrinsics, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TrajectoryError("trajectory_shape", f"poses and intrinsics must be arrays of numbers ({e})") from None
+    if poses.ndim != 3 or poses.shape[1:] != (4, 4) or len(poses) == 0:
+        raise TrajectoryError("trajectory_shape", f"poses must be [frames, 4, 4], got {list(poses.shape)}")
+    if intrinsics.shape != (len(poses), 4):
+        raise TrajectoryError("trajectory_shape", f"intrinsics must be [{len(poses)}, 4] (fx, fy, cx, cy per pose), "
+                              f"got {list(intrinsics.shape)}")
+    if not (np.isfinite(poses).all() and np.isfinite(intrinsics).all()):
+        raise TrajectoryError("trajectory_not_finite", "poses and intrinsics must be finite numbers")
+    r = poses[:, :3, :3]
+    gram = np.abs(np.swapaxes(r, 1, 2) @ r - np.eye(3)).max(axis=(1, 2))
+    det = np.linalg.det(r)
+    bottom = np.abs(poses[:, 3] - np.array([0.0, 0.0, 0.0, 1.0])).max(axis=1)
+    bad = np.flatnonzero((gram > ROTATION_TOLERANCE) | (np.abs(det - 1) > ROTATION_TOLERANCE)
+                         | (bottom > ROTATION_TOLERANCE))
+    if len(bad):
+        i = int(bad[0])
+        raise TrajectoryError("trajectory_not_rigid", f"pose {i} is not a rigid camera-to-world transform (rotation "
+                              f"orthonormal with det +1 within {ROTATION_TOLERANCE}, last row 0 0 0 1)")
+    bad = np.flatnonzero((intrinsics <= 0).any(axis=1))
+    if len(bad):
+        raise TrajectoryError("trajectory_intrinsics", f"intrinsics {int(bad[0])} must be positive (fx, fy, cx, cy), "
+                              f"got {intrinsics[bad[0]].tolist()}")
+    return poses, intrinsics
+
+
+def slerp(q0: np.ndarray, q1: np.ndarray, alpha: float) -> np.ndarray:
+    """Spherical linear interpolation of unit quaternions (q1 already on q0's hemisphere)."""
+    cos = float(np.clip(np.dot(q0, q1), -1.0, 1.0))
+    if cos > 1 - 1e-12:
+        return q0 if alpha == 0 else nlerp(q0, q1, alpha)
+    theta = math.acos(cos)
+    q = (math.sin((1 - alpha) * theta) * q0 + math.sin(alpha * theta) * q1) / math.sin(theta)
+    return q / np.linalg.norm(q)
+
+
+def resample_poses(poses: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Poses at fractional indices `targets` of `poses`: SLERP of the rotation (along a quaternion chain made
+    sign-continuous), linear translation."""
+    quats = [matrix_to_quat(p[:3, :3]) for p in poses]
+    for i in range(1, len(quats)):
+        if np.dot(quats[i], quats[i - 1]) < 0:
+            quats[i] = -quats[i]
+    out = []
+    for t in targets:
+        i = min(math.floor(t), len(poses) - 1)
+        alpha = t - i
+        if alpha <= 0 or i == len(poses) - 1:
+            out.append(poses[i].copy())
+            continue
+        q = slerp(quats[i], quats[i + 1], alpha)
+        out.append(make_pose(quat_to_matrix(q), (1 - alpha) * poses[i, :3, 3] + alpha * poses[i + 1, :3, 3]))
+    return np.stack(out)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """An offline camera path, one entry per latent frame, ready for the rig: poses relative to the first
+    (so the session starts at the identity), intrinsics at the served size, and the clip's translation unit."""
+    poses: np.ndarray                       # [L, 4, 4]
+    intrinsics: np.ndarray                  # [L, 4] fx, fy, cx, cy
+    unit: float                             # the clip's largest frame-to-frame step (1.0 for a still clip)
+
+    def __len__(self) -> int:
+        return len(self.poses)
+
+    @classmethod
+    def from_video_frames(cls, poses, intrinsics, width: int, height: int, temporal_stride: int = 4,
+                          max_video_frames: Optional[int] = None,
+                          reference: tuple[int, int] = REFERENCE_SIZE) -> Trajectory:
+        """Per video frame poses [F, 4, 4] (OpenCV camera-to-world) and intrinsics [F, 4] (at the 832x480
+        reference size), as the reference's offline path reads them: cut to 4n+1 frames (and to the
+        session's video frames), resampled to (F-1)/4+1 latent frames over the clip (SLERP rotation,
+        linear translation and intrinsics), intrinsics scaled to width x height, translations normalised
+        by the clip's largest frame-to-frame step."""
+        poses, intrinsics = check_trajectory(poses, intrinsics)
+        used = (len(poses) - 1) // temporal_stride * temporal_stride + 1
+        if max_video_frames is not None:
+            used = min(used, max_video_frames)
+        poses, intrinsics = poses[:used], intrinsics[:used]
+        latent = (used - 1) // temporal_stride + 1
+        targets = np.linspace(0, used - 1, latent)
+        sampled = resample_poses(poses, targets)
+        sampled = np.linalg.inv(sampled[0]) @ sampled                      # relative to the first frame
+        sampled[0] = np.eye(4)
+        lo = np.minimum(np.floor(targets).astype(int), used - 1)
+        hi = np.minimum(lo + 1, used - 1)
+        frac = (targets - lo)[:, None]
+        k = (1 - frac) * intrinsics[lo] + frac * intrinsics[hi]
+        k = k * np.array([width / reference[0], height / reference[1]] * 2)
+        steps = np.linalg.norm((np.linalg.inv(sampled[:-1]) @ sampled[1:])[:, :3, 3], axis=1)
+        largest = float(steps.max()) if len(steps) else 0.0
+        return cls(sampled, k, largest if largest >= STILL else 1.0)
+
+
+def yaw_pitch_deg(pose: np.ndarray) -> tuple[float, float]:
+    """(yaw, pitch) in degrees of a pose's viewing direction (OpenCV axes: yaw + turns right, pitch + up)."""
+    forward = pose[:3, 2]
+    return (math.degrees(math.atan2(forward[0], forward[2])),
+            math.degrees(math.asin(float(np.clip(-forward[1], -1.0, 1.0)))))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -223,19 +359,25 @@ def parse_key_script(script: str, chunks: int, frames_per_chunk: int) -> list[tu
     return [tuple(frames[i:i + frames_per_chunk]) for i in range(0, total, frames_per_chunk)]
 
 
-def trajectory(keys_per_chunk: Sequence[Sequence[str]], width: int, height: int) -> list[dict]:
-    """What the model receives for a key script, one entry per latent frame: the camera-to-world pose, the
-    frame-to-frame translation as scaled for the model, the key pitch counter and the cumulative yaw."""
-    rig = CameraRig.default(width, height)
+def trajectory(keys_per_chunk: Sequence[Sequence[str]], width: int, height: int,
+               offline: Optional[Trajectory] = None) -> list[dict]:
+    """What the model receives, one entry per latent frame, for a key script (and an offline path placing
+    the first frames): the camera-to-world pose, the frame-to-frame translation as scaled for the model,
+    the intrinsics, the pitch (the keys' counter; for offline frames the pose's) and the cumulative yaw."""
+    rig = CameraRig.default(width, height, offline)
     out, yaw = [], 0.0
     for keys in keys_per_chunk:
         planned = rig.plan(Controls(keys=tuple(keys)), len(keys))
-        relative = rig.relative(planned)
-        for pose, rel, pitch, frame_keys in zip(planned.poses, relative, planned.pitch_deg, keys):
-            pressed = parse_keys(frame_keys)
-            yaw += YAW_STEP_DEG * (("l" in pressed) - ("j" in pressed))
+        relative, table = rig.relative(planned), rig.frame_intrinsics(planned)
+        scripted = rig.scripted_frames(rig.state.frame, len(keys))
+        for i, (pose, rel, pitch, frame_keys) in enumerate(zip(planned.poses, relative, planned.pitch_deg, keys)):
+            if i < scripted:
+                pose_yaw, pitch = yaw_pitch_deg(pose)
+                yaw += (pose_yaw - yaw + 180.0) % 360.0 - 180.0            # unwrapped across frames
+            else:
+                yaw += YAW_STEP_DEG * (("l" in parse_keys(frame_keys)) - ("j" in parse_keys(frame_keys)))
             out.append({"frame": len(out), "c2w": pose.tolist(), "translation": rel[:3, 3].tolist(),
-                        "pitch_deg": pitch, "yaw_deg": yaw})
+                        "intrinsics": table[i].tolist(), "pitch_deg": pitch, "yaw_deg": yaw})
         rig.commit(planned)
     return out
 
@@ -255,6 +397,7 @@ class CameraState:
     motion_start: Optional[np.ndarray] = None
     motion_step: int = 0
     pitch_deg: float = 0.0                  # the keys' cumulative pitch (its own counter, as the reference)
+    frame: int = 0                          # latent frames committed (the position in an offline trajectory)
 
 
 class PlannedChunk(NamedTuple):
@@ -262,6 +405,7 @@ class PlannedChunk(NamedTuple):
     state: CameraState                      # the rig's state once the chunk is committed
     live_event: bool                        # an SE3 event moved the camera in this chunk (fixed unit)
     pitch_deg: tuple[float, ...] = ()       # the key pitch counter after each frame
+    scripted: int = 0                       # leading frames of this chunk placed by the offline trajectory
 
 
 def keyboard_step(pose: np.ndarray, keys: str, pitch_deg: float = 0.0) -> tuple[np.ndarray, float]:
@@ -285,19 +429,30 @@ def keyboard_step(pose: np.ndarray, keys: str, pitch_deg: float = 0.0) -> tuple[
 
 
 class CameraRig:
-    """A session's camera: intrinsics at the target size and the committed CameraState."""
+    """A session's camera: intrinsics at the target size, the committed CameraState and, for an offline
+    path, the Trajectory that places the first len(trajectory) latent frames (controls then act from its
+    last pose)."""
 
-    def __init__(self, intrinsics: Intrinsics, translation_unit: float = TRANSLATION_UNIT):
+    def __init__(self, intrinsics: Intrinsics, translation_unit: float = TRANSLATION_UNIT,
+                 trajectory: Optional[Trajectory] = None):
         self.intrinsics = intrinsics
         self.translation_unit = translation_unit          # for chunks moved by live SE3 events
+        self.trajectory = trajectory
         self.reset()
 
     @classmethod
-    def default(cls, width: int, height: int) -> CameraRig:
+    def default(cls, width: int, height: int, trajectory: Optional[Trajectory] = None) -> CameraRig:
+        if trajectory is not None:
+            fx, fy, cx, cy = trajectory.intrinsics[-1]
+            return cls(Intrinsics(fx, fy, cx, cy), trajectory=trajectory)
         return cls(Intrinsics.keyboard(width, height))
 
     def reset(self) -> None:
         self.state = CameraState(pose=np.eye(4))
+
+    def scripted_frames(self, start: int, frames: int) -> int:
+        """How many of the `frames` latent frames from `start` the offline trajectory places."""
+        return 0 if self.trajectory is None else max(0, min(frames, len(self.trajectory) - start))
 
     def plan(self, controls: Optional[Controls], frames: int) -> PlannedChunk:
         """Absolute poses [frames, 4, 4] of the next chunk and the state after it; hand the plan to rays()
@@ -308,9 +463,15 @@ class CameraRig:
         keys = controls.keys if controls is not None and controls.keys is not None else ("",) * frames
         if len(keys) != frames:
             raise CameraError(f"{len(keys)} key sets for a chunk of {frames} latent frames")
+        scripted = self.scripted_frames(state.frame, frames)
         pose, step, motion, pitch = state.pose, state.motion_step, state.motion, state.pitch_deg
         poses, pitches, live = [], [], False
-        for frame_keys in keys:
+        for i, frame_keys in enumerate(keys):
+            if i < scripted:                           # the offline path places this frame
+                pose = self.trajectory.poses[state.frame + i]
+                poses.append(pose)
+                pitches.append(pitch)
+                continue
             if motion is not None:
                 live = True
                 step += 1
@@ -320,8 +481,9 @@ class CameraRig:
             pose, pitch = keyboard_step(pose, frame_keys, pitch)
             poses.append(pose)
             pitches.append(pitch)
-        return PlannedChunk(np.stack(poses), dataclasses.replace(state, pose=pose, motion=motion, motion_step=step,
-                                                                 pitch_deg=pitch), live, tuple(pitches))
+        after = dataclasses.replace(state, pose=pose, motion=motion, motion_step=step, pitch_deg=pitch,
+                                    frame=state.frame + frames)
+        return PlannedChunk(np.stack(poses), after, live, tuple(pitches), scripted)
 
     @staticmethod
     def _motion_pose(event: CameraEvent, start: np.ndarray, current: np.ndarray, step: int,
@@ -339,12 +501,28 @@ class CameraRig:
         return make_pose(quat_to_matrix(q), t)
 
     def relative(self, planned: PlannedChunk) -> np.ndarray:
-        """The chunk's frame-to-frame transforms as the model receives them [frames, 4, 4]."""
-        unit = self.translation_unit if planned.live_event else None          # keys: by the largest step
-        return relative_poses(self.state.pose, planned.poses, unit)
+        """The chunk's frame-to-frame transforms as the model receives them [frames, 4, 4]: translations of
+        offline frames in the clip's unit; of the others in the live controller's unit, or (keys) by their
+        largest step."""
+        n = planned.scripted
+        unit = self.translation_unit if planned.live_event else None
+        if n == 0:
+            return relative_poses(self.state.pose, planned.poses, unit)
+        head = relative_poses(self.state.pose, planned.poses[:n], self.trajectory.unit)
+        if n == len(planned.poses):
+            return head
+        return np.concatenate([head, relative_poses(planned.poses[n - 1], planned.poses[n:], unit)])
+
+    def frame_intrinsics(self, planned: PlannedChunk) -> np.ndarray:
+        """(fx, fy, cx, cy) of each frame of the chunk [frames, 4]."""
+        table = intrinsics_table(self.intrinsics, len(planned.poses))
+        scripted = self.scripted_frames(self.state.frame, len(planned.poses))
+        if scripted:
+            table[:scripted] = self.trajectory.intrinsics[self.state.frame:self.state.frame + scripted]
+        return table
 
     def rays(self, planned: PlannedChunk, height: int, width: int, device="cpu") -> Tensor:
-        return ray_map(self.relative(planned), self.intrinsics, height, width, device)
+        return ray_map(self.relative(planned), self.frame_intrinsics(planned), height, width, device)
 
     def commit(self, planned: PlannedChunk) -> None:
         self.state = planned.state

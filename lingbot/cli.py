@@ -4,12 +4,15 @@
     lingbot write-checkpoint DIR [--preset tiny]      a random checkpoint in the real folder layout
     lingbot generate --image I --prompt P -o out.mp4  image + prompt + key script -> H.264 MP4
     lingbot trajectory --keys "w,wd,,i" [--json]      what the model receives for a key script
+    lingbot trajectory --poses P.npy --intrinsics K.npy   ... for an offline camera path
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+from typing import Optional
 
 from .config import LINGBOT_GEOMETRY, PRESETS, ConfigError
 from .parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
@@ -32,17 +35,45 @@ def cmd_write_checkpoint(args) -> None:
     print(f"wrote {args.preset} with random weights to {folder}")
 
 
+def load_offline_trajectory(args, preset, chunks: Optional[int]):
+    """--poses/--intrinsics (.npy) -> camera.Trajectory for `chunks` chunks (None: the whole file), or None."""
+    if args.poses is None and args.intrinsics is None:
+        return None
+    if args.poses is None or args.intrinsics is None:
+        raise ValueError("--poses and --intrinsics go together")
+    import numpy as np
+
+    from .camera import Trajectory
+    g = LINGBOT_GEOMETRY
+    poses = np.load(args.poses, allow_pickle=False)
+    intrinsics = np.load(args.intrinsics, allow_pickle=False)
+    return Trajectory.from_video_frames(poses, intrinsics, preset.width, preset.height, preset.vae_stride[0],
+                                        max_video_frames=None if chunks is None else g.video_frames(chunks))
+
+
+def chunks_for(args, frames_per_chunk: int, trajectory, default: Optional[int] = None) -> int:
+    """--chunks; else `default` unless an offline path is given; else enough chunks for the key script and
+    the offline path (at least one)."""
+    if args.chunks is not None:
+        return args.chunks
+    if default is not None and trajectory is None:
+        return default
+    given = len(args.keys.split(",")) if args.keys else 0
+    if trajectory is not None:
+        given = max(given, len(trajectory))
+    return max(1, math.ceil(given / frames_per_chunk))
+
+
 def cmd_trajectory(args) -> None:
     import json
-    import math
 
     from .camera import parse_key_script, trajectory
     from .config import get_preset
     preset = get_preset(args.preset)
     frames_per_chunk = preset.transformer.num_frames_per_block
-    given = len(args.keys.split(",")) if args.keys else 0
-    chunks = args.chunks or max(1, math.ceil(given / frames_per_chunk))
-    frames = trajectory(parse_key_script(args.keys, chunks, frames_per_chunk), preset.width, preset.height)
+    offline = load_offline_trajectory(args, preset, args.chunks)
+    chunks = chunks_for(args, frames_per_chunk, offline)
+    frames = trajectory(parse_key_script(args.keys, chunks, frames_per_chunk), preset.width, preset.height, offline)
     if args.json:
         print(json.dumps(frames))
         return
@@ -67,24 +98,27 @@ def _generate(comm, args) -> int:
     from tqdm import tqdm
 
     from .builder import build_pipeline
-    from .camera import Controls, parse_key_script
+    from .camera import CameraRig, Controls, parse_key_script
     from .config import get_preset
     from .io.images import load_image
     from .io.video import H264Writer
     root = comm is None or comm.is_root
     preset = get_preset(args.preset)
-    controls = [Controls(keys=keys) for keys in
-                parse_key_script(args.keys, args.chunks, preset.transformer.num_frames_per_block)]
+    frames_per_chunk = preset.transformer.num_frames_per_block
+    offline = load_offline_trajectory(args, preset, args.chunks)
+    chunks = chunks_for(args, frames_per_chunk, offline, default=4)
+    controls = [Controls(keys=keys) for keys in parse_key_script(args.keys, chunks, frames_per_chunk)]
     image = load_image(args.image, preset.width, preset.height)
     pipeline = build_pipeline(preset, args.model_path, device=args.device, comm=comm, pixel_mode=args.pixel_mode,
                               skip_fixed_point=not args.no_fixed_point_skip, compile=args.compile)
-    session = pipeline.new_session(image, args.prompt, seed=args.seed)
+    session = pipeline.new_session(image, args.prompt, seed=args.seed,
+                                   rig=CameraRig.default(preset.width, preset.height, offline))
     writer = None
     if root:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         writer = H264Writer(out, preset.width, preset.height, args.fps)
-    with tqdm(total=args.chunks, unit="chunk", desc="generating", file=sys.stderr, disable=not root) as bar:
+    with tqdm(total=chunks, unit="chunk", desc="generating", file=sys.stderr, disable=not root) as bar:
         for chunk_controls in controls:
             chunk = session.step(chunk_controls)
             if writer is not None:
@@ -109,6 +143,13 @@ def cmd_generate(args) -> None:
     run_local(_generate, args.sp, args, timeout_s=args.timeout)
 
 
+def add_trajectory_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--poses", default=None, help="offline camera path: .npy of per video frame camera-to-world "
+                                                 "poses [F, 4, 4] (OpenCV axes), resampled to latent frames")
+    p.add_argument("--intrinsics", default=None,
+                   help="with --poses: .npy of [F, 4] fx, fy, cx, cy given at 832x480, scaled to the preset size")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lingbot", description="LingBot-World engine commands")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,8 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trajectory", help="per latent frame: the pose, the scaled translation, pitch and yaw "
                                           "the model receives for a key script")
     p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,wd,,i"')
-    p.add_argument("--chunks", type=positive_int, default=None, help="chunks (default: enough for the keys)")
+    p.add_argument("--chunks", type=positive_int, default=None,
+                   help="chunks (default: enough for the keys and the offline path)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    add_trajectory_arguments(p)
     p.add_argument("--json", action="store_true", help="a JSON list, one object per latent frame")
     p.set_defaults(func=cmd_trajectory)
     p = sub.add_parser("generate", help="image + prompt + key script -> H.264 MP4, chunk by chunk")
@@ -135,9 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,w,wa,,j" (W/A/S/D move, '
                                               'I/K pitch, J/L yaw); missing frames get no keys')
+    add_trajectory_arguments(p)
     g = LINGBOT_GEOMETRY
-    p.add_argument("--chunks", type=positive_int, default=4,
-                   help=f"chunks to generate ({g.pixel_frames(0)} frames, then {g.pixel_frames(1)} per chunk)")
+    p.add_argument("--chunks", type=positive_int, default=None,
+                   help=f"chunks to generate ({g.pixel_frames(0)} frames, then {g.pixel_frames(1)} per chunk; "
+                        f"default: 4, or enough for --poses)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=float, default=16.0)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ...")

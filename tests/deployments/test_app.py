@@ -285,3 +285,92 @@ def test_the_ranks_start_a_chunk_before_the_last_one_is_encoded(serve_app):
     for k in range(4):
         assert clocks[k + 1]["dispatched"] < clocks[k]["fragment"], (k, clocks[k], clocks[k + 1])
     assert read_frames(result.video).shape == (12 * 5 - 3, H, W, 3)
+
+
+def orbit_trajectory(frames):
+    """Per video frame poses yawing 3 deg and stepping 0.02 along z, intrinsics at 832x480 (JSON lists)."""
+    from lingbot.camera import make_pose, rot_y
+    return {"poses": [make_pose(rot_y(3 * i), (0.0, 0.0, 0.02 * i)).tolist() for i in range(frames)],
+            "intrinsics": [[480.0, 480.0, 416.0, 240.0]] * frames}
+
+
+def in_process_frames(chunks, seed, prompt, flow_shift, trajectory_json):
+    """The same session through the in-process pipeline (SP-1): the frames the served one should show."""
+    from lingbot.builder import build_pipeline
+    from lingbot.camera import CameraRig, Trajectory
+    from lingbot.io.images import open_image, resize_image
+    pipeline = build_pipeline("tiny")
+    image = resize_image(open_image(base64.b64decode(png_url().partition(",")[2])), W, H)
+    traj = Trajectory.from_video_frames(trajectory_json["poses"], trajectory_json["intrinsics"], W, H,
+                                        max_video_frames=LINGBOT_GEOMETRY.video_frames(chunks))
+    world = pipeline.new_session(image, prompt, seed=seed, rig=CameraRig.default(W, H, traj), flow_shift=flow_shift)
+    return np.concatenate([world.step().frames.numpy() for _ in range(chunks)])
+
+
+def through_h264(frames):
+    """Frames as a client sees them after the muxer's encoder (same codec, CRF and preset)."""
+    from lingbot.io.video import H264Writer
+    buf = io.BytesIO()
+    writer = H264Writer(buf, W, H, 16.0)
+    writer.write(frames)
+    writer.close()
+    return read_frames(buf.getvalue()).astype(float)
+
+
+def test_served_frames_are_the_in_process_pipelines(serve_app):
+    """A served session (SP-2, sharded decode, muxer) shows the frames of the in-process pipeline (SP-1) for
+    the same image, prompt, seed, flow shift and camera path, both through the same H.264 encoder; changing
+    any of the inputs changes them. (The tiny model's random-weight frames are noise-like, so H.264 itself
+    moves them by ~13 levels: the comparison is after the codec on both sides.)"""
+    traj = orbit_trajectory(33)
+    base = dict(seed=4, prompt="a forest path", flow_shift=4.0)
+    served = run(session(serve_app, 3, camera_trajectory=traj, **base))
+    assert served.error is None, served.error
+    served_frames = read_frames(served.video).astype(float)
+    expected = through_h264(in_process_frames(3, trajectory_json=traj, **base))
+    assert served_frames.shape == expected.shape == (33, H, W, 3)
+    assert np.abs(served_frames - expected).mean() < 0.25      # identical here; room for +-1 rounding of SP-2
+    for change in (dict(seed=5), dict(prompt="a desert road"), dict(flow_shift=8.0)):
+        other = through_h264(in_process_frames(3, trajectory_json=traj, **{**base, **change}))
+        assert np.abs(served_frames - other).mean() > 2.0, change
+    still = through_h264(in_process_frames(3, trajectory_json=orbit_trajectory(1), **base))
+    assert np.abs(served_frames[9:] - still[9:]).mean() > 2.0   # the camera path moved the later chunks
+
+
+def test_camera_trajectory_refusals_leave_live_sessions_alone(serve_app):
+    bad_rotation = orbit_trajectory(5)
+    bad_rotation["poses"][2][0][0] = 2.0
+    bad_focal = orbit_trajectory(5)
+    bad_focal["intrinsics"][1][0] = 0.0
+    cases = [({"poses": [[1, 2]], "intrinsics": [[1, 2, 3, 4]]}, "trajectory_shape"),
+             (bad_rotation, "trajectory_not_rigid"), (bad_focal, "trajectory_intrinsics"),
+             ("poses.npy", "invalid_field")]
+
+    async def scenario():
+        live = asyncio.create_task(session(serve_app, 4, seed=11))
+        await asyncio.sleep(2)
+        codes = []
+        for value, code in cases:
+            msg = start_msg(extra_params={"camera_trajectory": value})
+            codes.append((await expect_error(serve_app, [msg], code, close=1008))["code"])
+        not_finite = json.dumps(start_msg(extra_params={"camera_trajectory": orbit_trajectory(5)}))
+        not_finite = not_finite.replace("0.08", "1e400", 1)           # JSON's way to an infinite number
+        codes.append((await expect_error(serve_app, [not_finite], "trajectory_not_finite", close=1008))["code"])
+        # a trajectory session refuses camera and key events (its path is the camera) and keeps going
+        async with RealtimeClient(serve_app) as client:
+            await client.start("p", png_url(), W, H, 2, camera_trajectory=orbit_trajectory(21))
+
+            async def steer(result, meta):
+                if meta["generation_chunk_index"] == 0:
+                    await client.interact("k1", keys=["w"])
+                    await client.interact("p1", prompt="a desert road")
+            scripted = await client.receive_session(steer)
+        return codes, scripted, await live
+
+    codes, scripted, live = run(scenario())
+    assert codes == [code for _, code in cases] + ["trajectory_not_finite"]
+    errors = [m for m in scripted.messages if m["type"] == "error"]
+    assert [(e["code"], e["event_id"]) for e in errors] == [("camera_scripted", "k1")]
+    assert any(m["type"] == "session.interaction.queued" and m["event_id"] == "p1" for m in scripted.messages)
+    assert scripted.done["chunks"] == 2
+    assert live.error is None and live.done["chunks"] == 4

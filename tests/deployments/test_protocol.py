@@ -122,3 +122,54 @@ def test_api_keys():
     assert authorized({}, {"api_key": "k1"}, keys)
     assert not authorized({"authorization": "Bearer nope"}, {"api_key": ""}, keys)
     assert not authorized({}, {}, keys)
+
+
+def trajectory_json(frames=5):
+    """Per video frame poses yawing 10 deg and stepping 0.1 along z, intrinsics at 832x480, as JSON lists."""
+    from lingbot.camera import make_pose, rot_y
+    poses = [make_pose(rot_y(10 * i), (0.0, 0.0, 0.1 * i)).tolist() for i in range(frames)]
+    return {"poses": poses, "intrinsics": [[500.0, 400.0, 416.0, 240.0]] * frames}
+
+
+def test_start_with_a_camera_trajectory():
+    req = start(num_frames=21, extra_params={"camera_trajectory": trajectory_json(21)})
+    assert len(req.trajectory) == 6                           # 21 video frames -> 6 latent frames
+    np.testing.assert_allclose(req.trajectory.intrinsics[0], [500 * 112 / 832, 400 * 64 / 480, 56, 32], atol=1e-12)
+    assert req.trajectory.unit == pytest.approx(0.4, abs=1e-12)
+    # a longer clip is cut to the session's frames; an endless session takes up to max_chunks' worth
+    assert len(start(num_frames=9, extra_params={"camera_trajectory": trajectory_json(21)}).trajectory) == 3
+    assert len(start(num_frames=None, extra_params={"endless": True,
+                                                    "camera_trajectory": trajectory_json(21)}).trajectory) == 6
+
+
+def _bad(mutate):
+    value = trajectory_json(5)
+    mutate(value)
+    return value
+
+
+@pytest.mark.parametrize("value,code", [
+    ("poses.npy", "invalid_field"),
+    ({"poses": trajectory_json()["poses"]}, "invalid_field"),
+    (trajectory_json(frames_for_chunks(100) + 1), "trajectory_too_long"),     # max_chunks is 100
+    (_bad(lambda v: v["poses"][1].pop()), "trajectory_shape"),          # a 3x4 pose
+    (_bad(lambda v: v["intrinsics"].pop()), "trajectory_shape"),        # 4 intrinsics for 5 poses
+    (_bad(lambda v: v["poses"][2][0].__setitem__(3, "1")), "trajectory_shape"),     # a string
+    (_bad(lambda v: v["poses"][2][0].__setitem__(3, True)), "trajectory_shape"),    # a bool
+    (_bad(lambda v: v["poses"][2][0].__setitem__(3, 1e400)), "trajectory_not_finite"),   # JSON 1e400 is inf
+    (_bad(lambda v: v["poses"][3][0].__setitem__(0, 2.0)), "trajectory_not_rigid"),
+    (_bad(lambda v: v["poses"][3][3].__setitem__(3, 2.0)), "trajectory_not_rigid"),
+    (_bad(lambda v: v["intrinsics"].__setitem__(4, [500.0, -400.0, 416.0, 240.0])), "trajectory_intrinsics"),
+])
+def test_bad_camera_trajectories_have_their_codes(value, code):
+    with pytest.raises(ProtocolError) as e:
+        start(extra_params={"camera_trajectory": value})
+    assert (e.value.code, e.value.close) == (code, 1008)
+    assert e.value.message.startswith("extra_params.camera_trajectory")
+
+
+def test_camera_trajectory_and_action_script_conflict():
+    with pytest.raises(ProtocolError) as e:
+        start(extra_params={"camera_trajectory": trajectory_json(5),
+                            "camera_action_script": [["w", "w", "w"]]})
+    assert e.value.code == "conflicting_camera"

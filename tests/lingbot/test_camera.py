@@ -11,14 +11,18 @@ from lingbot.camera import (
     CameraRig,
     Controls,
     Intrinsics,
+    Trajectory,
+    TrajectoryError,
     camera_patches,
     keyboard_step,
+    make_pose,
     matrix_to_quat,
     parse_key_script,
     parse_keys,
     quat_to_matrix,
     ray_map,
     relative_poses,
+    resample_poses,
     rot_x,
     rot_y,
 )
@@ -248,3 +252,92 @@ def test_key_script_parsing():
         parse_key_script("w,w,w,w,w,w,w", chunks=2, frames_per_chunk=3)
     with pytest.raises(CameraError, match="unknown key"):
         parse_key_script("w,x", chunks=1, frames_per_chunk=3)
+
+
+# ---- offline trajectories ---------------------------------------------------------------------------
+def orbit_clip(frames=14):
+    """A clip yawing 10 deg and moving 0.1 along world z per video frame, starting away from the origin,
+    with intrinsics (500 + i, 400, 416, 240) at 832x480."""
+    poses = np.stack([make_pose(rot_y(30 + 10 * i), (1.0, 2.0, 3.0 + 0.1 * i)) for i in range(frames)])
+    intrinsics = np.array([[500.0 + i, 400.0, 416.0, 240.0] for i in range(frames)])
+    return poses, intrinsics
+
+
+def test_offline_trajectory_resampled_relative_and_normalised_by_hand():
+    poses, intrinsics = orbit_clip(14)                      # 14 frames: cut to 4n+1 = 13 -> 4 latent frames
+    traj = Trajectory.from_video_frames(poses, intrinsics, width=416, height=240)
+    assert len(traj) == 4
+    for k in range(4):                                      # video frames 0, 4, 8, 12 relative to frame 0
+        expected = np.linalg.inv(poses[0]) @ poses[4 * k]
+        np.testing.assert_allclose(traj.poses[k][:3, :3], rot_y(40 * k), atol=1e-12)
+        np.testing.assert_allclose(traj.poses[k], expected, atol=1e-12)
+        np.testing.assert_allclose(traj.intrinsics[k], [(500 + 4 * k) / 2, 200, 208, 120], atol=1e-12)
+    assert traj.unit == pytest.approx(0.4, abs=1e-12)      # every latent step moves 4 x 0.1
+    rig = CameraRig.default(416, 240, traj)
+    planned = rig.plan(None, 3)
+    rel = rig.relative(planned)
+    np.testing.assert_allclose(rel[0], np.eye(4), atol=1e-12)
+    for k in (1, 2):                                        # unit steps along the previous frame's view
+        a = math.radians(30 + 40 * (k - 1))
+        np.testing.assert_allclose(rel[k][:3, 3], [-math.sin(a), 0, math.cos(a)], atol=1e-12)
+        np.testing.assert_allclose(rel[k][:3, :3], rot_y(40), atol=1e-12)
+    np.testing.assert_allclose(rig.frame_intrinsics(planned)[:, 0], [250, 252, 254], atol=1e-12)
+    rig.commit(planned)
+    planned = rig.plan(Controls(keys=("w", "w", "w")), 3)  # frame 3 is the clip's last; keys move from there
+    rel = rig.relative(planned)
+    a = math.radians(30 + 80)
+    np.testing.assert_allclose(rel[0][:3, 3], [-math.sin(a), 0, math.cos(a)], atol=1e-12)
+    np.testing.assert_allclose(rel[1:, :3, 3], [[0, 0, 1], [0, 0, 1]], atol=1e-12)   # keys: their own unit
+    np.testing.assert_allclose(planned.poses[0], traj.poses[3], atol=0)
+    np.testing.assert_allclose(rig.frame_intrinsics(planned)[:, 0], [256, 256, 256], atol=1e-12)
+    # the session's length cuts the clip first, as the reference cuts it to num_frames
+    assert len(Trajectory.from_video_frames(poses, intrinsics, 416, 240, max_video_frames=9)) == 3
+
+
+def test_slerp_resampling_between_frames():
+    start = np.eye(4)
+    end = make_pose(rot_y(90), (2.0, 0.0, 0.0))
+    mid = resample_poses(np.stack([start, end]), np.array([0.0, 0.5, 0.25, 1.0]))
+    np.testing.assert_allclose(mid[1][:3, :3], rot_y(45), atol=1e-12)
+    np.testing.assert_allclose(mid[1][:3, 3], [1, 0, 0], atol=1e-12)
+    np.testing.assert_allclose(mid[2][:3, :3], rot_y(22.5), atol=1e-12)
+    np.testing.assert_allclose(mid[3], end, atol=1e-12)
+    # a quaternion chain that flips sign between samples still takes the short way (170 -> 190 deg via 180)
+    flip = resample_poses(np.stack([make_pose(rot_y(170), (0, 0, 0)), make_pose(rot_y(190), (0, 0, 0))]),
+                          np.array([0.5]))
+    np.testing.assert_allclose(flip[0][:3, :3], rot_y(180), atol=1e-12)
+
+
+def test_offline_trajectory_rays_use_each_frames_intrinsics():
+    poses, intrinsics = orbit_clip(5)                      # 2 latent frames
+    intrinsics[4] = [800.0, 600.0, 300.0, 200.0]
+    traj = Trajectory.from_video_frames(poses, intrinsics, width=832, height=480)
+    rig = CameraRig.default(832, 480, traj)
+    rays = rig.rays(rig.plan(None, 3), 16, 32)            # 16x32 pixels, principal points far off: skewed rays
+    d = rays[3:, 1, 0, 0].double()                        # frame 1, pixel (0, 0): direction in frame 0's axes
+    cam = torch.tensor([(0.5 - 300) / 800, (0.5 - 200) / 600, 1.0], dtype=torch.float64)
+    expected = torch.as_tensor(rot_y(40)) @ (cam / cam.norm())
+    torch.testing.assert_close(d, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda p, k: (p[:, :3], k), "trajectory_shape"),
+    (lambda p, k: (p, k[:-1]), "trajectory_shape"),
+    (lambda p, k: (p[:0], k[:0]), "trajectory_shape"),
+    (lambda p, k: (p, k[:, :3]), "trajectory_shape"),
+    (lambda p, k: (np.where(np.arange(4) == 3, np.nan, p), k), "trajectory_not_finite"),
+    (lambda p, k: (p, np.where(np.arange(4) == 0, np.inf, k)), "trajectory_not_finite"),
+    (lambda p, k: (p * np.array([1.01, 1, 1, 1])[:, None], k), "trajectory_not_rigid"),        # scaled rows
+    (lambda p, k: (p @ np.diag([-1.0, 1, 1, 1]), k), "trajectory_not_rigid"),                 # a mirror
+    (lambda p, k: (p + np.array([[0, 0, 0, 0]] * 3 + [[0, 0, 0.5, 0]]), k), "trajectory_not_rigid"),
+    (lambda p, k: (p, k * np.array([1, 1, -1, 1])), "trajectory_intrinsics"),
+    (lambda p, k: (p, k * np.array([0, 1, 1, 1])), "trajectory_intrinsics"),
+])
+def test_bad_offline_trajectories_have_their_codes(mutate, code):
+    poses, intrinsics = mutate(*orbit_clip(5))
+    with pytest.raises(TrajectoryError) as e:
+        Trajectory.from_video_frames(poses, intrinsics, 112, 64)
+    assert e.value.code == code
+    poses, intrinsics = orbit_clip(5)
+    poses[2, :3, :3] = rot_y(30 + 20) @ (np.eye(3) + 2e-4)           # within the 1e-3 rigidity tolerance: taken
+    assert len(Trajectory.from_video_frames(poses, intrinsics, 112, 64)) == 2

@@ -60,3 +60,45 @@ def test_trajectory_shows_what_the_model_receives(capsys):
     np.testing.assert_allclose(np.array(frames[2]["c2w"])[:3, 3], [0.15, 0, 0.15], atol=1e-12)   # 3 x 0.05 each way
     assert main(["trajectory", "--keys", "w,q"]) == 2
     assert "unknown key(s) 'q'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def clip_files(tmp_path_factory):
+    """13 video frames yawing 10 deg and moving 0.1 along z per frame (4 latent frames: 2 chunks)."""
+    from lingbot.camera import make_pose, rot_y
+    folder = tmp_path_factory.mktemp("clip")
+    poses = np.stack([make_pose(rot_y(10 * i), (0.0, 0.0, 0.1 * i)) for i in range(13)])
+    np.save(folder / "poses.npy", poses)
+    np.save(folder / "intrinsics.npy", np.array([[500.0 + i, 400.0, 416.0, 240.0] for i in range(13)]))
+    return folder / "poses.npy", folder / "intrinsics.npy"
+
+
+def test_trajectory_of_an_offline_path(capsys, clip_files):
+    import json
+    poses, intrinsics = clip_files
+    assert main(["trajectory", "--poses", str(poses), "--intrinsics", str(intrinsics), "--json"]) == 0
+    frames = json.loads(capsys.readouterr().out)
+    assert len(frames) == 6                                   # 4 latent frames -> 2 chunks; then the camera holds
+    steps = [round(float(np.linalg.norm(f["translation"])), 9) for f in frames]
+    assert steps == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]            # unit: the clip's largest step (0.4)
+    assert [round(f["yaw_deg"], 9) for f in frames] == [0, 40, 80, 120, 120, 120]
+    assert [round(f["pitch_deg"], 9) for f in frames] == [0] * 6
+    sx, sy = 112 / 832, 64 / 480                              # the tiny preset's size
+    assert [round(f["intrinsics"][0], 9) for f in frames] == [round((500 + 4 * k) * sx, 9) for k in (0, 1, 2, 3, 3, 3)]
+    assert frames[0]["intrinsics"][1:] == pytest.approx([400 * sy, 416 * sx, 240 * sy], abs=1e-12)
+    assert main(["trajectory", "--poses", str(poses)]) == 2
+    assert "--poses and --intrinsics go together" in capsys.readouterr().err
+
+
+def test_generate_follows_an_offline_path(tmp_path, image_file, clip_files, capsys):
+    poses, intrinsics = clip_files
+    base = ["generate", "--image", str(image_file), "--prompt", "a forest path", "--seed", "3"]
+    assert main(base + ["--poses", str(poses), "--intrinsics", str(intrinsics), "-o", str(tmp_path / "t.mp4")]) == 0
+    assert main(base + ["--chunks", "2", "-o", str(tmp_path / "still.mp4")]) == 0
+    moved, still = read_frames(tmp_path / "t.mp4"), read_frames(tmp_path / "still.mp4")
+    assert moved.shape == still.shape == (21, 64, 112, 3)     # chunks default to the path's 2
+    assert np.abs(moved[9:].astype(int) - still[9:].astype(int)).mean() > 1.0
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.load(poses) * 1.5)
+    assert main(base + ["--poses", str(bad), "--intrinsics", str(intrinsics), "-o", str(tmp_path / "b.mp4")]) == 2
+    assert "pose 0 is not a rigid camera-to-world transform" in capsys.readouterr().err
