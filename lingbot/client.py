@@ -144,8 +144,18 @@ async def _main(args) -> int:
             width, height = served["width"], served["height"]
         Image.open(args.image).verify()
         script = [list(keys) for keys in parse_key_script(args.keys, args.chunks, LINGBOT_GEOMETRY.latent_frames)]
+        extra = {}
+        if args.poses or args.intrinsics:
+            if not (args.poses and args.intrinsics):
+                raise ValueError("--poses and --intrinsics go together")
+            if args.keys:
+                raise ValueError("--keys and --poses both drive the camera; give one")
+            import numpy as np
+            extra["camera_trajectory"] = {"poses": np.load(args.poses, allow_pickle=False).tolist(),
+                                          "intrinsics": np.load(args.intrinsics, allow_pickle=False).tolist()}
+            script = None
         await client.start(args.prompt, image_data_url(args.image), width, height, args.chunks, args.fps, args.seed,
-                           script=script)
+                           script=script, **extra)
         out = open(args.output, "wb")
         bar = tqdm(total=args.chunks, unit="chunk", desc="receiving", file=sys.stderr)
 
@@ -173,6 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--image", required=True)
     p.add_argument("--prompt", required=True)
     p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,w,wa,,j"')
+    p.add_argument("--poses", default=None, help="offline camera path: .npy [F, 4, 4] camera-to-world per video "
+                                                 "frame (sent as extra_params.camera_trajectory)")
+    p.add_argument("--intrinsics", default=None, help="with --poses: .npy [F, 4] fx, fy, cx, cy at 832x480")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=float, default=16.0)

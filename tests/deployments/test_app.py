@@ -374,3 +374,17 @@ def test_camera_trajectory_refusals_leave_live_sessions_alone(serve_app):
     assert any(m["type"] == "session.interaction.queued" and m["event_id"] == "p1" for m in scripted.messages)
     assert scripted.done["chunks"] == 2
     assert live.error is None and live.done["chunks"] == 4
+
+
+def test_python_client_sends_an_offline_path(serve_app, tmp_path, capsys):
+    from lingbot.client import main
+    traj = orbit_trajectory(21)
+    np.save(tmp_path / "poses.npy", np.array(traj["poses"]))
+    np.save(tmp_path / "intrinsics.npy", np.array(traj["intrinsics"]))
+    Image.fromarray(np.random.RandomState(0).randint(0, 255, (80, 140, 3), dtype=np.uint8)).save(tmp_path / "f.png")
+    args = [serve_app, "--image", str(tmp_path / "f.png"), "--prompt", "a forest path", "--chunks", "2",
+            "--poses", str(tmp_path / "poses.npy"), "--intrinsics", str(tmp_path / "intrinsics.npy")]
+    assert main(args + ["-o", str(tmp_path / "out.mp4")]) == 0
+    assert read_frames(tmp_path / "out.mp4").shape == (21, H, W, 3)
+    assert main(args + ["--keys", "w", "-o", str(tmp_path / "x.mp4")]) == 2
+    assert "--keys and --poses both drive the camera" in capsys.readouterr().err
