@@ -13,7 +13,7 @@ from deployments.settings import ServeSettings
 def test_device_work_runs_on_one_thread():
     worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
     info = worker.join(None)
-    assert info.capacity == 2 and info.warmup_s > 0 and (info.width, info.height) == (112, 64)
+    assert info.capacity == 2 and (info.width, info.height) == (112, 64)
     seen = set()
     worker.pipeline.runner.model.register_forward_pre_hook(lambda module, args: seen.add(threading.get_ident()))
     assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None)
@@ -22,7 +22,7 @@ def test_device_work_runs_on_one_thread():
     def call(index):
         callers.append(threading.get_ident())
         reply = worker.run_chunk("s", index, ChunkControls(keys=("w", "", "l")))
-        assert not reply.stopped and reply.engine_s > 0
+        assert not reply.stopped
 
     for index in range(2):                                  # two different calling threads, like Ray's pool
         t = threading.Thread(target=call, args=(index,))

@@ -15,7 +15,6 @@ def test_generate_shape_and_stage_split(tiny, tiny_runner):
     result = s.run_chunk(Controls(keys=("w", "w", "w")))
     assert result.index == 3 and result.latents.shape == (16, 3, lh, lw)
     assert list(result.timings) == ["condition", "prepare", "probe_0", "probe_1", "probe_2", "probe_3", "commit"]
-    assert all(v > 0 for v in result.timings.values())
 
 
 def test_camera_modulation_cache_is_bit_identical(tiny, tiny_model, tiny_text_encoder):

@@ -15,7 +15,6 @@ def test_lifecycle_in_order_on_cpu(tiny):
     pipeline = life.load("tiny")
     report = life.warm_up()
     assert report.chunks == tiny.transformer.window_chunks + 1 == 7       # every window length, then steady
-    assert report.seconds >= report.first_chunk_s > 0
     assert life.measure() is None                                          # CPU: the budget rule
     assert life.capacity(max_sessions=4) == sessions_that_fit(tiny, 1, CPU_BUDGET_BYTES, 4)
     assert life.capacity(max_sessions=4, budget_bytes=1) == 0
