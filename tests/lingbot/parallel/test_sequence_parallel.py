@@ -1,10 +1,13 @@
-"""Sequence parallelism on real gloo process groups in spawned processes (tiny preset).
+"""Sequence parallelism on real gloo process groups in spawned processes, against SP-1 of the same preset:
+SP-2 and SP-4 on `tiny` (84 tokens per chunk, 14 latent columns), SP-2 on a 80x48 size whose 45 tokens
+per chunk do not divide, and SP-8 on an 8-head variant (uneven tokens and decoder columns: 14 over 8).
 
 Tolerances: SP changes the shapes of every matmul (tokens split by rank) and of the decoder convolutions
 (columns split by rank), so fp32 kernels block their sums differently; attention over gathered keys also
 sums in another order. The results agree to float32 rounding, not bitwise: measured max |diff| 6e-7 for
 latents (8 chunks) and 4e-6 for decoded pixels in [-1, 1]; we allow 1e-5 for both.
 """
+import dataclasses
 import re
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lingbot.camera import Controls
-from lingbot.config import ConfigError
+from lingbot.config import ConfigError, get_preset
 from lingbot.parallel import Comm, ParallelError
 from lingbot.parallel.comm import split_range, split_sizes
 from lingbot.parallel.launch import run_local
@@ -21,28 +24,31 @@ from lingbot.parallel.vae_shard import assemble_halo_input
 
 CHUNKS = 8
 TOL = 1e-5
+TINY = get_preset("tiny")
+UNEVEN = dataclasses.replace(TINY, name="tiny-45-tokens", width=80, height=48)      # 5x3 patches x 3 frames
+EIGHT_HEADS = dataclasses.replace(TINY, name="tiny-8-heads", transformer=dataclasses.replace(
+    TINY.transformer, num_attention_heads=8, attention_head_dim=16))
 
 
 def _controls(k):
     return Controls(keys=(("w", "wa", "l"), ("", "i", "j"), ("s", "d", ""))[k % 3])
 
 
-def _runner(comm):
+def _runner(comm, preset=TINY):
     from lingbot.builder import build_dit_runner
-    return build_dit_runner("tiny", comm=comm)
+    return build_dit_runner(preset, comm=comm)
 
 
-def _latent_condition(frames):
-    from lingbot.config import get_preset
+def _latent_condition(frames, preset=TINY):
     from lingbot.runtime.condition import LatentCondition
-    lh, lw = get_preset("tiny").latent_hw
+    lh, lw = preset.latent_hw
     return LatentCondition(torch.randn(16, frames, lh, lw, generator=torch.Generator().manual_seed(1)))
 
 
-def _latent_run(comm):
+def _latent_run(comm, preset):
     """8 chunks of DiT latents; collective counts of one steady chunk, by module."""
-    runner = _runner(comm)
-    session = runner.new_session(_latent_condition(3 * CHUNKS), prompt="a castle", seed=3)
+    runner = _runner(comm, preset)
+    session = runner.new_session(_latent_condition(3 * CHUNKS, preset), prompt="a castle", seed=3)
     outs = [session.run_chunk(_controls(k)).latents for k in range(CHUNKS - 1)]
     comm.reset_counts()
     with comm.track_modules(runner.model):
@@ -50,12 +56,12 @@ def _latent_run(comm):
     return torch.cat(outs, dim=1), {k: dict(v) for k, v in comm.by_module.items()}, dict(comm.bytes_sent)
 
 
-def _decode_run(comm):
+def _decode_run(comm, preset):
     """Streaming decode of 1 + 3 + 3 latent frames; the pixel shards, and rank-0 frames of every mode."""
     from lingbot.builder import build_pipeline
     from lingbot.models.vae import CausalCache
-    decoder = build_pipeline("tiny", comm=comm).decoder
-    latents = torch.randn(16, 7, 8, 14, generator=torch.Generator().manual_seed(0))
+    decoder = build_pipeline(preset, comm=comm).decoder
+    latents = torch.randn(16, 7, *preset.latent_hw, generator=torch.Generator().manual_seed(0))
     results = {}
     for mode in PIXEL_MODES:
         if comm.world_size > 1:
@@ -85,32 +91,50 @@ def _halo_check(comm):
     return torch.equal(got, reference[..., a:b + 2]), torch.equal(got2d, ref2d)
 
 
-def _all_checks(comm):
-    return {"latents": _latent_run(comm), "decode": _decode_run(comm), "halo": _halo_check(comm)}
+def _all_checks(comm, preset):
+    return {"latents": _latent_run(comm, preset), "decode": _decode_run(comm, preset), "halo": _halo_check(comm)}
+
+
+REFERENCES: dict = {}
+
+
+def reference_of(preset):
+    """SP-1 results of `preset` (computed once per preset)."""
+    if preset.name not in REFERENCES:
+        torch.manual_seed(0)
+        REFERENCES[preset.name] = _all_checks(Comm(), preset)
+    return REFERENCES[preset.name]
+
+
+@pytest.fixture(scope="module", params=[(2, TINY), (4, TINY), (2, UNEVEN), (8, EIGHT_HEADS)],
+                ids=["sp2", "sp4", "sp2-45-tokens", "sp8-8-heads"])
+def sp_run(request):
+    n, preset = request.param
+    return n, preset, run_local(_all_checks, n, preset, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    torch.manual_seed(0)
-    return _all_checks(Comm())
+def reference(sp_run):
+    return reference_of(sp_run[1])
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["sp2", "sp4"])
-def sp_run(request):
-    return request.param, run_local(_all_checks, request.param, timeout_s=120)
+def test_the_uneven_cases_are_uneven():
+    assert UNEVEN.tokens_per_frame * 3 == 45 and split_sizes(45, 2) == [23, 22]
+    assert EIGHT_HEADS.tokens_per_frame * 3 == 84 and split_sizes(84, 8) == [11] * 4 + [10] * 4
+    assert split_sizes(EIGHT_HEADS.latent_hw[1], 8) == [2] * 6 + [1] * 2           # decoder columns
 
 
 def test_latents_match_sp1(reference, sp_run):
-    n, ranks = sp_run
+    n, preset, ranks = sp_run
     ref = reference["latents"][0]
-    assert ref.shape == (16, 3 * CHUNKS, 8, 14)
+    assert ref.shape == (16, 3 * CHUNKS, *preset.latent_hw)
     for rank, result in enumerate(ranks):
         err = (result["latents"][0] - ref).abs().max().item()
         assert err < TOL, f"SP-{n} rank {rank}: latents differ from SP-1 by {err}"
 
 
 def test_collectives_only_in_self_attention(sp_run):
-    _n, ranks = sp_run
+    _n, _preset, ranks = sp_run
     by_module, bytes_sent = ranks[0]["latents"][1], ranks[0]["latents"][2]
     forwards, layers = 5, 2
     # module names of the DiT ("" = the model itself: the head's all-gather runs in its forward)
@@ -125,10 +149,10 @@ def test_collectives_only_in_self_attention(sp_run):
 
 
 def test_sharded_decode_matches_unsharded(reference, sp_run):
-    n, ranks = sp_run
-    ref_pixels = reference["decode"]["root_uint8_p2p"][0]                  # [3, 25, 64, 112]
-    assert ref_pixels.shape == (3, 1 + 4 * 6, 64, 112)
-    widths = [8 * w for w in split_sizes(14, n)]
+    n, preset, ranks = sp_run
+    ref_pixels = reference["decode"]["root_uint8_p2p"][0]                  # [3, 25, H, W]
+    assert ref_pixels.shape == (3, 1 + 4 * 6, preset.height, preset.width)
+    widths = [8 * w for w in split_sizes(preset.latent_hw[1], n)]
     shards = [r["decode"]["root_uint8_p2p"][0] for r in ranks]
     assert [s.shape[-1] for s in shards] == widths
     err = (torch.cat(shards, dim=-1) - ref_pixels).abs().max().item()
@@ -136,10 +160,10 @@ def test_sharded_decode_matches_unsharded(reference, sp_run):
 
 
 def test_pixel_modes_give_identical_bytes_at_root(reference, sp_run):
-    _n, ranks = sp_run
+    _n, preset, ranks = sp_run
     root = {mode: ranks[0]["decode"][mode][1] for mode in PIXEL_MODES}
     first = root["root_uint8_p2p"]
-    assert first.dtype == torch.uint8 and first.shape == (25, 64, 112, 3)
+    assert first.dtype == torch.uint8 and first.shape == (25, preset.height, preset.width, 3)
     for mode, frames in root.items():
         assert torch.equal(frames, first), mode
     for rank in ranks[1:]:
@@ -153,7 +177,7 @@ def test_pixel_modes_give_identical_bytes_at_root(reference, sp_run):
 
 def test_one_pass_conv_input_equals_cat_pad_assembly(reference, sp_run):
     assert reference["halo"] == (True, True)                              # one rank: global edges both sides
-    n, ranks = sp_run
+    n, _preset, ranks = sp_run
     for rank, result in enumerate(ranks):
         assert result["halo"] == (True, True), f"rank {rank} of SP-{n}"
 
