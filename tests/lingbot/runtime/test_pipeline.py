@@ -92,3 +92,40 @@ def test_steady_whole_chunks_read_nothing_back_but_their_frames(tiny, tiny_pipel
     assert guard.allowed == 0
     with ForbidHostReads(), pytest.raises(AssertionError, match=r"host read on the step path: Tensor.item"):
         torch.ones(2).sum().item()                          # the guard does catch a read
+
+
+def owned_bytes(root, shared) -> int:
+    """Bytes of the tensor storages reachable from `root`, not through `shared` objects or modules (the
+    weights): what one session holds."""
+    import gc
+    import types
+    opaque = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+    seen, stack, storages = {id(x) for x in shared}, [root], {}
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, opaque):              # weights, code and its globals
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+            continue
+        stack.extend(gc.get_referents(obj))
+    return sum(storages.values())
+
+
+def test_the_budget_covers_what_a_session_holds(tiny, tiny_pipeline):
+    """The admission budget's per-session bytes against the tensors a real session owns at every chunk
+    (window filling, condition history growing until its fixed point, then freed): never more than the
+    budget, and the budget no more than 5% above the peak. The parts with an exact size match exactly."""
+    from lingbot.runtime.budget import session_footprint
+    pipeline = tiny_pipeline
+    session = pipeline.new_session(random_image(tiny), "a castle", seed=0)
+    footprint = session_footprint(tiny)
+    held = []
+    for _ in range(12):
+        session.step()
+        held.append(owned_bytes(session, [pipeline, pipeline.runner, pipeline.vae, pipeline.decoder]))
+    assert session.condition.fixed_point_chunk is not None and held[-1] < held[0]     # history freed
+    assert max(held) <= footprint.total <= 1.05 * max(held), (held, footprint)
+    assert owned_bytes(session.dit.kv, []) == footprint.kv_window
+    assert session.decoder_cache.nbytes() == footprint.decoder_cache
