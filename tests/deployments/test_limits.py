@@ -1,0 +1,147 @@
+"""Session limits and failures end to end, on a second Serve app beside the package's one (same Ray
+cluster, route prefix /strict): an API key, short idle and lifetime limits, a small control queue, SP-1;
+and a rank killed mid-session. Its group breaks, so that test runs last and the app is deleted after."""
+import pytest
+
+from lingbot.client import RealtimeClient
+from tests.deployments.conftest import PORT, TEST_SETTINGS
+from tests.deployments.test_app import H, W, png_url, run
+
+KEY = "test-key-1"
+STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, idle_timeout_s=6, max_lifetime_s=12,
+              max_queued_controls=2, api_keys=KEY, stall_timeout_s=60)
+URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
+
+
+@pytest.fixture(scope="module")
+def strict_app(serve_app):
+    """The strict app, and the rank actor ids it added to the cluster."""
+    from ray import serve
+    from ray.util.state import list_actors
+
+    from deployments.app import build_app
+
+    def ranks():
+        return {a.actor_id for a in list_actors(filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])}
+    before = ranks()
+    serve.run(build_app(STRICT), name="strict", route_prefix="/strict")
+    yield URL, ranks() - before
+    serve.delete("strict")
+
+
+async def endless(url=URL, api_key=KEY, **kw):
+    client = RealtimeClient(url, api_key=api_key)
+    await client.__aenter__()
+    await client.start("a quiet street", png_url(), W, H, None, **kw)
+    return client
+
+
+def test_api_key_is_required(strict_app):
+    url, _ = strict_app
+
+    async def scenario():
+        out = {}
+        for name, client in (("none", RealtimeClient(url)), ("wrong", RealtimeClient(url, api_key="nope"))):
+            async with client:
+                await client.start("p", png_url(), W, H, 1)
+                out[name] = await client.receive_session(timeout=30)
+        async with RealtimeClient(url, api_key=KEY) as client:               # Authorization: Bearer
+            await client.start("p", png_url(), W, H, 1)
+            out["bearer"] = await client.receive_session(timeout=120)
+        async with RealtimeClient(f"{url}?api_key={KEY}") as client:         # pages: the query string
+            await client.start("p", png_url(), W, H, 1)
+            out["query"] = await client.receive_session(timeout=120)
+        return out
+
+    out = run(scenario())
+    for name in ("none", "wrong"):
+        assert out[name].error["code"] == "unauthorized" and out[name].close_code == 1008, name
+        assert out[name].chunks == []
+    for name in ("bearer", "query"):
+        assert out[name].error is None and out[name].done["chunks"] == 1, name
+
+
+def test_idle_and_lifetime_limits(strict_app):
+    """Pings alone do not keep a session: it ends after idle_timeout_s (6 s) without interactions. A
+    session that keeps interacting ends at max_lifetime_s (12 s)."""
+    async def idle():
+        client = await endless()
+        try:
+            async def ping_only(result, meta):
+                await client.send({"type": "session.ping", "t": 0})
+            return await client.receive_session(ping_only, timeout=60)
+        finally:
+            await client.__aexit__()
+
+    async def busy():
+        client = await endless()
+        n = 0
+        try:
+            async def interact(result, meta):
+                nonlocal n
+                n += 1
+                await client.interact(f"p{n}", prompt=f"a quiet street, take {n}")
+            return await client.receive_session(interact, timeout=60)
+        finally:
+            await client.__aexit__()
+
+    idle_result, busy_result = run(idle()), run(busy())
+    assert idle_result.error["code"] == "idle_timeout" and idle_result.close_code == 1008
+    assert "no interaction for 6 s" in idle_result.error["message"]
+    assert busy_result.error["code"] == "max_lifetime" and busy_result.close_code == 1008
+    assert "maximum lifetime of 12 s" in busy_result.error["message"]
+    assert len(busy_result.chunks) > len(idle_result.chunks)               # it outlived the idle limit
+
+
+def test_too_many_controls_refuses_the_excess_and_keeps_the_session(strict_app):
+    async def scenario():
+        client = await endless()
+        try:
+            burst = True
+
+            async def flood(result, meta):
+                nonlocal burst
+                if burst:                                      # at once: more than 2 wait for one boundary
+                    burst = False
+                    for i in range(12):
+                        await client.interact(f"k{i}", keys=["w", "a", "d"])
+                if len(result.chunks) == 6:
+                    await client.send({"type": "session.stop"})
+            return await client.receive_session(flood, timeout=120)
+        finally:
+            await client.__aexit__()
+
+    result = run(scenario())
+    refused = [m["event_id"] for m in result.messages if m["type"] == "error"]
+    assert {m["code"] for m in result.messages if m["type"] == "error"} == {"too_many_controls"}
+    started = {e for c in result.chunks for e in c["started_event_ids"]}
+    assert refused and started and not (set(refused) & started)        # each event either ran or was refused
+    assert set(refused) | started == {f"k{i}" for i in range(12)}
+    assert result.done["stopped"] is True and len(result.chunks) >= 6
+
+
+def test_a_rank_killed_mid_session_ends_it_with_internal_error(strict_app):
+    """SIGKILL of the group's rank process after chunk 2: the client gets internal_error and close 1011
+    (no trace), never a hang. Last in this module: the group is broken until Serve replaces it."""
+    import os
+    import signal
+
+    from ray.util.state import get_actor
+    _url, rank_ids = strict_app
+    assert len(rank_ids) == 1                                                # SP-1: one rank
+    pid = get_actor(next(iter(rank_ids))).pid
+
+    async def scenario():
+        client = await endless()
+        try:
+            async def kill(result, meta):
+                if len(result.chunks) == 2:
+                    os.kill(pid, signal.SIGKILL)
+            return await client.receive_session(kill, timeout=120)
+        finally:
+            await client.__aexit__()
+
+    result = run(scenario())
+    assert result.error["code"] == "internal_error" and result.close_code == 1011
+    assert "Traceback" not in result.error["message"]
+    assert len(result.chunks) >= 2
