@@ -327,17 +327,24 @@ def orbit_trajectory(frames):
             "intrinsics": [[480.0, 480.0, 416.0, 240.0]] * frames}
 
 
-def in_process_frames(chunks, seed, prompt, flow_shift, trajectory_json):
-    """The same session through the in-process pipeline (SP-1): the frames the served one should show."""
+def in_process_frames(chunks, seed, prompt, flow_shift=None, trajectory_json=None, prompt_change=None):
+    """The same session through the in-process pipeline (SP-1): the frames the served one should show.
+    `prompt_change`: (chunk, text, transition_chunks) applied at that chunk."""
     from lingbot.builder import build_pipeline
     from lingbot.camera import CameraRig, Trajectory
     from lingbot.io.images import open_image, resize_image
     pipeline = build_pipeline("tiny")
     image = resize_image(open_image(base64.b64decode(png_url().partition(",")[2])), W, H)
-    traj = Trajectory.from_video_frames(trajectory_json["poses"], trajectory_json["intrinsics"], W, H,
-                                        max_video_frames=LINGBOT_GEOMETRY.video_frames(chunks))
+    traj = None
+    if trajectory_json is not None:
+        traj = Trajectory.from_video_frames(trajectory_json["poses"], trajectory_json["intrinsics"], W, H,
+                                            max_video_frames=LINGBOT_GEOMETRY.video_frames(chunks))
     world = pipeline.new_session(image, prompt, seed=seed, rig=CameraRig.default(W, H, traj), flow_shift=flow_shift)
-    return np.concatenate([world.step().frames.numpy() for _ in range(chunks)])
+    frames = []
+    for k in range(chunks):
+        change = prompt_change[1:] if prompt_change is not None and prompt_change[0] == k else None
+        frames.append(world.step(prompt=change).frames.numpy())
+    return np.concatenate(frames)
 
 
 def through_h264(frames):
@@ -421,3 +428,35 @@ def test_python_client_sends_an_offline_path(serve_app, tmp_path, capsys):
     assert read_frames(tmp_path / "out.mp4").shape == (21, H, W, 3)
     assert main(args + ["--keys", "w", "-o", str(tmp_path / "x.mp4")]) == 2
     assert "--keys and --poses both drive the camera" in capsys.readouterr().err
+
+
+def test_prompt_change_mid_session_is_the_in_process_blend(serve_app):
+    """A prompt event with transition_chunks 2.7 (truncated to 2, as the reference) blends into the new
+    prompt from the chunk that started it, exactly as the in-process pipeline does; a second
+    session.start on the same connection is refused and the session goes on."""
+    async def change(client, result, meta):
+        if meta["generation_chunk_index"] == 0:
+            await client.interact("p1", prompt="a desert road", transition_chunks=2.7)
+            await client.send(start_msg())
+
+    async def scenario():
+        async with RealtimeClient(serve_app) as client:
+            await client.start("a forest path", png_url(), W, H, 5, seed=6)
+            return await client.receive_session(lambda result, meta: change(client, result, meta))
+
+    served = run(scenario())
+    assert served.done["chunks"] == 5 and served.close_code == 1000
+    refusals = [m for m in served.messages if m["type"] == "error"]
+    assert [m["code"] for m in refusals] == ["already_started"]
+    k = next(c["generation_chunk_index"] for c in served.chunks if "p1" in c["started_event_ids"])
+    assert 1 <= k <= 3
+    completed = next(c["generation_chunk_index"] for c in served.chunks if "p1" in c["completed_event_ids"])
+    assert completed == k + 1                                   # two chunks of transition
+    frames = read_frames(served.video).astype(float)
+    blended = through_h264(in_process_frames(5, 6, "a forest path", prompt_change=(k, "a desert road", 2)))
+    assert np.abs(frames - blended).mean() < 0.25
+    plain = through_h264(in_process_frames(5, 6, "a forest path"))
+    first = LINGBOT_GEOMETRY.video_frames(k)                    # frames before chunk k
+    assert np.abs(frames[first:] - plain[first:]).mean() > 2.0
+    snapped = through_h264(in_process_frames(5, 6, "a forest path", prompt_change=(k, "a desert road", 0)))
+    assert np.abs(frames[first:] - snapped[first:]).mean() > 0.5   # the blend is not a switch

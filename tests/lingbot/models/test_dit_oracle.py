@@ -1,12 +1,10 @@
 """Our transformer against diffusers' WanTransformer3DModel (an implementation nobody here wrote)."""
-import pytest
+import diffusers
 import torch
 
 from lingbot.config import TransformerConfig
 from lingbot.io.weights import build_random_transformer
 from lingbot.runtime.kv_cache import KVWindow
-
-diffusers = pytest.importorskip("diffusers")
 
 
 def to_diffusers_name(name: str) -> str | None:

@@ -1,4 +1,5 @@
 """Our Wan VAE against diffusers' AutoencoderKLWan, streaming decode, strict loading, uint8 pixels."""
+import diffusers
 import numpy as np
 import pytest
 import torch
@@ -6,8 +7,6 @@ import torch
 from lingbot.config import VAEConfig
 from lingbot.io.weights import WeightsError, build_random_vae, load_vae, save_vae
 from lingbot.models.vae import CausalCache, frames_to_uint8
-
-diffusers = pytest.importorskip("diffusers")
 
 CFG = VAEConfig(base_dim=8)
 
