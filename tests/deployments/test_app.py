@@ -393,6 +393,9 @@ def test_camera_trajectory_refusals_leave_live_sessions_alone(serve_app):
         for value, code in cases:
             msg = start_msg(extra_params={"camera_trajectory": value})
             codes.append((await expect_error(serve_app, [msg], code, close=1008))["code"])
+        both = start_msg(extra_params={"camera_trajectory": orbit_trajectory(5),
+                                       "camera_action_script": [["w", "w", "w"], ["", "", ""]]})
+        codes.append((await expect_error(serve_app, [both], "conflicting_camera", close=1008))["code"])
         not_finite = json.dumps(start_msg(extra_params={"camera_trajectory": orbit_trajectory(5)}))
         not_finite = not_finite.replace("0.08", "1e400", 1)           # JSON's way to an infinite number
         codes.append((await expect_error(serve_app, [not_finite], "trajectory_not_finite", close=1008))["code"])
@@ -408,7 +411,7 @@ def test_camera_trajectory_refusals_leave_live_sessions_alone(serve_app):
         return codes, scripted, await live
 
     codes, scripted, live = run(scenario())
-    assert codes == [code for _, code in cases] + ["trajectory_not_finite"]
+    assert codes == [code for _, code in cases] + ["conflicting_camera", "trajectory_not_finite"]
     errors = [m for m in scripted.messages if m["type"] == "error"]
     assert [(e["code"], e["event_id"]) for e in errors] == [("camera_scripted", "k1")]
     assert any(m["type"] == "session.interaction.queued" and m["event_id"] == "p1" for m in scripted.messages)
