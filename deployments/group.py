@@ -59,7 +59,7 @@ class SessionFailure(Exception):
         self.session_id = session_id
 
 
-def gpu_metric_tags(group: str, stats: list[Optional[DeviceStats]]) -> list[tuple[DeviceStats, dict]]:
+def device_metric_tags(group: str, stats: list[Optional[DeviceStats]]) -> list[tuple[DeviceStats, dict]]:
     """(stats, tags) of every rank that reported its device, tagged with the rank that measured it."""
     return [(st, {"group": group, "rank": str(rank)}) for rank, st in enumerate(stats) if st is not None]
 
@@ -283,9 +283,9 @@ class WorldGroup:
             self.wake.set()                           # the session may start another chunk now
 
     async def _report_devices(self) -> None:
-        """Every metrics_interval_s: each rank's own accelerator utilisation and memory, tagged by rank."""
+        """Every metrics_interval_s: each rank's own device utilisation and memory, tagged by rank."""
         now = time.monotonic()
-        if now - self.last_metrics < self.settings.metrics_interval_s or self.settings.device == "cpu":
+        if now - self.last_metrics < self.settings.metrics_interval_s:
             return
         self.last_metrics = now
         try:                                          # metrics never stall or fail the chunk loop
@@ -293,6 +293,7 @@ class WorldGroup:
         except Exception as e:
             log.warning("group %s: device stats unavailable: %s", self.id, type(e).__name__)
             return
-        for st, tags in gpu_metric_tags(self.id, stats):
-            self.metrics.gpu_util.set(st.utilization, tags=tags)
-            self.metrics.gpu_memory.set(st.memory_used, tags=tags)
+        for st, tags in device_metric_tags(self.id, stats):
+            if st.utilization == st.utilization:          # NaN: no sample yet (or NVML absent)
+                self.metrics.device_util.set(st.utilization, tags=tags)
+            self.metrics.device_memory.set(st.memory_used, tags=tags)

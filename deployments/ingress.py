@@ -163,7 +163,8 @@ class Connection:
         geometry = self.ingress.geometry
         config = {"width": start.width, "height": start.height, "fps": start.fps, "num_frames": start.num_frames,
                   "chunks": start.chunks, "endless": start.chunks is None, "mime": first.mime,
-                  "frames_per_chunk": [geometry.pixel_frames(0), geometry.pixel_frames(1)], "seed": start.seed}
+                  "frames_per_chunk": [geometry.pixel_frames(0), geometry.pixel_frames(1)], "seed": start.seed,
+                  "group": first.group}
         await self.ws.send_json({"type": "video.start", "request_id": self.session_id, "format": "m4s",
                                  "config": config})
         reader = asyncio.create_task(self.read_controls(scripted=start.trajectory is not None))

@@ -1,7 +1,8 @@
 """Metrics through Ray's metrics API (they appear on the node's metrics endpoint and the dashboard).
 
 Defined lazily (inside a Ray worker) and recorded by the ingress and the group replica. Per-rank device
-utilisation and memory are measured by each rank on its own device (RankWorker.device_stats)."""
+utilisation and memory are measured by each rank on its own device (RankWorker.device_stats; on
+CPU the device is the rank's process)."""
 from __future__ import annotations
 
 CHUNK_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
@@ -22,7 +23,9 @@ class Metrics:
                                 tag_keys=("group",))
         self.refusals = m.Counter("lingbot_refusals_total", "refused requests and messages", tag_keys=("code",))
         self.sessions_total = m.Counter("lingbot_sessions_total", "sessions started", tag_keys=("component",))
-        self.gpu_util = m.Gauge("lingbot_rank_gpu_utilization", "accelerator utilisation per rank (percent)",
-                                tag_keys=("group", "rank"))
-        self.gpu_memory = m.Gauge("lingbot_rank_gpu_memory_bytes", "accelerator memory used per rank",
-                                  tag_keys=("group", "rank"))
+        self.device_util = m.Gauge("lingbot_rank_device_utilization",
+                                   "device utilisation per rank, percent (GPU: kernel time; CPU: of one core)",
+                                   tag_keys=("group", "rank"))
+        self.device_memory = m.Gauge("lingbot_rank_device_memory_bytes",
+                                     "device memory used per rank (GPU: device memory; CPU: resident memory)",
+                                     tag_keys=("group", "rank"))

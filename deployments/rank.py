@@ -12,6 +12,7 @@ recorded at warm-up on one thread would be recorded again, in a pool of its own,
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -29,6 +30,24 @@ from .sessions import Tombstones
 from .settings import ServeSettings
 
 log = logging.getLogger(__name__)
+
+
+def assigned_device(kind: str, assigned: dict, env: dict) -> torch.device:
+    """The torch device of the accelerator Ray assigned to this actor (`get_accelerator_ids()`: GPU or NPU
+    ids as the node numbers them). Ray also narrows CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES to
+    the assignment, and torch numbers the visible devices from 0: the index is the id's position there
+    (the id itself when the variable is unset, e.g. with Ray's NOSET_*_VISIBLE_DEVICES)."""
+    resource, variable = {"cuda": ("GPU", "CUDA_VISIBLE_DEVICES"),
+                          "npu": ("NPU", "ASCEND_RT_VISIBLE_DEVICES")}[kind]
+    ids = [str(i) for i in assigned.get(resource, [])]
+    if not ids:
+        raise RuntimeError(f"this rank was assigned no {resource} by Ray (rank_devices must be > 0 for {kind})")
+    visible = [v.strip() for v in env.get(variable, "").split(",") if v.strip()]
+    if visible:
+        if ids[0] not in visible:
+            raise RuntimeError(f"assigned {resource} {ids[0]} is not in {variable}={env[variable]}")
+        return torch.device(f"{kind}:{visible.index(ids[0])}")
+    return torch.device(f"{kind}:{int(ids[0])}")
 
 
 class RankWorker:
@@ -88,12 +107,17 @@ class RankWorker:
         kind = self.settings.device
         if kind == "cpu":
             return torch.device("cpu")
-        # Ray sets CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES per actor: the bundle's device is index 0
-        return torch.device(f"{kind}:0")
+        import ray
+        assigned = ray.get_runtime_context().get_accelerator_ids()
+        return assigned_device(kind, assigned, os.environ)
 
     def device_stats(self) -> Optional[DeviceStats]:
-        """This rank's own accelerator (None on CPU). Asked through torch, which numbers devices as this
-        process sees them, so the stats are this rank's device whatever index the node gives it."""
+        """This rank's own device. Accelerators are asked through torch, which numbers devices as this
+        process sees them, so the stats are this rank's device whatever index the node gives it. On CPU
+        the device is the rank's process: its CPU time per wall second (percent of one core) and its
+        resident memory."""
+        if self.device.type == "cpu":
+            return self._process_stats()
         if self.device.type != "cuda":
             return None
         try:
@@ -109,6 +133,15 @@ class RankWorker:
                 self._warned_utilization = True
             utilization = float("nan")
         return DeviceStats(utilization, total - free)
+
+    def _process_stats(self) -> DeviceStats:
+        import psutil
+        proc = psutil.Process()
+        now, cpu = time.monotonic(), sum(proc.cpu_times()[:2])
+        last = getattr(self, "_last_cpu", None)
+        self._last_cpu = (now, cpu)
+        utilization = float("nan") if last is None else 100.0 * (cpu - last[1]) / max(now - last[0], 1e-9)
+        return DeviceStats(utilization, proc.memory_info().rss)
 
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,

@@ -32,3 +32,31 @@ def test_device_work_runs_on_one_thread():
     assert seen == {device_thread} and device_thread not in callers
     worker.stop("s")
     assert worker.run_chunk("s", 2, ChunkControls()).stopped
+
+
+def test_the_rank_device_is_the_one_ray_assigned():
+    import pytest
+    import torch
+
+    from deployments.rank import assigned_device
+    # Ray narrowed the visible devices to the assignment: torch sees it as device 0
+    assert assigned_device("cuda", {"GPU": ["3"]}, {"CUDA_VISIBLE_DEVICES": "3"}) == torch.device("cuda:0")
+    # a process that sees several devices: the assigned id's position among them
+    assert assigned_device("cuda", {"GPU": ["5"]}, {"CUDA_VISIBLE_DEVICES": "4,5"}) == torch.device("cuda:1")
+    # the variable left alone (Ray's NOSET_CUDA_VISIBLE_DEVICES): the node's own numbering
+    assert assigned_device("cuda", {"GPU": ["6"]}, {}) == torch.device("cuda:6")
+    assert assigned_device("npu", {"NPU": ["2"]}, {"ASCEND_RT_VISIBLE_DEVICES": "2"}) == torch.device("npu:0")
+    assert assigned_device("npu", {"NPU": ["7"]}, {}) == torch.device("npu:7")
+    with pytest.raises(RuntimeError, match="assigned no NPU by Ray"):
+        assigned_device("npu", {"GPU": ["0"]}, {})
+    with pytest.raises(RuntimeError, match=r"assigned GPU 1 is not in CUDA_VISIBLE_DEVICES=0"):
+        assigned_device("cuda", {"GPU": ["1"]}, {"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_a_cpu_rank_reports_its_process():
+    worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
+    first = worker.device_stats()
+    assert first.utilization != first.utilization                 # NaN: no earlier sample to compare with
+    sum(i * i for i in range(3_000_000))                           # ~0.2 s of CPU time between the samples
+    second = worker.device_stats()
+    assert second.utilization > 0 and second.memory_used > 50 * 2 ** 20   # a torch process: > 50 MiB resident

@@ -49,13 +49,13 @@ def test_accelerators_are_requested_by_kind():
 def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
     """Each rank measures its own device (whatever index the node gives it); the group tags by rank, and a
     rank without an accelerator (CPU) reports nothing."""
-    from deployments.group import gpu_metric_tags
+    from deployments.group import device_metric_tags
     from deployments.messages import DeviceStats
     from deployments.rank import RankWorker
     rank0, rank1 = DeviceStats(90.0, 5 << 30), DeviceStats(40.0, 7 << 30)
-    assert gpu_metric_tags("g1", [rank0, rank1]) == [(rank0, {"group": "g1", "rank": "0"}),
+    assert device_metric_tags("g1", [rank0, rank1]) == [(rank0, {"group": "g1", "rank": "0"}),
                                                      (rank1, {"group": "g1", "rank": "1"})]
-    assert gpu_metric_tags("g1", [None, rank1]) == [(rank1, {"group": "g1", "rank": "1"})]
+    assert device_metric_tags("g1", [None, rank1]) == [(rank1, {"group": "g1", "rank": "1"})]
     worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
     assert worker.device.type == "cpu" and worker.device_stats() is None
 

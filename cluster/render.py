@@ -1,0 +1,154 @@
+"""Render the KubeRay RayService manifest of a hardware profile from serve_config.yaml.
+
+    python -m cluster.render --profile h200-sp4                 # the manifest on stdout
+    python -m cluster.render --profile ascend910-sp8 -o x.yaml
+    python -m cluster.render --all                              # rewrite cluster/kuberay/*.yaml
+
+The manifest's serveConfigV2 is serve_config.yaml with the profile's app args (preset, model path, device,
+sp, devices per rank, capacity), so the cluster never runs a config that drifted from the repository's.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import yaml
+
+from .profiles import PROFILES, HardwareProfile, get_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE_CONFIG = ROOT / "serve_config.yaml"
+KUBERAY_DIR = Path(__file__).resolve().parent / "kuberay"
+SERVE_PORT = 8000
+MODEL_VOLUME_CLAIM = "lingbot-models"
+
+
+def load_serve_config(path: Path = SERVE_CONFIG) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def serve_config_for(base: dict, profile: HardwareProfile) -> dict:
+    """`base` (a Serve config) with the profile's args on the lingbot app, and a proxy on every node."""
+    config = copy.deepcopy(base)
+    apps = [a for a in config["applications"] if a.get("import_path") == "deployments.app:build_app"]
+    if len(apps) != 1:
+        raise ValueError("the serve config must hold exactly one app with import_path deployments.app:build_app")
+    apps[0].setdefault("args", {}).update(profile.serve_args())
+    config["proxy_location"] = "EveryNode"
+    config["http_options"] = {**config.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
+    return config
+
+
+def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, devices: int) -> dict:
+    limits = {"cpu": str(cpus), "memory": f"{memory_gi}Gi"}
+    if devices:
+        limits[profile.k8s_resource] = str(devices)
+    container = {
+        "name": name, "image": profile.image,
+        "resources": {"limits": dict(limits), "requests": dict(limits)},
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "ports": [{"containerPort": SERVE_PORT, "name": "serve"}],
+    }
+    if name == "ray-head":
+        ports = {"gcs": 6379, "dashboard": 8265, "client": 10001, "serve": SERVE_PORT}
+        container["ports"] = [{"containerPort": port, "name": label} for label, port in ports.items()]
+    return container
+
+
+def _pod(container: dict, profile: HardwareProfile) -> dict:
+    return {"spec": {"containers": [container], "volumes": [
+        {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_VOLUME_CLAIM, "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{profile.shm_gi}Gi"}}]}}
+
+
+def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:
+    """The RayService: a head pod without accelerators (GCS, dashboard, a proxy, the ingress) and one worker
+    group of accelerator nodes, scaled by Ray's autoscaler between 1 and max_worker_nodes."""
+    head = _container("ray-head", profile, cpus=8, memory_gi=32, devices=0)
+    head["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": SERVE_PORT}, "periodSeconds": 10,
+                              "failureThreshold": 360}       # the first group loads 14B and warms up: minutes
+    worker = _container("ray-worker", profile, profile.node_cpus, profile.node_memory_gi, profile.devices_per_node)
+    object_store = str(int(profile.shm_gi * 0.8 * 2 ** 30))
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": f"lingbot-{profile.name}", "labels": {"app": "lingbot-serve"}},
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
+            "rayClusterConfig": {
+                "rayVersion": "2.60.0",
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"idleTimeoutSeconds": 600, "upscalingMode": "Default"},
+                "headGroupSpec": {
+                    "serviceType": "ClusterIP",
+                    # no accelerators on the head: ranks (and their muxers, packed with them) land on workers
+                    "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "1",
+                                       "object-store-memory": str(8 * 2 ** 30)},
+                    "template": _pod(head, profile),
+                },
+                "workerGroupSpecs": [{
+                    "groupName": f"{profile.device}-workers",
+                    "replicas": 1, "minReplicas": 1, "maxReplicas": profile.max_worker_nodes,
+                    "rayStartParams": {"object-store-memory": object_store,
+                                       "resources": f'"{{\\"{profile.ray_resource}\\": {profile.devices_per_node}}}"'}
+                    if profile.ray_resource != "GPU" else {"object-store-memory": object_store},
+                    "template": _pod(worker, profile),
+                }],
+            },
+        },
+    }
+
+
+class _Literal(str):
+    """A string YAML writes as a | block (the embedded serve config stays readable)."""
+
+
+def _literal(dumper, value):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+
+
+yaml.SafeDumper.add_representer(_Literal, _literal)
+
+
+def render(profile: HardwareProfile, serve_config_path: Path = SERVE_CONFIG) -> str:
+    manifest = rayservice(serve_config_for(load_serve_config(serve_config_path), profile), profile)
+    manifest["spec"]["serveConfigV2"] = _Literal(manifest["spec"]["serveConfigV2"])
+    header = (f"# Generated by `python -m cluster.render --profile {profile.name}` from serve_config.yaml: edit\n"
+              f"# those (or cluster/profiles.py) and re-render, never this file. {profile.description}.\n")
+    return header + yaml.safe_dump(manifest, sort_keys=False)
+
+
+def manifest_path(profile: HardwareProfile) -> Path:
+    return KUBERAY_DIR / f"rayservice-{profile.name}.yaml"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.render", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=sorted(PROFILES), help="hardware profile to render")
+    parser.add_argument("--serve-config", default=str(SERVE_CONFIG), help="the Serve config to embed")
+    parser.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    parser.add_argument("--all", action="store_true", help=f"write every profile to {KUBERAY_DIR}")
+    args = parser.parse_args(argv)
+    if args.all:
+        for profile in PROFILES.values():
+            manifest_path(profile).write_text(render(profile, Path(args.serve_config)))
+            print(f"wrote {manifest_path(profile)}")
+        return 0
+    if args.profile is None:
+        parser.error("give --profile NAME or --all")
+    text = render(get_profile(args.profile), Path(args.serve_config))
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

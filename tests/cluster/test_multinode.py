@@ -1,0 +1,203 @@
+"""Multi-node behaviour on a real multi-node Ray cluster on this machine: a head (no CPUs for work, the
+dashboard for `serve deploy`) and two worker nodes started by `ray start`, each its own raylet with its own
+resources (1 CPU: one group of tiny SP-2 fits a node, two do not), and its own Serve proxy port
+(RAY_SERVE_WORKER_PROXY_HTTP_PORT: on one machine the proxies of different nodes cannot share a port).
+
+The app is brought up with `serve deploy` of serve_config.yaml (test settings layered on it). It checks
+that each group's ranks and muxer share one node (STRICT_PACK) and the two groups sit on different nodes,
+that a client on every node's proxy reaches sessions on both groups, and that removing a worker node
+mid-session ends only that node's session while the app keeps serving new ones."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from lingbot.client import RealtimeClient
+from tests.deployments.test_app import H, W, png_url
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+GCS_PORT, DASHBOARD_PORT = 16479, 18465
+HEAD_PROXY, WORKER_PROXIES = 18900, (18901, 18902)
+SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_per_group=1, min_groups=2,
+                max_groups=2, admission_wait_s=5, retry_after_s=7, stall_timeout_s=60, pacing_lead_s=30,
+                graceful_shutdown_timeout_s=5, max_in_flight_chunks=2)
+
+
+def ray_cli(*args, env=None, timeout=180):
+    run_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    done = subprocess.run([str(BIN / "ray"), *args], env=run_env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    return done.stdout
+
+
+def cluster_processes(temp_dir: Path) -> list:
+    """Every process of this cluster (their command lines name its temp dir, or its GCS port)."""
+    marks = (str(temp_dir), f"127.0.0.1:{GCS_PORT}")
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.pid != os.getpid() and any(m in cmd for m in marks):
+            out.append(proc)
+    return out
+
+
+def state(kind: str, **filters) -> list[dict]:
+    """Ray's state API through the head's dashboard."""
+    from ray.util import state as api
+    lister = {"actors": api.list_actors, "placement_groups": api.list_placement_groups, "nodes": api.list_nodes}
+    rows = lister[kind](address=f"http://127.0.0.1:{DASHBOARD_PORT}",
+                        filters=[(k, "=", v) for k, v in filters.items()], detail=True, limit=1000)
+    return [r if isinstance(r, dict) else r.__dict__ for r in rows]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    temp_dir = Path("/tmp") / f"lingbot-mn-{os.getpid()}"            # short: Ray's socket paths have a limit
+    ray_cli("start", "--head", f"--port={GCS_PORT}", "--num-cpus=0", f"--temp-dir={temp_dir}",
+            "--include-dashboard=true", f"--dashboard-port={DASHBOARD_PORT}", "--object-store-memory=150000000",
+            "--disable-usage-stats")
+    workers = []
+    try:
+        for i, port in enumerate(WORKER_PROXIES):
+            ray_cli("start", f"--address=127.0.0.1:{GCS_PORT}", "--num-cpus=1", "--object-store-memory=150000000",
+                    f"--resources={json.dumps({f'worker_{i}': 1})}",
+                    env={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(port)})
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = [n for n in state("nodes", state="ALIVE") if not n["is_head_node"]]
+            time.sleep(1)
+        assert len(workers) == 2, workers
+        config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+        config["http_options"]["port"] = HEAD_PROXY
+        config["applications"][0]["args"] = {**config["applications"][0]["args"], **SETTINGS}
+        config_path = tmp_path_factory.mktemp("deploy") / "serve_config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        serve = subprocess.run([str(BIN / "serve"), "deploy", str(config_path), "--address",
+                                f"http://127.0.0.1:{DASHBOARD_PORT}"],
+                               env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
+                               timeout=120, cwd=ROOT)
+        assert serve.returncode == 0, serve.stdout + serve.stderr
+        deadline = time.monotonic() + 300
+        ready = False
+        while not ready and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{HEAD_PROXY}/readyz", timeout=5) as r:
+                    ready = json.loads(r.read()) == {"ready": True, "groups": 2}
+            except OSError:
+                pass
+            time.sleep(2)
+        assert ready, "the app did not become ready with 2 groups"
+        yield {n["node_id"]: n for n in workers}
+    finally:
+        procs = cluster_processes(temp_dir)
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=30)
+
+
+def url(port: int) -> str:
+    return f"ws://127.0.0.1:{port}/v1/realtime/video"
+
+
+async def open_session(port: int, seed: int, chunks=None) -> tuple[RealtimeClient, dict]:
+    client = RealtimeClient(url(port))
+    await client.__aenter__()
+    await client.start("a street at night", png_url(), W, H, chunks, seed=seed)
+    while True:
+        msg = json.loads(await client.ws.recv())
+        if msg["type"] == "video.start":
+            return client, msg
+        assert msg["type"] != "error", msg
+
+
+def test_groups_pack_on_their_own_nodes(cluster):
+    groups = [pg for pg in state("placement_groups", state="CREATED")]
+    assert len(groups) == 2
+    nodes = []
+    for pg in groups:
+        bundle_nodes = {b["node_id"] for b in pg["bundles"]}
+        assert len(pg["bundles"]) == 1 + SETTINGS["sp"] + 1 and len(bundle_nodes) == 1, pg   # replica, ranks, muxer
+        nodes.append(bundle_nodes.pop())
+    assert set(nodes) == set(cluster)                                   # one group on each worker node
+    by_pg = {pg["placement_group_id"]: node for pg, node in zip(groups, nodes)}
+    for cls in ("RankWorker", "Muxer"):
+        actors = state("actors", class_name=cls, state="ALIVE")
+        assert len(actors) == (4 if cls == "RankWorker" else 2)
+        for a in actors:
+            assert a["node_id"] == by_pg[a["placement_group_id"]], (cls, a["node_id"])
+
+
+def test_every_nodes_proxy_reaches_sessions_on_both_groups(cluster):
+    async def scenario():
+        out = []
+        for port in (HEAD_PROXY, *WORKER_PROXIES):
+            a, start_a = await open_session(port, seed=1, chunks=2)
+            b, start_b = await open_session(port, seed=2, chunks=2)      # capacity 1 per group: the other group
+            results = [await c.receive_session(timeout=120) for c in (a, b)]
+            for c in (a, b):
+                await c.__aexit__()
+            out.append((port, {start_a["config"]["group"], start_b["config"]["group"]}, results))
+        return out
+
+    for port, groups, results in asyncio.run(scenario()):
+        assert len(groups) == 2, port
+        for r in results:
+            assert r.error is None and r.done["chunks"] == 2, (port, r.error)
+            assert sum(c["num_frames"] for c in r.chunks) == 21
+
+
+def test_removing_a_worker_node_ends_only_its_sessions(cluster):
+    """Kill the raylet of the worker node that does not hold the ingress: its group's session ends with
+    internal_error, the other group's session streams on, and new sessions are served."""
+    ingress_node = state("actors", class_name="ServeReplica:lingbot:Ingress", state="ALIVE")[0]["node_id"]
+    (victim,) = [n for n in cluster if n != ingress_node]
+    groups = {pg["placement_group_id"]: pg["bundles"][0]["node_id"] for pg in state("placement_groups",
+                                                                                    state="CREATED")}
+    group_actors = state("actors", class_name="ServeReplica:lingbot:WorldGroup", state="ALIVE")
+    victim_raylet = [p for p in psutil.process_iter(["cmdline"])
+                     if "raylet" in " ".join(p.info["cmdline"] or [])[:200]
+                     and cluster[victim]["resources_total"].keys() & {"worker_0", "worker_1"}
+                     and next(iter(cluster[victim]["resources_total"].keys() & {"worker_0", "worker_1"}))
+                     in " ".join(p.info["cmdline"] or [])]
+
+    async def scenario():
+        a = (await open_session(HEAD_PROXY, seed=3))[0]                      # endless, one on each group
+        b = (await open_session(HEAD_PROXY, seed=4))[0]
+        for c in (a, b):                                                   # both streaming
+            while not isinstance(await c.ws.recv(), bytes):
+                pass
+        for proc in victim_raylet:
+            proc.send_signal(signal.SIGKILL)
+        tasks = {asyncio.create_task(c.receive_session(timeout=300)): c for c in (a, b)}
+        finished, running = await asyncio.wait(tasks, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+        assert len(finished) == 1 and len(running) == 1                    # one ended, the other streams on
+        (survivor,) = running
+        await tasks[survivor].send({"type": "session.stop"})
+        results = [next(iter(finished)).result(), await survivor]
+        for c in (a, b):
+            await c.__aexit__()
+        fresh = (await open_session(HEAD_PROXY, seed=5, chunks=2))[0]
+        fresh_result = await fresh.receive_session(timeout=120)
+        await fresh.__aexit__()
+        return results, fresh_result
+
+    assert len(victim_raylet) == 1 and len(groups) == 2 and len(group_actors) == 2
+    (lost, survivor), fresh = asyncio.run(scenario())
+    assert lost.error["code"] == "internal_error" and lost.close_code == 1011
+    assert survivor.error is None and survivor.done["stopped"] is True and len(survivor.chunks) >= 2
+    assert fresh.error is None and fresh.done["chunks"] == 2
+    with urllib.request.urlopen(f"http://127.0.0.1:{HEAD_PROXY}/healthz", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
