@@ -10,6 +10,7 @@ mid-session ends only that node's session while the app keeps serving new ones."
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,8 +27,9 @@ from tests.deployments.test_app import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-GCS_PORT, DASHBOARD_PORT = 16479, 18465
-HEAD_PROXY, WORKER_PROXIES = 18900, (18901, 18902)
+# above Ray's default worker port range (10002-19999); each node its own agent port on one machine
+GCS_PORT, DASHBOARD_PORT, AGENT_PORTS = 26479, 28265, (28266, 28267, 28268)
+HEAD_PROXY, WORKER_PROXIES = 28900, (28901, 28902)
 SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_per_group=1, min_groups=2,
                 max_groups=2, admission_wait_s=5, retry_after_s=7, stall_timeout_s=60, pacing_lead_s=30,
                 graceful_shutdown_timeout_s=5, max_in_flight_chunks=2)
@@ -65,12 +67,13 @@ def cluster(tmp_path_factory):
     temp_dir = Path("/tmp") / f"lingbot-mn-{os.getpid()}"            # short: Ray's socket paths have a limit
     ray_cli("start", "--head", f"--port={GCS_PORT}", "--num-cpus=0", f"--temp-dir={temp_dir}",
             "--include-dashboard=true", f"--dashboard-port={DASHBOARD_PORT}", "--object-store-memory=150000000",
-            "--disable-usage-stats")
+            f"--dashboard-agent-listen-port={AGENT_PORTS[0]}", "--disable-usage-stats")
     workers = []
     try:
         for i, port in enumerate(WORKER_PROXIES):
             ray_cli("start", f"--address=127.0.0.1:{GCS_PORT}", "--num-cpus=1", "--object-store-memory=150000000",
                     f"--resources={json.dumps({f'worker_{i}': 1})}",
+                    f"--dashboard-agent-listen-port={AGENT_PORTS[i + 1]}",
                     env={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(port)})
         deadline = time.monotonic() + 60
         while len(workers) < 2 and time.monotonic() < deadline:
@@ -106,6 +109,7 @@ def cluster(tmp_path_factory):
             except psutil.Error:
                 pass
         psutil.wait_procs(procs, timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def url(port: int) -> str:
@@ -132,6 +136,7 @@ def test_groups_pack_on_their_own_nodes(cluster):
         assert len(pg["bundles"]) == 1 + SETTINGS["sp"] + 1 and len(bundle_nodes) == 1, pg   # replica, ranks, muxer
         nodes.append(bundle_nodes.pop())
     assert set(nodes) == set(cluster)                                   # one group on each worker node
+    print("placements:", {pg["placement_group_id"][:8]: node[:8] for pg, node in zip(groups, nodes)})
     by_pg = {pg["placement_group_id"]: node for pg, node in zip(groups, nodes)}
     for cls in ("RankWorker", "Muxer"):
         actors = state("actors", class_name=cls, state="ALIVE")
@@ -167,11 +172,9 @@ def test_removing_a_worker_node_ends_only_its_sessions(cluster):
     groups = {pg["placement_group_id"]: pg["bundles"][0]["node_id"] for pg in state("placement_groups",
                                                                                     state="CREATED")}
     group_actors = state("actors", class_name="ServeReplica:lingbot:WorldGroup", state="ALIVE")
-    victim_raylet = [p for p in psutil.process_iter(["cmdline"])
-                     if "raylet" in " ".join(p.info["cmdline"] or [])[:200]
-                     and cluster[victim]["resources_total"].keys() & {"worker_0", "worker_1"}
-                     and next(iter(cluster[victim]["resources_total"].keys() & {"worker_0", "worker_1"}))
-                     in " ".join(p.info["cmdline"] or [])]
+    tag = next(k for k in cluster[victim]["resources_total"] if k.startswith("worker_"))
+    victim_raylet = [p for p in psutil.process_iter(["name", "cmdline"])
+                     if p.info["name"] == "raylet" and tag in " ".join(p.info["cmdline"] or [])]
 
     async def scenario():
         a = (await open_session(HEAD_PROXY, seed=3))[0]                      # endless, one on each group
