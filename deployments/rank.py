@@ -32,7 +32,7 @@ from .settings import ServeSettings
 log = logging.getLogger(__name__)
 
 
-def assigned_device(kind: str, assigned: dict, env: dict) -> torch.device:
+def assigned_device(kind: str, assigned: dict, env: dict) -> str:
     """The torch device of the accelerator Ray assigned to this actor (`get_accelerator_ids()`: GPU or NPU
     ids as the node numbers them). Ray also narrows CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES to
     the assignment, and torch numbers the visible devices from 0: the index is the id's position there
@@ -46,8 +46,8 @@ def assigned_device(kind: str, assigned: dict, env: dict) -> torch.device:
     if visible:
         if ids[0] not in visible:
             raise RuntimeError(f"assigned {resource} {ids[0]} is not in {variable}={env[variable]}")
-        return torch.device(f"{kind}:{visible.index(ids[0])}")
-    return torch.device(f"{kind}:{int(ids[0])}")
+        return f"{kind}:{visible.index(ids[0])}"
+    return f"{kind}:{int(ids[0])}"
 
 
 class RankWorker:
@@ -108,8 +108,10 @@ class RankWorker:
         if kind == "cpu":
             return torch.device("cpu")
         import ray
+        if kind == "npu":
+            import torch_npu  # noqa: F401  (registers the npu device type with torch)
         assigned = ray.get_runtime_context().get_accelerator_ids()
-        return assigned_device(kind, assigned, os.environ)
+        return torch.device(assigned_device(kind, assigned, os.environ))
 
     def device_stats(self) -> Optional[DeviceStats]:
         """This rank's own device. Accelerators are asked through torch, which numbers devices as this

@@ -36,17 +36,16 @@ def test_device_work_runs_on_one_thread():
 
 def test_the_rank_device_is_the_one_ray_assigned():
     import pytest
-    import torch
 
     from deployments.rank import assigned_device
     # Ray narrowed the visible devices to the assignment: torch sees it as device 0
-    assert assigned_device("cuda", {"GPU": ["3"]}, {"CUDA_VISIBLE_DEVICES": "3"}) == torch.device("cuda:0")
+    assert assigned_device("cuda", {"GPU": ["3"]}, {"CUDA_VISIBLE_DEVICES": "3"}) == "cuda:0"
     # a process that sees several devices: the assigned id's position among them
-    assert assigned_device("cuda", {"GPU": ["5"]}, {"CUDA_VISIBLE_DEVICES": "4,5"}) == torch.device("cuda:1")
+    assert assigned_device("cuda", {"GPU": ["5"]}, {"CUDA_VISIBLE_DEVICES": "4,5"}) == "cuda:1"
     # the variable left alone (Ray's NOSET_CUDA_VISIBLE_DEVICES): the node's own numbering
-    assert assigned_device("cuda", {"GPU": ["6"]}, {}) == torch.device("cuda:6")
-    assert assigned_device("npu", {"NPU": ["2"]}, {"ASCEND_RT_VISIBLE_DEVICES": "2"}) == torch.device("npu:0")
-    assert assigned_device("npu", {"NPU": ["7"]}, {}) == torch.device("npu:7")
+    assert assigned_device("cuda", {"GPU": ["6"]}, {}) == "cuda:6"
+    assert assigned_device("npu", {"NPU": ["2"]}, {"ASCEND_RT_VISIBLE_DEVICES": "2"}) == "npu:0"
+    assert assigned_device("npu", {"NPU": ["7"]}, {}) == "npu:7"
     with pytest.raises(RuntimeError, match="assigned no NPU by Ray"):
         assigned_device("npu", {"GPU": ["0"]}, {})
     with pytest.raises(RuntimeError, match=r"assigned GPU 1 is not in CUDA_VISIBLE_DEVICES=0"):
