@@ -30,8 +30,8 @@ BIN = Path(sys.executable).parent
 # above Ray's default worker port range (10002-19999); each node its own agent port on one machine
 GCS_PORT, DASHBOARD_PORT, AGENT_PORTS = 26479, 28265, (28266, 28267, 28268)
 HEAD_PROXY, WORKER_PROXIES = 28900, (28901, 28902)
-SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_per_group=1, min_groups=2,
-                max_groups=2, admission_wait_s=5, retry_after_s=7, stall_timeout_s=60, pacing_lead_s=30,
+SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_per_group=1, min_groups=1,
+                max_groups=2, admission_wait_s=120, retry_after_s=7, stall_timeout_s=60, pacing_lead_s=30,
                 graceful_shutdown_timeout_s=5, max_in_flight_chunks=2)
 
 
@@ -95,11 +95,11 @@ def cluster(tmp_path_factory):
         while not ready and time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{HEAD_PROXY}/readyz", timeout=5) as r:
-                    ready = json.loads(r.read()) == {"ready": True, "groups": 2}
+                    ready = json.loads(r.read()) == {"ready": True, "groups": 1}
             except OSError:
                 pass
             time.sleep(2)
-        assert ready, "the app did not become ready with 2 groups"
+        assert ready, "the app did not become ready"
         yield {n["node_id"]: n for n in workers}
     finally:
         procs = cluster_processes(temp_dir)
@@ -127,8 +127,22 @@ async def open_session(port: int, seed: int, chunks=None) -> tuple[RealtimeClien
         assert msg["type"] != "error", msg
 
 
-def test_groups_pack_on_their_own_nodes(cluster):
-    groups = [pg for pg in state("placement_groups", state="CREATED")]
+def test_load_brings_a_second_group_on_the_free_node(cluster):
+    """One group (capacity 1) is up; a second session queues, Serve's autoscaler adds a group, and Ray places
+    it on the worker node that has room (each node fits one). Every group's ranks and muxer share its node."""
+    assert len(state("placement_groups", state="CREATED")) == 1
+
+    async def scenario():
+        a = (await open_session(HEAD_PROXY, seed=1))[0]                      # takes the first group
+        b, start_b = await open_session(HEAD_PROXY, seed=2)                  # admitted once the second is up
+        for c in (a, b):
+            await c.send({"type": "session.stop"})
+            await c.receive_session(timeout=120)
+            await c.__aexit__()
+        return start_b
+
+    assert asyncio.run(scenario())["type"] == "video.start"
+    groups = state("placement_groups", state="CREATED")
     assert len(groups) == 2
     nodes = []
     for pg in groups:
