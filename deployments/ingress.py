@@ -63,7 +63,6 @@ class Connection:
         self.mailbox = None
         self.chunks_sent = 0
         self.sequence = 0
-        self.last_traffic = time.monotonic()
         self.last_interaction = time.monotonic()
         self.started_at = time.monotonic()
         self.closed = False
@@ -81,7 +80,6 @@ class Connection:
         message = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
-        self.last_traffic = time.monotonic()
         if message.get("bytes") is not None:
             raise ProtocolError("unsupported_message", "binary messages are not accepted from clients")
         return parse_json(message.get("text") or "", limit)
@@ -195,14 +193,16 @@ class Connection:
                     if last is not None:
                         self.ingress.metrics.chunk_interval.observe(now - last, tags={"group": "all"})
                     last = now
-                    await self.ws.send_json({
+                    if not await self.send_or_stall(self.ws.send_json({
                         "type": "video.chunk_metadata", "kind": "media", "generation_chunk_index": event.index,
                         "transport_chunk_index": self.chunks_sent, "num_frames": event.num_frames,
                         "byte_length": len(event.data), "started_event_ids": event.started,
                         "active_event_ids": event.active, "completed_event_ids": event.completed,
                         "timings": {k: round(v, 5) for k, v in event.timings.items()},
-                        "group_clock": {k: round(v, 4) for k, v in event.clock.items()}})
-                    await self.ws.send_bytes(event.data)
+                        "group_clock": {k: round(v, 4) for k, v in event.clock.items()}})):
+                        return None
+                    if not await self.send_or_stall(self.ws.send_bytes(event.data)):
+                        return None
                     self.chunks_sent += 1
                 elif isinstance(event, SessionDone):
                     return False
@@ -217,12 +217,30 @@ class Connection:
         finally:
             next_item.cancel()
 
+    async def send_or_stall(self, send) -> bool:
+        """Await one send to the client; False (and the session ended with stall_timeout) when it stays
+        blocked for stall_timeout_s: the client stopped reading, or is gone without closing. A client that
+        reads but has nothing to say is never cut for its silence."""
+        s = self.settings
+        try:
+            await asyncio.wait_for(send, s.stall_timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("session %s: a send blocked for %g s; ending it", self.session_id, s.stall_timeout_s)
+            self.ingress.metrics.refusals.inc(tags={"code": "stall_timeout"})
+            self.closed = True
+            error = ProtocolError("stall_timeout", f"the client read nothing for {s.stall_timeout_s:g} s",
+                                  close=CLOSE_POLICY)
+            try:                                     # the socket is clogged: the close may never get through
+                await asyncio.wait_for(_close_quietly(self.ws, error.to_message(), CLOSE_POLICY, error.code), 5)
+            except asyncio.TimeoutError:
+                pass
+            return False
+
     def _next_limit(self) -> tuple[float, str, str]:
         """The earliest of the session's time limits: (monotonic deadline, code, message)."""
         s = self.settings
-        return min([(self.last_traffic + s.stall_timeout_s, "stall_timeout",
-                     f"no client message for {s.stall_timeout_s:g} s (send session.ping to keep the session)"),
-                    (self.last_interaction + s.idle_timeout_s, "idle_timeout",
+        return min([(self.last_interaction + s.idle_timeout_s, "idle_timeout",
                      f"no interaction for {s.idle_timeout_s:g} s"),
                     (self.started_at + s.max_lifetime_s, "max_lifetime",
                      f"session reached its maximum lifetime of {s.max_lifetime_s:g} s")])
@@ -237,7 +255,7 @@ class Connection:
             try:
                 msg = await self.next_message(until, s.max_control_bytes)
             except asyncio.TimeoutError:
-                until, code, text = self._next_limit()       # pings may have moved the stall limit meanwhile
+                until, code, text = self._next_limit()       # an interaction may have moved the limit meanwhile
                 if time.monotonic() >= until:
                     await self.refuse(ProtocolError(code, text, close=CLOSE_POLICY))
                     return None

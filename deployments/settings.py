@@ -50,7 +50,7 @@ class ServeSettings:
     admission_wait_s: float = 20.0           # wait for a free group (autoscaler) before capacity_exhausted
     retry_after_s: float = 10.0
     start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting
-    stall_timeout_s: float = 60.0            # no client traffic (pings count) for this long ends the session
+    stall_timeout_s: float = 60.0            # a send to the client blocked this long (not reading, or gone) ends it
     idle_timeout_s: float = 300.0            # no interaction for this long ends the session
     max_lifetime_s: float = 3600.0
     max_start_bytes: int = 4 * 2 ** 20

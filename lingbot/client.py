@@ -96,9 +96,29 @@ class RealtimeClient:
             body["transition_chunks"] = transition_chunks
         await self.send({"type": "session.interaction", "interaction": body})
 
-    async def receive_session(self, on_chunk=None, timeout: float = 600.0) -> SessionResult:
-        """Read until session.done, an error that closes, or the close. on_chunk(result, meta) may be a
-        coroutine function; it runs after each chunk's bytes arrived."""
+    async def _keepalive(self, interval: float) -> None:
+        """session.ping every `interval` seconds, as the protocol asks of clients that only watch."""
+        import websockets
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                await self.send({"type": "session.ping", "t": time.time()})
+        except websockets.ConnectionClosed:
+            pass
+
+    async def receive_session(self, on_chunk=None, timeout: float = 600.0,
+                              ping_interval: Optional[float] = 20.0) -> SessionResult:
+        """Read until session.done, an error that closes, or the close, pinging every `ping_interval` s
+        (None: never). on_chunk(result, meta) may be a coroutine function; it runs after each chunk's bytes
+        arrived."""
+        keepalive = asyncio.create_task(self._keepalive(ping_interval)) if ping_interval else None
+        try:
+            return await self._receive(on_chunk, timeout)
+        finally:
+            if keepalive is not None:
+                keepalive.cancel()
+
+    async def _receive(self, on_chunk, timeout: float) -> SessionResult:
         import websockets
         result = SessionResult(started_at=time.monotonic())
         pending_meta = None

@@ -306,31 +306,47 @@ def test_grafana_dashboard_queries_only_exported_metrics(serve_app):
     assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
 
 
-def test_stall_timeout_counts_pings(serve_app):
-    """An endless session lives on while the client pings (no other traffic), and ends with stall_timeout
-    15 s after the client falls silent."""
-    import time
+def test_a_quiet_client_that_reads_is_never_cut(serve_app):
+    """100 chunks to a client that never sends a message (no pings either): longer than stall_timeout_s
+    (15 s here), and the session runs to its end."""
+    async def quiet():
+        async with RealtimeClient(serve_app) as client:
+            await client.start("a long road", png_url(), W, H, 100, fps=120)
+            return await client.receive_session(timeout=600, ping_interval=None)
+
+    result = run(quiet())
+    assert result.error is None and result.done == {"type": "session.done", "chunks": 100, "stopped": False}
+    assert result.arrivals[-1] - result.started_at > 15                   # outlived the stall bound
+    assert sum(c["num_frames"] for c in result.chunks) == 12 * 100 - 3
+
+
+def test_a_client_that_stops_reading_is_freed(serve_app):
+    """A client that stops reading (small receive buffer, small message queue): once the server's sends
+    stay blocked for stall_timeout_s the session ends and its connection closes, so reading again meets the
+    end of the stream, not an endless one."""
+    import socket
+
+    import websockets
 
     async def scenario():
-        async with RealtimeClient(serve_app) as client:
-            await client.start("p", png_url(), W, H, None)               # endless
-            t0 = time.monotonic()
-            chunks_while_pinging = 0
-            while time.monotonic() - t0 < 20:                             # longer than the 15 s limit
-                await client.send({"type": "session.ping", "t": 0})
-                deadline = time.monotonic() + 3
-                while time.monotonic() < deadline:
-                    try:
-                        raw = await asyncio.wait_for(client.ws.recv(), deadline - time.monotonic())
-                    except asyncio.TimeoutError:
-                        break
-                    chunks_while_pinging += isinstance(raw, bytes)
-            rest = await client.receive_session(timeout=60)
-            return chunks_while_pinging, rest
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", int(serve_app.split(":")[2].split("/")[0])))
+        ws = await websockets.connect(serve_app, sock=sock, compression=None, max_queue=2, ping_interval=None)
+        await ws.send(json.dumps(start_msg(num_frames=None, fps=120, extra_params={"endless": True})))
+        await asyncio.sleep(45)                     # not reading: buffers fill, then sends block for 15 s
+        chunks = 0
+        try:
+            while True:
+                chunks += isinstance(await asyncio.wait_for(ws.recv(), 30), bytes)
+        except websockets.ConnectionClosed:
+            return chunks, True
+        except asyncio.TimeoutError:
+            return chunks, False
 
-    chunks, rest = run(scenario())
-    assert chunks >= 5                                                    # pings kept it alive past 15 s
-    assert rest.error["code"] == "stall_timeout" and rest.close_code == 1008
+    chunks, closed = run(scenario())
+    assert closed, "the session of a client that stopped reading was still streaming"
+    assert chunks < 1000
 
 
 def test_the_ranks_start_a_chunk_before_the_last_one_is_encoded(serve_app):
