@@ -97,7 +97,7 @@ class WorldGroup:
         self.mailbox = ray.remote(ControlMailbox).options(num_cpus=0,
                                                           scheduling_strategy=pinned(s.replica_bundle)).remote()
         ray.get([self.muxer.ready.remote(), self.mailbox.ready.remote()], timeout=s.group_start_timeout_s)
-        self.scheduler = Scheduler(s.pacing_lead_s)
+        self.scheduler = Scheduler(s.pacing_lead_s, s.pacing == "adaptive", s.pacing_margin_s, s.pacing_quantile)
         self.reserved = 0                              # admitted or being admitted
         self.outboxes: dict[str, asyncio.Queue] = {}
         self.deliveries: dict[str, asyncio.Task] = {}  # per session: the delivery of its newest chunk

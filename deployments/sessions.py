@@ -5,8 +5,16 @@ directly. `Tombstones` remembers ended sessions for the actors whose calls may a
 
 Playback clock: a session's player starts when its first chunk is delivered; chunk k (k >= 1) is due
 when the video before it has played out: deadline = first_delivery + frames before it / fps. The
-scheduler runs the session with the earliest deadline, and never lets a session's video run more than
-`pacing_lead_s` ahead of playback (it idles instead), so no session runs far ahead while another is late.
+scheduler runs the session with the earliest deadline among those within their lead, and never lets a
+session's video run further ahead of playback than its lead (it idles instead), so no session runs far
+ahead while another is late.
+
+The lead trades stalls against interactivity: everything generated ahead of playback plays before a new
+control can show. With `pacing: fixed` it is `pacing_lead_s`. With `pacing: adaptive` each session's
+`Pacer` learns it: at each delivery the chunk's slack (due time - arrival) says how much lead it needed
+(lead - slack); the lead becomes the `pacing_quantile` of the recent needs plus `pacing_margin_s`, within
+[`pacing_margin_s`, `pacing_lead_s`]. A stall (negative slack) raises it at once; steady early arrivals
+lower it, and so the buffer the player holds and the control-to-display latency.
 
 A chunk is generated when the ranks return it, and delivered when its fMP4 fragment reaches the session's
 stream; between the two (device-to-host copy, encode, send) the ranks already run the next chunk. At most
@@ -64,11 +72,49 @@ class ChunkPlan:
     completed: list[str]
 
 
+def quantile(values, q: float) -> float:
+    """Linear interpolation between order statistics (q in [0, 1])."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class Pacer:
+    """How far ahead of its playback a session may generate (seconds): fixed, or learned from the slack of
+    its recent deliveries (module docstring)."""
+
+    def __init__(self, max_lead_s: float, adaptive: bool = False, margin_s: float = 0.1, q: float = 0.9,
+                 window: int = 12, min_samples: int = 4):
+        self.max_lead_s = max_lead_s
+        self.adaptive = adaptive
+        self.margin_s = min(margin_s, max_lead_s)
+        self.q = q
+        self.min_samples = min_samples
+        self.needs: deque[float] = deque(maxlen=window)
+        self.lead_s = max_lead_s                      # until the session has shown what it needs
+
+    def observe(self, slack_s: float) -> None:
+        """A chunk arrived `slack_s` before it was due (negative: the player waited)."""
+        need = self.lead_s - slack_s
+        self.needs.append(need)
+        if not self.adaptive:
+            return
+        wanted = self.lead_s
+        if len(self.needs) >= self.min_samples:
+            wanted = quantile(self.needs, self.q) + self.margin_s
+        if slack_s < 0:                               # a stall: at least what this chunk needed, at once
+            wanted = max(wanted, need + self.margin_s)
+        self.lead_s = min(self.max_lead_s, max(self.margin_s, wanted))
+
+
 class ScheduledSession:
     """A session as its group schedules it: start request, pacing clock, queued and running interactions."""
 
     def __init__(self, session_id: str, start: StartRequest, geometry: ChunkGeometry = LINGBOT_GEOMETRY,
-                 max_queued_controls: int = 64, now: Optional[float] = None, max_in_flight: int = 2):
+                 max_queued_controls: int = 64, now: Optional[float] = None, max_in_flight: int = 2,
+                 pacer: Optional[Pacer] = None):
         self.id = session_id
         self.start = start
         self.geometry = geometry
@@ -86,6 +132,7 @@ class ScheduledSession:
         self.stopped = False
         self.stalls = 0
         self.stall_seconds = 0.0
+        self.pacer = pacer
 
     # ---- pacing ---------------------------------------------------------------------------------
     @property
@@ -115,6 +162,8 @@ class ScheduledSession:
             self.first_delivery = now
         else:
             late = now - (self.first_delivery + self.frames_delivered / self.start.fps)
+            if self.pacer is not None:
+                self.pacer.observe(-late)
             if late > 0:                             # the player ran dry before this chunk arrived
                 self.stalls += 1
                 self.stall_seconds += late
@@ -196,13 +245,18 @@ class ScheduledSession:
 
 
 class Scheduler:
-    """Picks the next session to run a chunk for: earliest deadline first, within the pacing lead."""
+    """Picks the next session to run a chunk for: earliest deadline first, each within its lead."""
 
-    def __init__(self, pacing_lead_s: float):
+    def __init__(self, pacing_lead_s: float, adaptive: bool = False, margin_s: float = 0.1, q: float = 0.9):
         self.pacing_lead_s = pacing_lead_s
+        self.adaptive = adaptive
+        self.margin_s = margin_s
+        self.q = q
         self.sessions: dict[str, ScheduledSession] = {}
 
     def add(self, state: ScheduledSession) -> None:
+        if state.pacer is None:
+            state.pacer = Pacer(self.pacing_lead_s, self.adaptive, self.margin_s, self.q)
         self.sessions[state.id] = state
 
     def remove(self, session_id: str) -> Optional[ScheduledSession]:
@@ -214,8 +268,8 @@ class Scheduler:
         ready = [s for s in self.sessions.values() if s.ready]
         if not ready:
             return None, math.inf
-        best = min(ready, key=lambda s: s.deadline())
-        wait = best.deadline() - now - self.pacing_lead_s
-        if wait > 0:
-            return None, wait
-        return best, 0.0
+        waits = {s.id: s.deadline() - now - s.pacer.lead_s for s in ready}
+        eligible = [s for s in ready if waits[s.id] <= 0]
+        if not eligible:
+            return None, min(waits.values())
+        return min(eligible, key=lambda s: s.deadline()), 0.0

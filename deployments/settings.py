@@ -46,7 +46,10 @@ class ServeSettings:
     graceful_shutdown_timeout_s: float = 600.0
     # sessions
     fps: float = 16.0
-    pacing_lead_s: float = 1.5               # how far a session may run ahead of real time
+    pacing_lead_s: float = 1.5               # how far a session may run ahead of real time (adaptive: at most)
+    pacing: str = "adaptive"                 # fixed: always pacing_lead_s; adaptive: learned per session
+    pacing_margin_s: float = 0.1             # adaptive: slack kept above the needed lead
+    pacing_quantile: float = 0.9             # adaptive: the share of recent chunks the lead must cover
     admission_wait_s: float = 20.0           # wait for a free group (autoscaler) before capacity_exhausted
     retry_after_s: float = 10.0
     start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting
@@ -107,6 +110,11 @@ class ServeSettings:
         if self.muxer_gpus > 0 and self.device != "cuda":
             raise ConfigError("muxer_gpus is for NVENC on CUDA nodes; set it to 0 for device "
                               f"{self.device}")
+        if self.pacing not in ("fixed", "adaptive"):
+            raise ConfigError(f"pacing {self.pacing!r} must be fixed or adaptive")
+        if not 0 < self.pacing_quantile <= 1 or self.pacing_margin_s < 0:
+            raise ConfigError(f"pacing_quantile must be in (0, 1] and pacing_margin_s >= 0, got "
+                              f"{self.pacing_quantile} and {self.pacing_margin_s}")
         for name in ("fps", "pacing_lead_s", "admission_wait_s", "start_timeout_s", "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -4,10 +4,13 @@ One (or more) unmeasured warm-up sessions, then M measured sessions, optionally 
 TTFC, chunk inter-arrival (all / steady), VIDEO_RTF at a stated fps, chunk deadline and SLO attainment,
 a simulated player, and (from servers that report them, like ours) per-stage medians. It checks that the
 chunk indices are contiguous and that the chunk and frame counts are exact (the stream is decoded).
-Writes JSON and prints a table. Metric definitions: perf/realtime_metrics.py.
+With --control-interval S it also sends a key interaction in every S-second slot (at a random phase inside
+the slot) and reports control-to-display latency: send -> the player shows the first chunk that started
+the event. Writes JSON and prints a table. Metric definitions: perf/realtime_metrics.py.
 
     python -m perf.realtime --url ws://127.0.0.1:8000/v1/realtime/video --num-chunks 16 --sessions 3 \\
-        [--concurrency 2] [--warmup-sessions 1] [--fps 16] [--profile-stages] [--output-json out.json] [--plot p.png]
+        [--concurrency 2] [--warmup-sessions 1] [--fps 16] [--control-interval 2] [--profile-stages] \
+        [--output-json out.json] [--plot p.png]
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import io
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -54,22 +58,44 @@ async def run_session(args, index: int, image_url: str, width: int, height: int)
         await client.start(args.prompt, image_url, width, height, args.num_chunks, args.fps, args.seed + index,
                            script=script, **extra)
         t0 = time.monotonic()                  # the clock starts once session.start has been sent
-        result = await client.receive_session(timeout=args.first_chunk_timeout + args.chunk_timeout * args.num_chunks)
+        controls: list[dict] = []
+        steer = asyncio.create_task(_controls(client, args.control_interval, t0, controls, args.seed + index))
+        result = await client.receive_session(timeout=args.first_chunk_timeout + args.chunk_timeout * args.num_chunks,
+                                              ping_interval=None)
         wall = time.monotonic() - t0
         ping.cancel()
+        steer.cancel()
     if result.error is not None:
         raise BenchmarkError(f"session {index}: server error {result.error.get('code')}: {result.error.get('message')}")
     chunks = []
     for meta, data, arrival in zip(result.chunks, result.data, result.arrivals):
         chunks.append({"index": meta["generation_chunk_index"], "transport_index": meta["transport_chunk_index"],
                        "arrival_s": arrival - t0, "num_frames": meta["num_frames"],
-                       "byte_length": len(data), "timings": meta.get("timings")})
+                       "byte_length": len(data), "timings": meta.get("timings"),
+                       "started": meta.get("started_event_ids") or []})
     _check(chunks, result, args.num_chunks)
     if args.save_video:
         with open(f"{args.save_video}.{index}.mp4", "wb") as f:
             f.write(result.video)
     return {"session_index": index, "request_id": result.start["request_id"], "chunks": chunks, "wall_s": wall,
-            "frames_decoded": _decoded_frames(result.video)}
+            "frames_decoded": _decoded_frames(result.video), "controls": controls}
+
+
+async def _controls(client, interval: float, t0: float, sent: list, seed: int) -> None:
+    """A key interaction in every `interval`-second slot, at a uniformly random phase inside the slot;
+    records each event's send time (seconds since t0) in `sent`."""
+    if interval <= 0:
+        return
+    rng = random.Random(seed)
+    slot = 0
+    while True:
+        at = t0 + interval * (slot + rng.random())
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        event_id = f"c{slot}"
+        keys = ["l", "l", "l"] if slot % 2 == 0 else ["j", "j", "j"]
+        sent.append({"event_id": event_id, "sent_s": time.monotonic() - t0})
+        await client.interact(event_id, keys=keys)
+        slot += 1
 
 
 def _check(chunks: list[dict], result, expected: int) -> None:
@@ -153,13 +179,16 @@ def table(report: dict) -> str:
         p = m["playback"]
         rows += [("", ""), ("Start buffer", f"{p['buffer_chunks']} chunk(s)"), ("Underruns", p["underrun_count"]),
                  ("Total stall", f"{p['total_stall_ms']:.0f} ms"), ("Stall ratio", f"{p['stall_ratio']:.1%}")]
+        rows += _control_rows(m["control_to_display"])
     else:
         rows += [("", ""), ("TTFC mean / max", f"{m['ttfc_ms_mean']:.0f} / {m['ttfc_ms_max']:.0f} ms"),
                  ("Steady interval mean (spread)",
                   f"{m['steady_interval_ms_mean']:.0f} ({m['steady_interval_ms_spread']:.0f}) ms"),
                  ("VIDEO_RTF mean (best / worst)",
                   f"{m['video_rtf_mean']:.3f} ({m['video_rtf_best']:.3f} / {m['video_rtf_worst']:.3f})"),
-                 ("Chunk deadline", f"{m['chunk_deadline_ms']:.0f} ms"), ("Underruns", m["underrun_count"])]
+                 ("Chunk deadline", f"{m['chunk_deadline_ms']:.0f} ms"), ("Underruns", m["underrun_count"]),
+                 ("Stall ratio (mean)", f"{m['stall_ratio_mean']:.1%}")]
+        rows += _control_rows(m["control_to_display"])
     stages = report.get("stage_medians_ms") or {}
     if stages:
         rows.append(("", ""))
@@ -167,6 +196,13 @@ def table(report: dict) -> str:
     lines = [" LingBot-World realtime streaming benchmark ".center(60, "=")]
     lines += [f"{label:<44}{value!s:>16}" if label else "-" * 60 for label, value in rows]
     return "\n".join(lines + ["=" * 60])
+
+
+def _control_rows(s: dict) -> list:
+    if not s["count"]:
+        return []
+    return [("", ""), (f"Control-to-display (n={s['count']}) p50", f"{s['median_ms']:.0f} ms"),
+            ("  p90 / p99", f"{s['p90_ms']:.0f} / {s['p99_ms']:.0f} ms")]
 
 
 def plot(report: dict, path: str) -> None:
@@ -192,7 +228,7 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path)
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="ws://127.0.0.1:8000/v1/realtime/video")
     ap.add_argument("--image", default=None, help="first frame (default: a generated gradient)")
@@ -214,10 +250,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--first-chunk-timeout", type=float, default=900.0)
     ap.add_argument("--chunk-timeout", type=float, default=300.0)
     ap.add_argument("--ping-interval", type=float, default=20.0)
+    ap.add_argument("--control-interval", type=float, default=0.0,
+                    help="send a key interaction in every slot of this many seconds (0: none)")
     ap.add_argument("--profile-stages", action="store_true", help="ask the server for device-synced stage times")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--save-video", default=None, help="prefix: writes PREFIX.<session>.mp4")
     ap.add_argument("--plot", default=None, help="PNG of chunk interval over each session")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     for name in ("num_chunks", "sessions", "concurrency", "playback_buffer_chunks"):
         if getattr(args, name) < 1:
@@ -227,7 +270,7 @@ def main(argv=None) -> dict:
     sessions = asyncio.run(run_all(args, width, height))
     for s in sessions:
         s["metrics"] = session_metrics(s["chunks"], s["wall_s"], fps, args.warmup_chunks, args.chunk_slo_ms,
-                                       args.playback_buffer_chunks)
+                                       args.playback_buffer_chunks, s["controls"])
         if s["frames_decoded"] != s["metrics"]["total_frames"]:
             raise BenchmarkError(f"session {s['session_index']}: decoded {s['frames_decoded']} frames, "
                                  f"metadata says {s['metrics']['total_frames']}")
@@ -243,7 +286,7 @@ def main(argv=None) -> dict:
         "config": {"sessions": args.sessions, "concurrency": args.concurrency, "warmup_sessions": args.warmup_sessions,
                    "warmup_chunks": args.warmup_chunks, "chunk_slo_ms": args.chunk_slo_ms, "target_fps": fps,
                    "mux_fps": args.fps, "playback_buffer_chunks": args.playback_buffer_chunks,
-                   "profile_stages": args.profile_stages},
+                   "profile_stages": args.profile_stages, "control_interval_s": args.control_interval},
         "sessions": sessions, "metrics": aggregate([s["metrics"] for s in sessions]),
         "stage_medians_ms": stage_medians(all_chunks),
     }

@@ -13,6 +13,9 @@ numbers compare across servers (docs/architecture.md, "Metrics"):
 - Player: starts when chunk (buffer_chunks - 1) has arrived; plays each chunk's frames at fps; a chunk
   that arrives after the play cursor is an underrun: the stall (arrival - cursor) is added and play
   resumes at once. Stall ratio = total stall / playback span (video + stalls).
+- Control-to-display latency of an interaction: from the moment the client sent it to the moment the
+  player shows the first frame generated with it, i.e. the play start (in the player above) of the first
+  chunk whose metadata lists the event in started_event_ids. Events no chunk started are counted apart.
 """
 from __future__ import annotations
 
@@ -57,22 +60,43 @@ def simulate_playback(chunks: Sequence[dict], fps: float, buffer_chunks: int = 1
                 "stall_ratio": 0.0, "first_underrun_chunk": None}
     buffer_chunks = max(1, min(buffer_chunks, len(ordered)))
     start = cursor = ordered[buffer_chunks - 1]["arrival_s"]
-    stall, underruns, first = 0.0, 0, None
+    stall, underruns, first, play_start = 0.0, 0, None, {}
     for chunk in ordered:
         if chunk["arrival_s"] > cursor:
             stall += chunk["arrival_s"] - cursor
             underruns += 1
             first = chunk["index"] if first is None else first
             cursor = chunk["arrival_s"]
+        play_start[chunk["index"]] = cursor              # the chunk's first frame is on screen
         cursor += chunk["num_frames"] / fps
     span = cursor - start
     return {"buffer_chunks": buffer_chunks, "underrun_count": underruns, "total_stall_ms": stall * 1e3,
-            "playback_span_s": span, "stall_ratio": stall / span if span > 0 else 0.0, "first_underrun_chunk": first}
+            "playback_span_s": span, "stall_ratio": stall / span if span > 0 else 0.0, "first_underrun_chunk": first,
+            "play_start_s": play_start}
+
+
+def control_latencies(controls: Sequence[dict], chunks: Sequence[dict], play_start: dict) -> tuple[list, list]:
+    """controls: dicts with event_id and sent_s; chunks: dicts with index and started (event ids the chunk
+    started). Returns (latencies in ms of the events a chunk started, event ids no chunk started)."""
+    first_chunk: dict = {}
+    for chunk in sorted(chunks, key=lambda c: c["index"]):
+        for event_id in chunk.get("started") or ():
+            first_chunk.setdefault(event_id, chunk["index"])
+    shown, missing = [], []
+    for control in controls:
+        k = first_chunk.get(control["event_id"])
+        if k is None or k not in play_start:
+            missing.append(control["event_id"])
+        else:
+            shown.append((play_start[k] - control["sent_s"]) * 1e3)
+    return shown, missing
 
 
 def session_metrics(chunks: Sequence[dict], wall_s: Optional[float], fps: float, warmup_chunks: int = 6,
-                    slo_ms: Optional[float] = None, buffer_chunks: int = 1) -> dict:
-    """chunks: dicts with index, arrival_s (seconds since session.start was sent), num_frames, byte_length."""
+                    slo_ms: Optional[float] = None, buffer_chunks: int = 1,
+                    controls: Sequence[dict] = ()) -> dict:
+    """chunks: dicts with index, arrival_s (seconds since session.start was sent), num_frames, byte_length,
+    and (for control latency) started; controls: the interactions sent, with event_id and sent_s."""
     ordered = sorted(chunks, key=lambda c: c["index"])
     deadline_ms = slo_ms if slo_ms is not None else 12.0 / fps * 1e3
     intervals = [(c["index"], (c["arrival_s"] - p["arrival_s"]) * 1e3, c["num_frames"])
@@ -92,6 +116,10 @@ def session_metrics(chunks: Sequence[dict], wall_s: Optional[float], fps: float,
         "interval_steady": latency_summary([ms for _, ms, _ in steady]),
         "playback": simulate_playback(ordered, fps, buffer_chunks),
     }
+    shown, missing = control_latencies(controls, ordered, out["playback"]["play_start_s"])
+    out["control_to_display"] = latency_summary(shown)
+    out["control_latencies_ms"] = shown
+    out["controls_sent"], out["controls_not_shown"] = len(controls), len(missing)
     if steady:
         steady_wall = sum(ms for _, ms, _ in steady) / 1e3
         steady_video = sum(n for _, _, n in steady) / fps
@@ -121,5 +149,7 @@ def aggregate(sessions: Sequence[dict]) -> dict:
                                         for s in pooled) / weights) if weights else math.nan,
         "steady_interval_ms_spread": (max(steady) - min(steady)) if steady else math.nan,
         "underrun_count": sum(s["playback"]["underrun_count"] for s in sessions),
+        "stall_ratio_mean": sum(s["playback"]["stall_ratio"] for s in sessions) / len(sessions),
+        "control_to_display": latency_summary([ms for s in sessions for ms in s.get("control_latencies_ms", [])]),
         "chunk_deadline_ms": sessions[0]["chunk_deadline_ms"],
     }

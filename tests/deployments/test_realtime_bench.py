@@ -8,6 +8,7 @@ def test_benchmark_json(serve_app, tmp_path, capsys):
     out = tmp_path / "bench.json"
     report = realtime.main(["--url", serve_app, "--num-chunks", "8", "--sessions", "2", "--concurrency", "2",
                             "--warmup-sessions", "1", "--ping-interval", "1", "--profile-stages",
+                            "--control-interval", "0.5",
                             "--output-json", str(out), "--plot", str(tmp_path / "p.png")])
     data = json.loads(out.read_text())
     assert data["benchmark"] == "lingbot_world_realtime"
@@ -21,11 +22,17 @@ def test_benchmark_json(serve_app, tmp_path, capsys):
         assert m["interval_steady"]["count"] == 2 and m["interval_all"]["count"] == 7
         assert {"ttfc_ms", "video_rtf"} <= set(m) and 0 <= m["slo_attainment"] <= 1
         assert m["chunk_deadline_ms"] == 750
+        # every control a chunk started was shown after it was sent; the count adds up
+        assert m["controls_sent"] == len(s["controls"]) >= 1
+        assert m["control_to_display"]["count"] + m["controls_not_shown"] == m["controls_sent"]
+        assert all(ms > 0 for ms in m["control_latencies_ms"])
         assert {"probe_0", "commit", "decode", "root_to_muxer", "outside_engine"} <= set(s["stage_medians_ms"])
     agg = data["metrics"]
     assert agg["sessions"] == 2 and agg["chunks_received"] == 16
     assert agg["video_rtf_best"] <= agg["video_rtf_mean"] <= agg["video_rtf_worst"]
     assert (tmp_path / "p.png").stat().st_size > 1000
+    assert agg["control_to_display"]["count"] == sum(s["metrics"]["control_to_display"]["count"]
+                                                     for s in data["sessions"])
     printed = capsys.readouterr().out
     assert "LingBot-World realtime streaming benchmark" in printed and "Across sessions" not in printed
     assert report["metrics"] == data["metrics"]

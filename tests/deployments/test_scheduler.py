@@ -4,7 +4,7 @@ import math
 import pytest
 
 from deployments.protocol import Interaction
-from deployments.sessions import ScheduledSession, Scheduler, Tombstones
+from deployments.sessions import Pacer, ScheduledSession, Scheduler, Tombstones
 from lingbot.camera import CameraEvent
 from tests.deployments.test_protocol import frames_for_chunks, start
 
@@ -118,3 +118,45 @@ def test_a_fractional_prompt_transition_is_truncated():
     s = _state("a", chunks=4)
     s.queue(Interaction("p", prompt="night", transition_chunks=2.7))
     assert s.plan_next_chunk().controls.prompt_transition_chunks == 2
+
+
+def test_fixed_pacer_keeps_its_lead():
+    p = Pacer(1.5)
+    for slack in (1.0, 0.9, -0.2, 1.2, 1.1):
+        p.observe(slack)
+    assert p.lead_s == 1.5
+
+
+def test_adaptive_pacer_learns_the_lead_it_needs():
+    p = Pacer(1.5, adaptive=True, margin_s=0.1, q=0.5, window=4, min_samples=4)
+    for slack in (1.2, 1.0, 1.1, 1.3):                 # needs 0.3, 0.5, 0.4, 0.2 at lead 1.5
+        p.observe(slack)
+    assert p.lead_s == pytest.approx(0.35 + 0.1)      # median of the needs + the margin
+    p.observe(0.25)                                   # need 0.45 - 0.25 = 0.2; window: 0.5, 0.4, 0.2, 0.2
+    assert p.lead_s == pytest.approx(0.3 + 0.1)
+    p.observe(-0.5)                                   # a stall: need 0.4 + 0.5 = 0.9; window 0.4, 0.2, 0.2, 0.9
+    assert p.lead_s == pytest.approx(0.9 + 0.1)       # the median (0.3) would not cover it: the stall's need wins
+    p.observe(0.8)                                    # need 0.2: window 0.2, 0.2, 0.9, 0.2 -> median 0.2
+    assert p.lead_s == pytest.approx(0.2 + 0.1)
+    q = Pacer(1.5, adaptive=True, margin_s=0.1, q=1.0, window=4, min_samples=4)
+    q.observe(-0.2)                                   # a stall before min_samples: adapt at once (max need)
+    assert q.lead_s == pytest.approx(1.5)             # need 1.7 + 0.1, capped at the max lead
+    r = Pacer(1.5, adaptive=True, margin_s=0.1, q=0.9, window=4, min_samples=4)
+    for _ in range(4):
+        r.observe(1.5)                                # arrives exactly as early as the lead: needs 0
+    assert r.lead_s == pytest.approx(0.1)             # never below the margin
+
+
+def test_scheduler_uses_each_sessions_lead():
+    sched = Scheduler(pacing_lead_s=1.0)
+    a, b = _state("a", now=0.0), _state("b", now=0.0)
+    sched.add(a), sched.add(b)
+    for s in (a, b):
+        s.next_chunk += 1
+        s.generated(9)
+        s.delivered(9, now=0.0)                       # both due next at 0.5625
+    a.pacer.lead_s, b.pacer.lead_s = 0.2, 0.5
+    assert sched.pick(now=0.1)[0] is b                # b within its 0.5 s lead; a's 0.2 s not yet
+    who, wait = sched.pick(now=0.0)
+    assert who is None and wait == pytest.approx(0.5625 - 0.5)
+    assert sched.pick(now=0.4)[0] in (a, b)           # both eligible: the earliest deadline (a tie)

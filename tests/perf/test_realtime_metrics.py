@@ -60,3 +60,25 @@ def test_aggregate():
     assert agg["steady_interval_ms_mean"] == pytest.approx(750)
     assert agg["steady_interval_ms_spread"] == pytest.approx(500)
     assert aggregate([a])["sessions"] == 1 and aggregate([a])["video_rtf"] == a["video_rtf"]
+
+
+def test_control_to_display_by_hand():
+    # fps 12, arrivals 1.0, 1.5, 3.0, 3.5: play starts 1.0, 1.75, 3.0 (after a 0.25 s stall), 4.0
+    chunks = _chunks([1.0, 1.5, 3.0, 3.5])
+    for c, started in zip(chunks, [[], ["a"], ["b", "c"], []]):
+        c["started"] = started
+    controls = [{"event_id": "a", "sent_s": 0.9}, {"event_id": "b", "sent_s": 1.6},
+                {"event_id": "c", "sent_s": 2.0}, {"event_id": "d", "sent_s": 3.2}]      # d: no chunk started it
+    m = session_metrics(chunks, None, fps=12, controls=controls)
+    assert m["playback"]["play_start_s"] == {0: 1.0, 1: 1.75, 2: 3.0, 3: 4.0}
+    assert m["control_latencies_ms"] == pytest.approx([850.0, 1400.0, 1000.0])       # 1.75-0.9, 3.0-1.6, 3.0-2.0
+    s = m["control_to_display"]
+    assert s["count"] == 3 and s["median_ms"] == pytest.approx(1000.0) and s["max_ms"] == pytest.approx(1400.0)
+    assert (m["controls_sent"], m["controls_not_shown"]) == (4, 1)
+    # with a 2-chunk start buffer every chunk plays later: the same events show 0.5 s later... except that
+    # chunk 2 no longer stalls (start 1.5: 1.5, 2.25, 3.25, 4.25)
+    m2 = session_metrics(chunks, None, fps=12, buffer_chunks=2, controls=controls)
+    assert m2["control_latencies_ms"] == pytest.approx([1350.0, 1650.0, 1250.0])
+    both = aggregate([m, m2])
+    assert both["control_to_display"]["count"] == 6
+    assert both["control_to_display"]["median_ms"] == pytest.approx((1250 + 1350) / 2)
