@@ -267,7 +267,8 @@ class WorldGroup:
                 self.metrics.stalls.inc(tags={"group": self.id})
             self._post(state.id, ChunkReady(plan.index, fragment.data, fragment.frames, plan.started, plan.active,
                                             plan.completed, timings, done_at - t0,
-                                            {"dispatched": t0, "fragment": fragment_at}))
+                                            {"dispatched": t0, "fragment": fragment_at, "lead_s": state.pacer.lead_s,
+                                             "slack_s": state.last_slack or 0.0}))
             if state.start.chunks is not None and plan.index == state.start.chunks - 1:
                 self._post(state.id, SessionDone(plan.index + 1))
         except SessionFailure as e:                   # this session's chunk could not be delivered

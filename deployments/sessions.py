@@ -11,10 +11,13 @@ ahead while another is late.
 
 The lead trades stalls against interactivity: everything generated ahead of playback plays before a new
 control can show. With `pacing: fixed` it is `pacing_lead_s`. With `pacing: adaptive` each session's
-`Pacer` learns it: at each delivery the chunk's slack (due time - arrival) says how much lead it needed
-(lead - slack); the lead becomes the `pacing_quantile` of the recent needs plus `pacing_margin_s`, within
-[`pacing_margin_s`, `pacing_lead_s`]. A stall (negative slack) raises it at once; steady early arrivals
-lower it, and so the buffer the player holds and the control-to-display latency.
+`Pacer` learns it. A chunk becomes eligible when it is within the lead of its due time (and the session's
+in-flight bound allows it); what the lead must cover is the time from then to the chunk's delivery: the
+wait for the device (other sessions' chunks) plus its own generation, encode and send. Each delivery
+records that time; the lead becomes the `pacing_quantile` of the recent ones plus `pacing_margin_s`,
+within [`pacing_margin_s`, `pacing_lead_s`]. A stall raises it at once by the time the player waited.
+So the buffer the player holds, and with it the control-to-display latency, follow the measured jitter
+instead of a fixed worst case.
 
 A chunk is generated when the ranks return it, and delivered when its fMP4 fragment reaches the session's
 stream; between the two (device-to-host copy, encode, send) the ranks already run the next chunk. At most
@@ -86,7 +89,7 @@ class Pacer:
     its recent deliveries (module docstring)."""
 
     def __init__(self, max_lead_s: float, adaptive: bool = False, margin_s: float = 0.1, q: float = 0.9,
-                 window: int = 12, min_samples: int = 4):
+                 window: int = 8, min_samples: int = 4):
         self.max_lead_s = max_lead_s
         self.adaptive = adaptive
         self.margin_s = min(margin_s, max_lead_s)
@@ -95,17 +98,17 @@ class Pacer:
         self.needs: deque[float] = deque(maxlen=window)
         self.lead_s = max_lead_s                      # until the session has shown what it needs
 
-    def observe(self, slack_s: float) -> None:
-        """A chunk arrived `slack_s` before it was due (negative: the player waited)."""
-        need = self.lead_s - slack_s
-        self.needs.append(need)
+    def observe(self, need_s: float, slack_s: float) -> None:
+        """A chunk took `need_s` from eligible to delivered and arrived `slack_s` before it was due
+        (negative: the player waited that long)."""
+        self.needs.append(need_s)
         if not self.adaptive:
             return
         wanted = self.lead_s
         if len(self.needs) >= self.min_samples:
             wanted = quantile(self.needs, self.q) + self.margin_s
-        if slack_s < 0:                               # a stall: at least what this chunk needed, at once
-            wanted = max(wanted, need + self.margin_s)
+        if slack_s < 0:                               # a stall: more lead at once, by the wait it caused
+            wanted = max(wanted, self.lead_s - slack_s)
         self.lead_s = min(self.max_lead_s, max(self.margin_s, wanted))
 
 
@@ -133,6 +136,11 @@ class ScheduledSession:
         self.stalls = 0
         self.stall_seconds = 0.0
         self.pacer = pacer
+        self.last_slack: Optional[float] = None     # how early the last delivered chunk arrived (s)
+        self.ready_since = self.created             # since when the in-flight bound allows another chunk
+        self.picked_eligible: Optional[float] = None    # set by Scheduler.pick for the chunk it hands out
+        self.eligible_times: deque[float] = deque()     # per chunk in flight: when it became eligible
+        self._last_need = 0.0
 
     # ---- pacing ---------------------------------------------------------------------------------
     @property
@@ -150,20 +158,34 @@ class ScheduledSession:
             return self.created                      # the first chunk is due at once
         return self.first_delivery + self.frames_generated / self.start.fps
 
-    def generated(self, frames: int) -> None:
+    def generated(self, frames: int, now: Optional[float] = None) -> None:
         """The ranks returned a chunk of `frames` frames; it is in flight until delivered."""
+        now = time.monotonic() if now is None else now
         self.frames_generated += frames
         self.in_flight += 1
+        self.eligible_times.append(now if self.picked_eligible is None else self.picked_eligible)
+        self.picked_eligible = None
+        if self.in_flight < self.max_in_flight:
+            self.ready_since = now
+
+    def _released(self, now: float) -> None:
+        """A chunk left the in-flight count: if that freed the bound, the session is ready from now."""
+        if self.in_flight == self.max_in_flight:
+            self.ready_since = now
+        self.in_flight = max(0, self.in_flight - 1)
+        eligible = self.eligible_times.popleft() if self.eligible_times else now
+        self._last_need = now - eligible
 
     def delivered(self, frames: int, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
-        self.in_flight = max(0, self.in_flight - 1)
+        self._released(now)
         if self.first_delivery is None:
             self.first_delivery = now
         else:
             late = now - (self.first_delivery + self.frames_delivered / self.start.fps)
+            self.last_slack = -late
             if self.pacer is not None:
-                self.pacer.observe(-late)
+                self.pacer.observe(self._last_need, -late)
             if late > 0:                             # the player ran dry before this chunk arrived
                 self.stalls += 1
                 self.stall_seconds += late
@@ -172,7 +194,7 @@ class ScheduledSession:
 
     def undelivered(self) -> None:
         """A chunk in flight will not be delivered (the session ended or failed meanwhile)."""
-        self.in_flight = max(0, self.in_flight - 1)
+        self._released(time.monotonic())
 
     # ---- interactions -------------------------------------------------------------------------
     def queue(self, interaction: Interaction) -> bool:
@@ -272,4 +294,6 @@ class Scheduler:
         eligible = [s for s in ready if waits[s.id] <= 0]
         if not eligible:
             return None, min(waits.values())
-        return min(eligible, key=lambda s: s.deadline()), 0.0
+        best = min(eligible, key=lambda s: s.deadline())
+        best.picked_eligible = max(best.deadline() - best.pacer.lead_s, best.ready_since)
+        return best, 0.0

@@ -38,7 +38,7 @@ def measure(args, base: dict, overrides: dict) -> dict:
     url = f"ws://127.0.0.1:{PORT}/v1/realtime/video"
     bench = realtime.build_parser().parse_args([
         "--url", url, "--num-chunks", str(args.chunks), "--sessions", str(args.sessions),
-        "--concurrency", str(args.sessions), "--warmup-sessions", "1", "--control-interval", str(args.interval),
+        "--concurrency", str(args.sessions), "--warmup-sessions", "0", "--control-interval", str(args.interval),
         "--camera-pattern", "hold"])
     width, height = realtime.served_size(url)
     sessions = asyncio.run(realtime.run_all(bench, width, height))

@@ -122,29 +122,46 @@ def test_a_fractional_prompt_transition_is_truncated():
 
 def test_fixed_pacer_keeps_its_lead():
     p = Pacer(1.5)
-    for slack in (1.0, 0.9, -0.2, 1.2, 1.1):
-        p.observe(slack)
-    assert p.lead_s == 1.5
+    for need, slack in ((0.3, 1.0), (0.4, 0.9), (0.9, -0.2), (0.2, 1.2)):
+        p.observe(need, slack)
+    assert p.lead_s == 1.5 and list(p.needs) == [0.3, 0.4, 0.9, 0.2]
 
 
 def test_adaptive_pacer_learns_the_lead_it_needs():
     p = Pacer(1.5, adaptive=True, margin_s=0.1, q=0.5, window=4, min_samples=4)
-    for slack in (1.2, 1.0, 1.1, 1.3):                 # needs 0.3, 0.5, 0.4, 0.2 at lead 1.5
-        p.observe(slack)
+    for need in (0.3, 0.5, 0.4, 0.2):                 # eligible -> delivered, all on time
+        p.observe(need, slack_s=0.5)
+        if len(p.needs) < 4:
+            assert p.lead_s == 1.5                    # too few samples: the configured lead
     assert p.lead_s == pytest.approx(0.35 + 0.1)      # median of the needs + the margin
-    p.observe(0.25)                                   # need 0.45 - 0.25 = 0.2; window: 0.5, 0.4, 0.2, 0.2
+    p.observe(0.2, slack_s=0.1)                       # window 0.5, 0.4, 0.2, 0.2 -> median 0.3
     assert p.lead_s == pytest.approx(0.3 + 0.1)
-    p.observe(-0.5)                                   # a stall: need 0.4 + 0.5 = 0.9; window 0.4, 0.2, 0.2, 0.9
-    assert p.lead_s == pytest.approx(0.9 + 0.1)       # the median (0.3) would not cover it: the stall's need wins
-    p.observe(0.8)                                    # need 0.2: window 0.2, 0.2, 0.9, 0.2 -> median 0.2
+    p.observe(0.9, slack_s=-0.5)                      # a stall of 0.5 s: the lead grows by it at once
+    assert p.lead_s == pytest.approx(0.4 + 0.5)       # (the median, 0.3 + 0.1, would not cover it)
+    p.observe(0.2, slack_s=0.3)                       # window 0.2, 0.2, 0.9, 0.2 -> median 0.2
     assert p.lead_s == pytest.approx(0.2 + 0.1)
-    q = Pacer(1.5, adaptive=True, margin_s=0.1, q=1.0, window=4, min_samples=4)
-    q.observe(-0.2)                                   # a stall before min_samples: adapt at once (max need)
-    assert q.lead_s == pytest.approx(1.5)             # need 1.7 + 0.1, capped at the max lead
-    r = Pacer(1.5, adaptive=True, margin_s=0.1, q=0.9, window=4, min_samples=4)
+    q = Pacer(1.5, adaptive=True, margin_s=0.1, q=0.9, window=4, min_samples=4)
     for _ in range(4):
-        r.observe(1.5)                                # arrives exactly as early as the lead: needs 0
-    assert r.lead_s == pytest.approx(0.1)             # never below the margin
+        q.observe(0.0, slack_s=1.0)
+    assert q.lead_s == pytest.approx(0.1)             # never below the margin
+    q.observe(5.0, slack_s=-3.0)
+    assert q.lead_s == 1.5                            # never above pacing_lead_s
+
+
+def test_a_chunks_need_runs_from_eligible_to_delivered():
+    """Eligible = max(due - lead, when the in-flight bound last allowed a chunk); need = delivered - that."""
+    sched = Scheduler(pacing_lead_s=0.5, adaptive=True, margin_s=0.1, q=0.5)
+    s = ScheduledSession("a", start(num_frames=None), now=0.0, max_in_flight=1)
+    sched.add(s)
+    assert sched.pick(now=0.0)[0] is s                # chunk 0: eligible at creation (0.0)
+    s.commit_plan(s.plan_next_chunk())
+    s.delivered(9, now=0.4)                           # first delivery: the player starts at 0.4
+    assert s.ready_since == 0.4 and s.deadline() == pytest.approx(0.4 + 9 / 16)
+    assert sched.pick(now=0.45)[0] is None            # due 0.9625, lead 0.5: eligible from 0.4625
+    assert sched.pick(now=0.47)[0] is s
+    s.commit_plan(s.plan_next_chunk())
+    s.delivered(12, now=0.8)                          # 0.1625 s early; need 0.8 - 0.4625
+    assert s.pacer.needs[-1] == pytest.approx(0.8 - 0.4625) and s.last_slack == pytest.approx(0.1625)
 
 
 def test_scheduler_uses_each_sessions_lead():
