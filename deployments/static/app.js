@@ -10,6 +10,7 @@ const state = {
   config: null, ws: null, imageUrl: null, mediaSource: null, sourceBuffer: null, queue: [],
   startedAt: 0, firstChunkAt: 0, lastChunkAt: 0, intervals: [], chunks: 0, videoSeconds: 0,
   held: new Set(), eventSeq: 0, acks: 0, lastSentKeys: "", running: false, startedEvents: [], errors: [],
+  sentAt: {}, pendingShows: [], controlLatencies: [],
 };
 window.lingbot = state;   // for tests and curious people
 
@@ -63,7 +64,8 @@ $("image").addEventListener("change", () => {
 function resetStats() {
   Object.assign(state, { startedAt: performance.now(), firstChunkAt: 0, lastChunkAt: 0, intervals: [], chunks: 0,
                          videoSeconds: 0, acks: 0, queue: [] });
-  for (const id of ["s-interval", "s-rtf", "s-buffer", "s-ttfc"]) $(id).textContent = "–";
+  Object.assign(state, { sentAt: {}, pendingShows: [], controlLatencies: [] });
+  for (const id of ["s-interval", "s-rtf", "s-buffer", "s-ttfc", "s-control"]) $(id).textContent = "–";
   $("s-chunks").textContent = "0"; $("s-acks").textContent = "0";
 }
 
@@ -106,6 +108,10 @@ function onChunk(meta, data) {
     $("s-interval").textContent = `${(recent.reduce((a, b) => a + b, 0) / recent.length / 1000).toFixed(2)} s`;
   }
   state.lastChunkAt = now;
+  // control -> display: this chunk starts at media time videoSeconds; the events it started show then
+  for (const id of meta.started_event_ids) {
+    if (id in state.sentAt) state.pendingShows.push({ id, sentAt: state.sentAt[id], mediaTime: state.videoSeconds });
+  }
   state.videoSeconds += meta.num_frames / state.config.fps;
   $("s-rtf").textContent = (((now - state.firstChunkAt) / 1000 + 1e-9) /
                             Math.max(state.videoSeconds - meta.num_frames / state.config.fps, 1e-9)).toFixed(2);
@@ -120,6 +126,7 @@ function onChunk(meta, data) {
 function sendInteraction(event) {
   if (!state.ws || state.ws.readyState !== WebSocket.OPEN || !state.running) return;
   const id = `ui-${++state.eventSeq}`;
+  state.sentAt[id] = performance.now();
   state.ws.send(JSON.stringify({ type: "session.interaction", interaction: { event_id: id, event } }));
   return id;
 }
@@ -159,6 +166,21 @@ document.querySelectorAll("[data-key]").forEach((b) => {
   b.addEventListener("pointerup", () => press(b.dataset.key, false));
   b.addEventListener("pointerleave", () => press(b.dataset.key, false));
 });
+
+function watchControls() {
+  // each frame: an event whose chunk's first frame is now on screen has its control -> display latency
+  const v = $("video");
+  const shown = state.pendingShows.filter((p) => v.currentTime >= p.mediaTime);
+  if (shown.length) {
+    const now = performance.now();
+    state.pendingShows = state.pendingShows.filter((p) => v.currentTime < p.mediaTime);
+    for (const p of shown) state.controlLatencies.push(now - p.sentAt);
+    const recent = state.controlLatencies.slice(-8).sort((a, b) => a - b);
+    $("s-control").textContent = `${Math.round(recent[Math.floor((recent.length - 1) / 2)])} ms`;
+  }
+  requestAnimationFrame(watchControls);
+}
+requestAnimationFrame(watchControls);
 
 setInterval(() => {
   const v = $("video");

@@ -1,6 +1,7 @@
 """The web page in a real browser (Debian's headless Chromium driven by Playwright): it starts a session,
 the <video> plays the fMP4 stream through Media Source Extensions, and a key press reaches the server."""
 import asyncio
+import math
 import shutil
 
 from tests.deployments.conftest import HTTP
@@ -29,6 +30,10 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
             await page.wait_for_function("window.lingbot.acks >= 1", timeout=30000)
             await page.keyboard.up("d")
             await page.wait_for_function("window.lingbot.startedEvents.includes('ui-1')", timeout=90000)
+            # the page measures the press's control -> display latency once its chunk is on screen
+            await page.wait_for_function("window.lingbot.controlLatencies.length >= 1", timeout=90000)
+            control = await page.evaluate("[window.lingbot.controlLatencies.slice(), "
+                                          "document.getElementById('s-control').textContent]")
             await page.wait_for_function("window.lingbot.chunks >= 6", timeout=90000)
             await asyncio.sleep(1.0)
             info = await page.evaluate("""() => { const v = document.getElementById('video');
@@ -37,9 +42,13 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
                         buffered: v.buffered.length ? v.buffered.end(v.buffered.length - 1) : 0}; }""")
             await page.screenshot(path=str(tmp_path / "page.png"))
             await browser.close()
-            return t_before, info
+            return t_before, info, control
 
-    t_before, info = asyncio.run(scenario())
+    t_before, info, control = asyncio.run(scenario())
+    latencies, shown = control
+    recent = sorted(latencies[-8:])
+    assert all(ms > 0 for ms in latencies)
+    assert shown == f"{math.floor(recent[(len(recent) - 1) // 2] + 0.5)} ms"     # their median (JS Math.round)
     assert info["errors"] == [] and info["mediaError"] is None
     assert info["time"] > t_before and info["time"] > 0.5          # playback advanced
     assert info["frames"] >= 20                                     # frames were decoded
