@@ -267,7 +267,8 @@ class ScheduledSession:
 
 
 class Scheduler:
-    """Picks the next session to run a chunk for: earliest deadline first, each within its lead."""
+    """Picks the next session to run a chunk for, each within its lead: late sessions first, then those with
+    a control queued, then earliest deadline first."""
 
     def __init__(self, pacing_lead_s: float, adaptive: bool = False, margin_s: float = 0.1, q: float = 0.9):
         self.pacing_lead_s = pacing_lead_s
@@ -294,6 +295,8 @@ class Scheduler:
         eligible = [s for s in ready if waits[s.id] <= 0]
         if not eligible:
             return None, min(waits.values())
-        best = min(eligible, key=lambda s: s.deadline())
+        # a session whose player would wait goes first; then one with a control queued (it shows a chunk
+        # sooner and never waits behind more than the chunk running now); then earliest deadline first
+        best = min(eligible, key=lambda s: (s.deadline() >= now, not s.pending, s.deadline()))
         best.picked_eligible = max(best.deadline() - best.pacer.lead_s, best.ready_since)
         return best, 0.0

@@ -177,3 +177,19 @@ def test_scheduler_uses_each_sessions_lead():
     who, wait = sched.pick(now=0.0)
     assert who is None and wait == pytest.approx(0.5625 - 0.5)
     assert sched.pick(now=0.4)[0] in (a, b)           # both eligible: the earliest deadline (a tie)
+
+
+def test_a_queued_control_goes_before_earlier_deadlines_but_not_before_a_late_session():
+    sched = Scheduler(pacing_lead_s=2.0)
+    a, b, c = (_state(sid, now=0.0) for sid in "abc")
+    for s, delivered_at in ((a, 0.0), (b, 0.1), (c, 0.2)):
+        sched.add(s)
+        s.next_chunk += 1
+        s.generated(9)
+        s.delivered(9, now=delivered_at)              # due next at 0.5625, 0.6625, 0.7625
+    assert sched.pick(now=0.3)[0] is a                # all within the lead: earliest deadline
+    c.queue(Interaction("turn", keys=["l", "l", "l"]))
+    assert sched.pick(now=0.3)[0] is c                # c's control shows a chunk sooner
+    assert sched.pick(now=0.6)[0] is a                # ... unless a's player would wait (due 0.5625)
+    c.commit_plan(c.plan_next_chunk())                # c's chunk ran with the control: nothing queued
+    assert sched.pick(now=0.3)[0] is a
