@@ -130,3 +130,25 @@ def test_the_budget_covers_what_a_session_holds(tiny, tiny_pipeline):
     assert max(held) <= footprint.total <= 1.05 * max(held), (held, footprint)
     assert owned_bytes(session.dit.kv, []) == footprint.kv_window
     assert session.decoder_cache.nbytes() == footprint.decoder_cache
+
+
+def test_a_chunk_restarted_with_a_new_control_is_the_chunk_run_with_it(tiny, tiny_pipeline):
+    """A chunk stopped in its probes changes nothing lasting, so restarting it with a control that arrived
+    meanwhile gives exactly the chunk that had the control from the start (the serving path's restart of
+    stale chunks rests on this)."""
+    old, new = Controls(keys=("w", "w", "w")), Controls(keys=("l", "l", "i"))
+    image = random_image(tiny, seed=7)
+    restarted = tiny_pipeline.new_session(image, "a harbour", seed=3)
+    direct = tiny_pipeline.new_session(image, "a harbour", seed=3)
+    for s in (restarted, direct):
+        s.step(old)
+    checks = []
+
+    def stop_in_probe_2():                          # checked before each of the 4 probes and the commit
+        checks.append(1)
+        return len(checks) == 3
+    assert restarted.step(old, should_stop=stop_in_probe_2) is None
+    a, b = restarted.step(new), direct.step(new)
+    assert a.index == b.index == 1 and torch.equal(a.frames, b.frames)
+    a, b = restarted.step(old), direct.step(old)     # and the chunks after it
+    assert torch.equal(a.frames, b.frames)
