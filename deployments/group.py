@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Optional
 
 import ray
@@ -64,6 +65,14 @@ def device_metric_tags(group: str, stats: list[Optional[DeviceStats]]) -> list[t
     return [(st, {"group": group, "rank": str(rank)}) for rank, st in enumerate(stats) if st is not None]
 
 
+@dataclass
+class RunningChunk:
+    state: ScheduledSession
+    index: int
+    may_restart: bool
+    aborted: bool = False
+
+
 class WorldGroup:
     def __init__(self, settings: dict):
         s = self.settings = ServeSettings(**settings)
@@ -105,6 +114,9 @@ class WorldGroup:
         self.controls_task: Optional[asyncio.Task] = None
         self.wake: Optional[asyncio.Event] = None
         self.broken: Optional[str] = None
+        self.running: Optional[RunningChunk] = None   # the chunk the ranks are on now
+        self.last_chunk_s = 0.0                       # how long the last chunk call took
+        self.restarts = 0
         self.metrics = Metrics()
         self.last_metrics = 0.0
         log.info("group %s: %d ranks on %s ready in %.1f s, capacity %d sessions", self.id, s.sp, infos[0].device,
@@ -190,10 +202,25 @@ class WorldGroup:
                             self._post(sid, SessionError("too_many_controls",
                                                          f"more than {state.max_queued} interactions queued; slow down",
                                                          interaction.event_id))
+                    if state is not None and interactions:
+                        self._restart_for(state)
                 if batch:
                     self.wake.set()
         except Exception as e:                        # the mailbox died: the group is gone with it
             self._fail_group(e)
+
+    def _restart_for(self, state: ScheduledSession) -> None:
+        """A control for `state` arrived: if its chunk is running and may restart, give the chunk up (the
+        ranks stop it before its commit, or it finishes if too late). Never when the session is behind real
+        time: its chunk would not be due again before one more chunk's work."""
+        run = self.running
+        if run is None or run.state is not state or not run.may_restart or run.aborted:
+            return
+        if state.deadline() - time.monotonic() < self.last_chunk_s:
+            return
+        run.aborted = True
+        for r in self.ranks:
+            r.abort_chunk.remote(state.id, run.index)
 
     def _fail_group(self, error: Exception) -> None:
         self.broken = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
@@ -221,19 +248,37 @@ class WorldGroup:
                 return
 
     async def _run_chunk(self, state: ScheduledSession) -> None:
-        """Run the session's next chunk on every rank; its delivery goes on as a task of its own."""
-        plan = state.plan_next_chunk()
-        t0 = time.monotonic()
-        calls = [r.run_chunk.remote(state.id, plan.index, plan.controls, self.muxer if i == 0 else None)
-                 for i, r in enumerate(self.ranks)]
-        try:                                          # a failure here is a rank's: the group breaks
-            replies: list[ChunkReply] = await asyncio.wait_for(asyncio.gather(*calls), self.settings.chunk_timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"chunk {plan.index} of session {state.id} did not come back from every rank "
-                               f"within {self.settings.chunk_timeout_s:g} s") from None
-        root = replies[0]
-        if root.stopped or state.stopped:
-            return
+        """Run the session's next chunk on every rank; its delivery goes on as a task of its own. With
+        restart_stale_chunks, a control for the session that arrives while the chunk is in its probes gives
+        the chunk up and runs it again with the control (at most once per chunk; see _restart_for)."""
+        restarted = False
+        while True:
+            plan = state.plan_next_chunk()
+            plan.restarted = restarted
+            t0 = time.monotonic()
+            self.running = RunningChunk(state, plan.index, may_restart=self.settings.restart_stale_chunks
+                                        and not restarted)
+            calls = [r.run_chunk.remote(state.id, plan.index, plan.controls, self.muxer if i == 0 else None)
+                     for i, r in enumerate(self.ranks)]
+            try:                                      # a failure here is a rank's: the group breaks
+                replies: list[ChunkReply] = await asyncio.wait_for(asyncio.gather(*calls),
+                                                                   self.settings.chunk_timeout_s)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"chunk {plan.index} of session {state.id} did not come back from every rank "
+                                   f"within {self.settings.chunk_timeout_s:g} s") from None
+            finally:
+                aborted, self.running = self.running.aborted, None
+                self.last_chunk_s = time.monotonic() - t0
+            root = replies[0]
+            if state.stopped:
+                return
+            if root.stopped and aborted:              # given up for a fresher control: run it again with it
+                restarted = True
+                self.restarts += 1
+                continue
+            if root.stopped:
+                return
+            break
         state.commit_plan(plan)                       # the ranks advanced the session: the chunk is in flight
         previous = self.deliveries.get(state.id)
         self.deliveries[state.id] = asyncio.get_running_loop().create_task(
@@ -268,7 +313,8 @@ class WorldGroup:
             self._post(state.id, ChunkReady(plan.index, fragment.data, fragment.frames, plan.started, plan.active,
                                             plan.completed, timings, done_at - t0,
                                             {"dispatched": t0, "fragment": fragment_at, "lead_s": state.pacer.lead_s,
-                                             "slack_s": state.last_slack or 0.0}))
+                                             "slack_s": state.last_slack or 0.0,
+                                             "restarted": float(plan.restarted)}))
             if state.start.chunks is not None and plan.index == state.start.chunks - 1:
                 self._post(state.id, SessionDone(plan.index + 1))
         except SessionFailure as e:                   # this session's chunk could not be delivered

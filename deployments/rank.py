@@ -60,6 +60,7 @@ class RankWorker:
         self.comm = None
         self.sessions: dict[str, WorldSession] = {}
         self.stopped = Tombstones()         # stopped or closed sessions: a close can overtake its open
+        self.aborts: dict[str, int] = {}    # session -> index of a chunk to give up (it will be run again)
         self.lock = threading.Lock()        # sessions / stopped
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
         self._on_device(torch.set_grad_enabled, False)
@@ -178,6 +179,14 @@ class RankWorker:
         with self.lock:
             self.stopped.add(session_id)
             self.sessions.pop(session_id, None)
+            self.aborts.pop(session_id, None)
+
+    def abort_chunk(self, session_id: str, index: int) -> None:
+        """Give up chunk `index` of the session at its next step before the commit (the group runs it again
+        with a control that arrived meanwhile). Runs on another thread while run_chunk runs; a chunk past its
+        last check finishes as usual."""
+        with self.lock:
+            self.aborts[session_id] = index
 
     def run_chunk(self, session_id: str, index: int, controls: ChunkControls, muxer=None) -> ChunkReply:
         """Run chunk `index` of a session: condition, 4 probes, commit, decode, pixels to the root."""
@@ -187,10 +196,20 @@ class RankWorker:
         session = self.sessions.get(session_id)
 
         def should_stop() -> bool:
-            # the ranks agree (over the CPU control group): a stop, or a close that reached only some
-            # ranks so far, ends the chunk at the same step everywhere; a lone rank would hang its collectives
-            return self.comm.any_true(session is None or self._is_stopped(session_id))
+            # the ranks agree (over the CPU control group): a stop, an abort, or a close that reached only
+            # some ranks so far ends the chunk at the same step everywhere; a lone rank would hang its collectives
+            with self.lock:
+                aborted = self.aborts.get(session_id) == index
+            return self.comm.any_true(session is None or self._is_stopped(session_id) or aborted)
 
+        try:
+            return self._step(session, session_id, index, controls, muxer, should_stop)
+        finally:
+            with self.lock:
+                if self.aborts.get(session_id) == index:
+                    del self.aborts[session_id]
+
+    def _step(self, session, session_id: str, index: int, controls: ChunkControls, muxer, should_stop) -> ChunkReply:
         if should_stop():
             return ChunkReply(stopped=True)
         if session.chunk_index != index:

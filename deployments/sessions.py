@@ -73,6 +73,7 @@ class ChunkPlan:
     started: list[str]
     active: list[str]
     completed: list[str]
+    restarted: bool = False                     # run again once, with a control that arrived in its probes
 
 
 def quantile(values, q: float) -> float:

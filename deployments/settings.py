@@ -50,6 +50,7 @@ class ServeSettings:
     pacing: str = "adaptive"                 # fixed: always pacing_lead_s; adaptive: learned per session
     pacing_margin_s: float = 0.1             # adaptive: slack kept above the needed lead
     pacing_quantile: float = 0.9             # adaptive: the share of recent chunks the lead must cover
+    restart_stale_chunks: bool = False       # a control arriving in a chunk's probes restarts it with the control
     admission_wait_s: float = 20.0           # wait for a free group (autoscaler) before capacity_exhausted
     retry_after_s: float = 10.0
     start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting

@@ -1,4 +1,5 @@
-"""Control-to-display latency against stalls, for fixed pacing leads and the adaptive one, in one run.
+"""Control-to-display latency against stalls, for fixed pacing leads, the adaptive one, and the adaptive
+one with restarts of stale chunks (restart_stale_chunks), in one run.
 
 Starts a local Ray Serve app of the embedded default (serve_config.yaml: tiny, CPU, SP-2) once per pacing
 configuration, runs SESSIONS sessions at once with a key interaction in every 2 s slot (random phase), and
@@ -27,7 +28,9 @@ PORT = 18800
 
 def configurations(leads: list[float]) -> list[tuple[str, dict]]:
     out = [(f"fixed {lead:g} s", {"pacing": "fixed", "pacing_lead_s": lead}) for lead in leads]
-    return out + [(f"adaptive (<= {max(leads):g} s)", {"pacing": "adaptive", "pacing_lead_s": max(leads)})]
+    adaptive = {"pacing": "adaptive", "pacing_lead_s": max(leads)}
+    return out + [(f"adaptive (<= {max(leads):g} s)", {**adaptive, "restart_stale_chunks": False}),
+                  ("adaptive + restart", {**adaptive, "restart_stale_chunks": True})]
 
 
 def measure(args, base: dict, overrides: dict) -> dict:
@@ -50,7 +53,9 @@ def measure(args, base: dict, overrides: dict) -> dict:
             "stall_ratio": statistics.mean(m["playback"]["stall_ratio"] for m in metrics),
             "ttfc_ms": statistics.mean(m["ttfc_ms"] for m in metrics),
             "steady_interval_ms": agg.get("steady_interval_ms_mean", metrics[0]["interval_steady"].get("mean_ms")),
-            "video_rtf": statistics.mean(m["video_rtf"] for m in metrics)}
+            "video_rtf": statistics.mean(m["video_rtf"] for m in metrics),
+            "restarted_chunks": sum(c.get("restarted", 0) for s in sessions for c in s["chunks"]),
+            "chunks": sum(len(s["chunks"]) for s in sessions)}
 
 
 def main(argv=None) -> list[dict]:
@@ -81,11 +86,11 @@ def main(argv=None) -> list[dict]:
         ray.shutdown()
     chunk_s = 12 / 16
     print(f"\n{'pacing':<24}{'control p50':>12}{'p90':>8}{'p99':>8}{'  (chunks)':>10}{'stall ratio':>13}"
-          f"{'TTFC':>8}{'interval':>10}{'RTF':>7}")
+          f"{'TTFC':>8}{'interval':>10}{'RTF':>7}{'restarts':>10}")
     for r in rows:
         print(f"{r['pacing']:<24}{r['control_p50_ms']:>10.0f}ms{r['control_p90_ms']:>6.0f}ms{r['control_p99_ms']:>6.0f}ms"
               f"{r['control_p50_ms'] / 1e3 / chunk_s:>10.2f}{r['stall_ratio']:>13.1%}{r['ttfc_ms']:>6.0f}ms"
-              f"{r['steady_interval_ms']:>8.0f}ms{r['video_rtf']:>7.2f}")
+              f"{r['steady_interval_ms']:>8.0f}ms{r['video_rtf']:>7.2f}{r['restarted_chunks']:>5.0f}/{r['chunks']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return rows

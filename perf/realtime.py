@@ -72,7 +72,8 @@ async def run_session(args, index: int, image_url: str, width: int, height: int)
         chunks.append({"index": meta["generation_chunk_index"], "transport_index": meta["transport_chunk_index"],
                        "arrival_s": arrival - t0, "num_frames": meta["num_frames"],
                        "byte_length": len(data), "timings": meta.get("timings"),
-                       "started": meta.get("started_event_ids") or []})
+                       "started": meta.get("started_event_ids") or [],
+                       "restarted": (meta.get("group_clock") or {}).get("restarted", 0.0)})
     _check(chunks, result, args.num_chunks)
     if args.save_video:
         with open(f"{args.save_video}.{index}.mp4", "wb") as f:

@@ -368,9 +368,10 @@ def orbit_trajectory(frames):
             "intrinsics": [[480.0, 480.0, 416.0, 240.0]] * frames}
 
 
-def in_process_frames(chunks, seed, prompt, flow_shift=None, trajectory_json=None, prompt_change=None):
+def in_process_frames(chunks, seed, prompt, flow_shift=None, trajectory_json=None, prompt_change=None,
+                      controls=None):
     """The same session through the in-process pipeline (SP-1): the frames the served one should show.
-    `prompt_change`: (chunk, text, transition_chunks) applied at that chunk."""
+    `prompt_change`: (chunk, text, transition_chunks) applied at that chunk; `controls`: per chunk."""
     from lingbot.builder import build_pipeline
     from lingbot.camera import CameraRig, Trajectory
     from lingbot.io.images import open_image, resize_image
@@ -384,15 +385,15 @@ def in_process_frames(chunks, seed, prompt, flow_shift=None, trajectory_json=Non
     frames = []
     for k in range(chunks):
         change = prompt_change[1:] if prompt_change is not None and prompt_change[0] == k else None
-        frames.append(world.step(prompt=change).frames.numpy())
+        frames.append(world.step(controls[k] if controls else None, prompt=change).frames.numpy())
     return np.concatenate(frames)
 
 
-def through_h264(frames):
-    """Frames as a client sees them after the muxer's encoder (same codec, CRF and preset)."""
+def through_h264(frames, fps=16.0):
+    """Frames as a client sees them after the muxer's encoder (same codec, CRF, preset and frame rate)."""
     from lingbot.io.video import H264Writer
     buf = io.BytesIO()
-    writer = H264Writer(buf, W, H, 16.0)
+    writer = H264Writer(buf, W, H, fps)
     writer.write(frames)
     writer.close()
     return read_frames(buf.getvalue()).astype(float)

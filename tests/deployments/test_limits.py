@@ -1,6 +1,9 @@
 """Session limits and failures end to end, on a second Serve app beside the package's one (same Ray
 cluster, route prefix /strict): an API key, short idle and lifetime limits, a small control queue, SP-1;
-and a rank killed mid-session. Its group breaks, so that test runs last and the app is deleted after."""
+restarts of stale chunks on; and a rank killed mid-session. Its group breaks, so that test runs last
+and the app is deleted after."""
+import asyncio
+
 import pytest
 
 from lingbot.client import RealtimeClient
@@ -9,7 +12,7 @@ from tests.deployments.test_app import H, W, png_url, run
 
 KEY = "test-key-1"
 STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, idle_timeout_s=6, max_lifetime_s=12,
-              max_queued_controls=2, api_keys=KEY, stall_timeout_s=60)
+              max_queued_controls=2, api_keys=KEY, stall_timeout_s=60, restart_stale_chunks=True)
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
 
 
@@ -119,6 +122,42 @@ def test_too_many_controls_refuses_the_excess_and_keeps_the_session(strict_app):
     assert refused and started and not (set(refused) & started)        # each event either ran or was refused
     assert set(refused) | started == {f"k{i}" for i in range(12)}
     assert result.done["stopped"] is True and len(result.chunks) >= 6
+
+
+def test_restarted_chunks_show_the_frames_of_their_controls(strict_app):
+    """With restart_stale_chunks a key event that lands in a chunk's probes restarts that chunk with it.
+    Whether or not a chunk restarted, the stream equals the in-process pipeline with each event's keys at
+    the chunk that started it (through the same H.264 encoder)."""
+    import numpy as np
+
+    from lingbot.camera import Controls
+    from lingbot.io.video import read_frames
+    from tests.deployments.test_app import in_process_frames, through_h264
+
+    async def scenario():
+        client = RealtimeClient(URL, api_key=KEY)
+        await client.__aenter__()
+        await client.start("a quiet street", png_url(), W, H, 8, seed=9)
+        try:
+            async def steer(result, meta):
+                n = len(result.chunks)
+                await asyncio.sleep(0.05 * (n % 4))        # land at different points of the next chunk
+                await client.interact(f"k{n}", keys=["l", "l", "i"] if n % 2 else ["j", "w", "w"])
+            return await client.receive_session(steer, timeout=300)
+        finally:
+            await client.__aexit__()
+
+    result = run(scenario())
+    assert result.error is None and result.done["chunks"] == 8
+    keys_at = {}
+    for meta in result.chunks:
+        for event in meta["started_event_ids"]:
+            n = int(event[1:])
+            keys_at[meta["generation_chunk_index"]] = ("l", "l", "i") if n % 2 else ("j", "w", "w")
+    controls = [Controls(keys=keys_at.get(k)) if k in keys_at else None for k in range(8)]
+    expected = through_h264(in_process_frames(8, 9, "a quiet street", controls=controls))
+    assert np.abs(read_frames(result.video).astype(float) - expected).mean() < 0.25     # identical here
+    assert {meta["group_clock"]["restarted"] for meta in result.chunks} <= {0.0, 1.0}   # (5 of 8 restarted here)
 
 
 def test_a_rank_killed_mid_session_ends_it_with_internal_error(strict_app):

@@ -59,3 +59,19 @@ def test_a_cpu_rank_reports_its_process():
     sum(i * i for i in range(3_000_000))                           # ~0.2 s of CPU time between the samples
     second = worker.device_stats()
     assert second.utilization > 0 and second.memory_used > 50 * 2 ** 20   # a torch process: > 50 MiB resident
+
+
+def test_an_aborted_chunk_changes_nothing_and_runs_again():
+    worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
+    worker.join(None)
+    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None)
+    assert not worker.run_chunk("s", 0, ChunkControls(keys=("w", "", "l"))).stopped
+    worker.abort_chunk("s", 1)                              # the group gives chunk 1 up (a fresher control came)
+    assert worker.run_chunk("s", 1, ChunkControls(keys=("w", "w", "w"))).stopped
+    assert worker.sessions["s"].chunk_index == 1 and worker.aborts == {}      # nothing advanced; flag spent
+    assert not worker.run_chunk("s", 1, ChunkControls(keys=("l", "l", "l"))).stopped   # run again, with it
+    assert worker.sessions["s"].chunk_index == 2
+    worker.abort_chunk("s", 1)                              # too late for a chunk already done: ignored
+    assert not worker.run_chunk("s", 2, ChunkControls()).stopped
+    worker.close_session("s")
+    assert worker.aborts == {}
