@@ -21,6 +21,7 @@ from ray import serve
 
 from lingbot.config import get_preset
 
+from .limits import TenantLimits
 from .messages import Admitted, ChunkReady, SessionDone, SessionError, SessionRequest
 from .metrics import Metrics
 from .protocol import (
@@ -29,10 +30,11 @@ from .protocol import (
     CLOSE_SERVER_ERROR,
     CLOSE_TRY_AGAIN,
     ProtocolError,
-    authorized,
+    origin_allowed,
     parse_interaction,
     parse_json,
     parse_start,
+    presented_key,
 )
 from .settings import ServeSettings
 
@@ -101,13 +103,27 @@ class Connection:
             await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
 
     async def run(self) -> None:
-        if not authorized(dict(self.ws.headers), dict(self.ws.query_params), self.settings.api_key_set):
+        headers = dict(self.ws.headers)
+        if not origin_allowed(headers, self.settings.allowed_origin_set):
+            await self.refuse(ProtocolError("origin_not_allowed", f"pages from {headers.get('origin')} may not open "
+                                            "sessions here (allowed_origins)", close=CLOSE_POLICY))
+            return
+        key = presented_key(headers, dict(self.ws.query_params), self.settings.api_key_set)
+        if key is None:
             await self.refuse(ProtocolError("unauthorized", "a valid API key is required", close=CLOSE_POLICY))
             return
+        tenant = f"key:{key}" if key else f"addr:{self.ws.client.host if self.ws.client else '?'}"
         start = await self.wait_for_start()
         if start is None:
             return
-        await self.admit_and_stream(start)
+        refusal = self.ingress.limits.admit(tenant, time.monotonic())
+        if refusal is not None:
+            await self.refuse(refusal)
+            return
+        try:
+            await self.admit_and_stream(start)
+        finally:
+            self.ingress.limits.release(tenant)
 
     async def wait_for_start(self):
         s = self.settings
@@ -298,6 +314,7 @@ class Ingress:
         preset = get_preset(self.settings.preset)
         self.size = (preset.width, preset.height)
         self.geometry = preset.geometry
+        self.limits = TenantLimits(self.settings.max_sessions_per_key, self.settings.max_starts_per_minute_per_key)
         self.metrics = Metrics()
         self.live = 0
 

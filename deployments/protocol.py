@@ -297,12 +297,28 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
     return out
 
 
-def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
-    """True when no keys are configured, or the client presents one: `Authorization: Bearer KEY` (or
-    `X-API-Key: KEY`) for programs, `?api_key=KEY` for pages (browsers cannot set WebSocket headers)."""
+def presented_key(headers: dict, query: dict, keys: frozenset) -> Optional[str]:
+    """The configured key the client presents: `Authorization: Bearer KEY` (or `X-API-Key: KEY`) for
+    programs, `?api_key=KEY` for pages (browsers cannot set WebSocket headers). None if it presents none of
+    them; "" when no keys are configured (everyone is let in)."""
     if not keys:
-        return True
+        return ""
     auth = headers.get("authorization", "")
     presented = {auth[7:].strip() if auth.lower().startswith("bearer ") else "", headers.get("x-api-key", ""),
                  query.get("api_key", "")}
-    return any(hmac.compare_digest(k, p) for k in keys for p in presented if p)
+    return next((k for k in sorted(keys) for p in presented if p and hmac.compare_digest(k, p)), None)
+
+
+def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
+    """True when no keys are configured, or the client presents one (see presented_key)."""
+    return presented_key(headers, query, keys) is not None
+
+
+def origin_allowed(headers: dict, allowed: frozenset) -> bool:
+    """A WebSocket handshake's Origin: absent (programs send none), the page's own (the same host and port
+    as the request), listed in `allowed`, or anything when `allowed` holds "*"."""
+    origin = headers.get("origin")
+    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
+        return True
+    from urllib.parse import urlsplit
+    return urlsplit(origin).netloc.lower() == headers.get("host", "").lower()

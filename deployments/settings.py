@@ -79,6 +79,9 @@ class ServeSettings:
     encoder_preset: str = "veryfast"         # x264 preset (NVENC: p1..p7)
     encoder_threads: int = 0                 # 0: the encoder's choice
     api_keys: str = ""                       # comma-separated; when set, clients must present one (see README)
+    max_sessions_per_key: int = 0            # sessions one key (or client address, without keys) may hold; 0: no limit
+    max_starts_per_minute_per_key: int = 0   # session starts per key per minute; 0: no limit
+    allowed_origins: str = ""                # comma-separated page origins besides the server's own ("*": any)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -135,6 +138,10 @@ class ServeSettings:
         for name, value in list(args.items()):
             args[name] = _coerce(name, value, known[name].type)
         return cls(**args)
+
+    @property
+    def allowed_origin_set(self) -> frozenset:
+        return frozenset(o.strip().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
 
     @property
     def api_key_set(self) -> frozenset:

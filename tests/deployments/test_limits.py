@@ -1,5 +1,6 @@
 """Session limits and failures end to end, on a second Serve app beside the package's one (same Ray
-cluster, route prefix /strict): an API key, short idle and lifetime limits, a small control queue, SP-1;
+cluster, route prefix /strict): API keys with per-key limits, an allowed origin, short idle and lifetime
+limits, a small control queue, SP-1;
 restarts of stale chunks on; and a rank killed mid-session. Its group breaks, so that test runs last
 and the app is deleted after."""
 import asyncio
@@ -11,9 +12,43 @@ from tests.deployments.conftest import PORT, TEST_SETTINGS
 from tests.deployments.test_app import H, W, png_url, run
 
 KEY = "test-key-1"
-STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, idle_timeout_s=6, max_lifetime_s=12,
-              max_queued_controls=2, api_keys=KEY, stall_timeout_s=60, restart_stale_chunks=True)
+KEY2 = "test-key-2"                       # the door-limit test's tenant
+STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=6, max_lifetime_s=12,
+              max_queued_controls=2, api_keys=f"{KEY},{KEY2}", stall_timeout_s=60, restart_stale_chunks=True,
+              max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example")
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
+
+
+def test_tenant_limits_by_hand():
+    from deployments.limits import TenantLimits
+    limits = TenantLimits(max_sessions=2, max_starts_per_minute=3)
+    assert limits.admit("a", 0.0) is None and limits.admit("a", 1.0) is None
+    busy = limits.admit("a", 2.0)                                # a third at once
+    assert (busy.code, busy.close, busy.extra["retry_after_s"]) == ("too_many_sessions", 1013, 5)
+    assert limits.admit("b", 2.0) is None                        # another tenant is not affected
+    limits.release("a")
+    assert limits.admit("a", 10.0) is None                       # third start of "a" within the minute
+    limits.release("a")
+    rate = limits.admit("a", 30.0)                               # a fourth: the window holds 0, 1, 10
+    assert (rate.code, rate.close, rate.extra["retry_after_s"]) == ("rate_limited", 1013, 30.0)
+    assert limits.admit("a", 60.0) is None                       # the start at 0 has left the window
+    assert limits.active == {"a": 2, "b": 1}
+    unlimited = TenantLimits()
+    assert all(unlimited.admit("x", float(t)) is None for t in range(100))
+
+
+def test_origins_and_keys_by_hand():
+    from deployments.protocol import origin_allowed, presented_key
+    own = {"host": "127.0.0.1:8000"}
+    assert origin_allowed(own, frozenset())                                          # programs: no Origin
+    assert origin_allowed({**own, "origin": "http://127.0.0.1:8000"}, frozenset())   # the page's own
+    assert not origin_allowed({**own, "origin": "https://evil.example"}, frozenset())
+    assert origin_allowed({**own, "origin": "https://app.example"}, frozenset({"https://app.example"}))
+    assert origin_allowed({**own, "origin": "https://evil.example"}, frozenset({"*"}))
+    keys = frozenset({"k1", "k2"})
+    assert presented_key({"authorization": "Bearer k2"}, {}, keys) == "k2"
+    assert presented_key({}, {"api_key": "k1"}, keys) == "k1"
+    assert presented_key({}, {}, keys) is None and presented_key({}, {}, frozenset()) == ""
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +193,58 @@ def test_restarted_chunks_show_the_frames_of_their_controls(strict_app):
     expected = through_h264(in_process_frames(8, 9, "a quiet street", controls=controls))
     assert np.abs(read_frames(result.video).astype(float) - expected).mean() < 0.25     # identical here
     assert {meta["group_clock"]["restarted"] for meta in result.chunks} <= {0.0, 1.0}   # (5 of 8 restarted here)
+
+
+def test_per_key_limits_and_origins_at_the_door(strict_app):
+    """KEY2 may hold 2 sessions and start 8 a minute: a third at once is refused (too_many_sessions, 1013,
+    retry_after_s) and KEY's sessions are untouched; the ninth start within the minute is rate_limited. A page
+    from an origin not allowed is refused at the handshake; the allowed one and the server's own get in."""
+    import json
+
+    import websockets
+
+    async def scenario():
+        holders = [RealtimeClient(URL, api_key=KEY2) for _ in range(2)]
+        for i, c in enumerate(holders):
+            await c.__aenter__()
+            await c.start("p", png_url(), W, H, None, seed=i)                     # endless: they hold
+            while not isinstance(await c.ws.recv(), bytes):
+                pass
+        async with RealtimeClient(URL, api_key=KEY2) as third:
+            await third.start("p", png_url(), W, H, 1)
+            refused = await third.receive_session(timeout=30)
+        async with RealtimeClient(URL, api_key=KEY) as other:                  # another tenant gets in
+            await other.start("p", png_url(), W, H, 1)
+            other_result = await other.receive_session(timeout=120)
+        for c in holders:
+            await c.send({"type": "session.stop"})
+            await c.receive_session(timeout=60)
+            await c.__aexit__()
+        quick = []                                  # 2 starts so far (the refused third does not count): 6 more, 1 over
+        for i in range(7):
+            async with RealtimeClient(URL, api_key=KEY2) as c:
+                await c.start("p", png_url(), W, H, 1, seed=i)
+                quick.append(await c.receive_session(timeout=120))
+        origins = {}
+        for origin in ("https://evil.example", "https://app.example", f"http://127.0.0.1:{PORT}"):
+            async with websockets.connect(f"{URL}?api_key={KEY}", origin=origin) as ws:
+                await ws.send(json.dumps({"type": "session.ping", "t": 1}))
+                try:
+                    origins[origin] = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                except websockets.ConnectionClosed as e:
+                    origins[origin] = {"closed": e.rcvd.code if e.rcvd else None}
+        return refused, other_result, quick, origins
+
+    refused, other, quick, origins = run(scenario())
+    assert refused.error["code"] == "too_many_sessions" and refused.close_code == 1013
+    assert refused.error["retry_after_s"] == 5
+    assert other.error is None and other.done["chunks"] == 1
+    assert [q.error is None for q in quick] == [True] * 6 + [False]
+    assert quick[-1].error["code"] == "rate_limited" and quick[-1].close_code == 1013
+    assert 0 < quick[-1].error["retry_after_s"] <= 60
+    assert origins["https://evil.example"]["code"] == "origin_not_allowed"
+    assert origins["https://app.example"] == {"type": "session.pong", "t": 1}
+    assert origins[f"http://127.0.0.1:{PORT}"] == {"type": "session.pong", "t": 1}
 
 
 def test_a_rank_killed_mid_session_ends_it_with_internal_error(strict_app):
