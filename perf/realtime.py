@@ -54,16 +54,14 @@ async def run_session(args, index: int, image_url: str, width: int, height: int)
     if args.profile_stages:
         extra["profile_stages"] = True
     async with RealtimeClient(args.url, open_timeout=args.first_chunk_timeout) as client:
-        ping = asyncio.create_task(_pinger(client, args.ping_interval))
         await client.start(args.prompt, image_url, width, height, args.num_chunks, args.fps, args.seed + index,
                            script=script, **extra)
         t0 = time.monotonic()                  # the clock starts once session.start has been sent
         controls: list[dict] = []
         steer = asyncio.create_task(_controls(client, args.control_interval, t0, controls, args.seed + index))
         result = await client.receive_session(timeout=args.first_chunk_timeout + args.chunk_timeout * args.num_chunks,
-                                              ping_interval=None)
+                                              ping_interval=args.ping_interval if args.ping_interval > 0 else None)
         wall = time.monotonic() - t0
-        ping.cancel()
         steer.cancel()
     if result.error is not None:
         raise BenchmarkError(f"session {index}: server error {result.error.get('code')}: {result.error.get('message')}")
@@ -117,14 +115,6 @@ def _check(chunks: list[dict], result, expected: int) -> None:
 def _decoded_frames(video: bytes) -> int:
     from lingbot.io.video import read_frames
     return int(read_frames(video).shape[0])
-
-
-async def _pinger(client, interval: float) -> None:
-    if interval <= 0:
-        return
-    while True:
-        await asyncio.sleep(interval)
-        await client.send({"type": "session.ping", "t": time.time()})
 
 
 def stage_medians(chunks: list[dict]) -> dict:
