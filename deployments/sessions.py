@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lingbot.config import LINGBOT_GEOMETRY, ChunkGeometry
+from lingbot.stats import percentile
 
 from .messages import ChunkControls
 from .protocol import Interaction, StartRequest
@@ -76,15 +77,6 @@ class ChunkPlan:
     restarted: bool = False                     # run again once, with a control that arrived in its probes
 
 
-def quantile(values, q: float) -> float:
-    """Linear interpolation between order statistics (q in [0, 1])."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 class Pacer:
     """How far ahead of its playback a session may generate (seconds): fixed, or learned from the slack of
     its recent deliveries (module docstring)."""
@@ -107,7 +99,7 @@ class Pacer:
             return
         wanted = self.lead_s
         if len(self.needs) >= self.min_samples:
-            wanted = quantile(self.needs, self.q) + self.margin_s
+            wanted = percentile(self.needs, self.q) + self.margin_s
         if slack_s < 0:                               # a stall: more lead at once, by the wait it caused
             wanted = max(wanted, self.lead_s - slack_s)
         self.lead_s = min(self.max_lead_s, max(self.margin_s, wanted))

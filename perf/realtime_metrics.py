@@ -24,16 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between order statistics; q in [0, 1]."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+from lingbot.stats import percentile
 
 
 def sample_std(values: Sequence[float]) -> float:
