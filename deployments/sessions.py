@@ -78,8 +78,8 @@ class ChunkPlan:
 
 
 class Pacer:
-    """How far ahead of its playback a session may generate (seconds): fixed, or learned from the slack of
-    its recent deliveries (module docstring)."""
+    """How far ahead of its playback a session may generate (seconds): fixed, or learned from how long its
+    recent chunks took from eligible to delivered (module docstring)."""
 
     def __init__(self, max_lead_s: float, adaptive: bool = False, margin_s: float = 0.1, q: float = 0.9,
                  window: int = 8, min_samples: int = 4):
@@ -133,7 +133,6 @@ class ScheduledSession:
         self.ready_since = self.created             # since when the in-flight bound allows another chunk
         self.picked_eligible: Optional[float] = None    # set by Scheduler.pick for the chunk it hands out
         self.eligible_times: deque[float] = deque()     # per chunk in flight: when it became eligible
-        self._last_need = 0.0
 
     # ---- pacing ---------------------------------------------------------------------------------
     @property
@@ -161,24 +160,25 @@ class ScheduledSession:
         if self.in_flight < self.max_in_flight:
             self.ready_since = now
 
-    def _released(self, now: float) -> None:
-        """A chunk left the in-flight count: if that freed the bound, the session is ready from now."""
+    def _released(self, now: float) -> float:
+        """A chunk left the in-flight count: if that freed the bound, the session is ready from now. Returns
+        the time from when the chunk became eligible to now."""
         if self.in_flight == self.max_in_flight:
             self.ready_since = now
         self.in_flight = max(0, self.in_flight - 1)
         eligible = self.eligible_times.popleft() if self.eligible_times else now
-        self._last_need = now - eligible
+        return now - eligible
 
     def delivered(self, frames: int, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
-        self._released(now)
+        need = self._released(now)
         if self.first_delivery is None:
             self.first_delivery = now
         else:
             late = now - (self.first_delivery + self.frames_delivered / self.start.fps)
             self.last_slack = -late
             if self.pacer is not None:
-                self.pacer.observe(self._last_need, -late)
+                self.pacer.observe(need, -late)
             if late > 0:                             # the player ran dry before this chunk arrived
                 self.stalls += 1
                 self.stall_seconds += late
