@@ -44,11 +44,16 @@ STATIC = Path(__file__).parent / "static"
 app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None)
 
 
+CLOSE_TIMEOUT_S = 5.0                     # a clogged socket (a client that stopped reading) may never take the close
+
+
 async def _close_quietly(ws: WebSocket, message: Optional[dict], code: int, reason: str = "") -> None:
-    try:
+    async def close():
         if message is not None:
             await ws.send_json(message)
         await ws.close(code=code, reason=reason[:120])
+    try:
+        await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
     except Exception:
         pass
 
@@ -243,14 +248,8 @@ class Connection:
             return True
         except asyncio.TimeoutError:
             log.warning("session %s: a send blocked for %g s; ending it", self.session_id, s.stall_timeout_s)
-            self.ingress.metrics.refusals.inc(tags={"code": "stall_timeout"})
-            self.closed = True
-            error = ProtocolError("stall_timeout", f"the client read nothing for {s.stall_timeout_s:g} s",
-                                  close=CLOSE_POLICY)
-            try:                                     # the socket is clogged: the close may never get through
-                await asyncio.wait_for(_close_quietly(self.ws, error.to_message(), CLOSE_POLICY, error.code), 5)
-            except asyncio.TimeoutError:
-                pass
+            await self.refuse(ProtocolError("stall_timeout", f"the client read nothing for {s.stall_timeout_s:g} s",
+                                            close=CLOSE_POLICY))
             return False
 
     def _next_limit(self) -> tuple[float, str, str]:
