@@ -116,7 +116,6 @@ class WorldGroup:
         self.broken: Optional[str] = None
         self.running: Optional[RunningChunk] = None   # the chunk the ranks are on now
         self.last_chunk_s = 0.0                       # how long the last chunk call took
-        self.restarts = 0
         self.metrics = Metrics()
         self.last_metrics = 0.0
         log.info("group %s: %d ranks on %s ready in %.1f s, capacity %d sessions", self.id, s.sp, infos[0].device,
@@ -274,7 +273,6 @@ class WorldGroup:
                 return
             if root.stopped and aborted:              # given up for a fresher control: run it again with it
                 restarted = True
-                self.restarts += 1
                 continue
             if root.stopped:
                 return

@@ -61,6 +61,7 @@ class RankWorker:
         self.sessions: dict[str, WorldSession] = {}
         self.stopped = Tombstones()         # stopped or closed sessions: a close can overtake its open
         self.aborts: dict[str, int] = {}    # session -> index of a chunk to give up (it will be run again)
+        self._last_cpu: Optional[tuple[float, float]] = None    # CPU device stats: the previous sample
         self.lock = threading.Lock()        # sessions / stopped
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
         self._on_device(torch.set_grad_enabled, False)
@@ -141,8 +142,7 @@ class RankWorker:
         import psutil
         proc = psutil.Process()
         now, cpu = time.monotonic(), sum(proc.cpu_times()[:2])
-        last = getattr(self, "_last_cpu", None)
-        self._last_cpu = (now, cpu)
+        last, self._last_cpu = self._last_cpu, (now, cpu)
         utilization = float("nan") if last is None else 100.0 * (cpu - last[1]) / max(now - last[0], 1e-9)
         return DeviceStats(utilization, proc.memory_info().rss)
 
