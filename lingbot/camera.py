@@ -289,10 +289,7 @@ class Trajectory:
         sampled = resample_poses(poses, targets)
         sampled = np.linalg.inv(sampled[0]) @ sampled                      # relative to the first frame
         sampled[0] = np.eye(4)
-        lo = np.minimum(np.floor(targets).astype(int), used - 1)
-        hi = np.minimum(lo + 1, used - 1)
-        frac = (targets - lo)[:, None]
-        k = (1 - frac) * intrinsics[lo] + frac * intrinsics[hi]
+        k = np.stack([np.interp(targets, np.arange(used), column) for column in intrinsics.T], axis=1)
         k = k * np.array([width / reference[0], height / reference[1]] * 2)
         steps = np.linalg.norm((np.linalg.inv(sampled[:-1]) @ sampled[1:])[:, :3, 3], axis=1)
         largest = float(steps.max()) if len(steps) else 0.0
@@ -369,13 +366,13 @@ def trajectory(keys_per_chunk: Sequence[Sequence[str]], width: int, height: int,
     for keys in keys_per_chunk:
         planned = rig.plan(Controls(keys=tuple(keys)), len(keys))
         relative, table = rig.relative(planned), rig.frame_intrinsics(planned)
-        scripted = rig.scripted_frames(rig.state.frame, len(keys))
         for i, (pose, rel, pitch, frame_keys) in enumerate(zip(planned.poses, relative, planned.pitch_deg, keys)):
-            if i < scripted:
+            if i < planned.scripted:
                 pose_yaw, pitch = yaw_pitch_deg(pose)
                 yaw += (pose_yaw - yaw + 180.0) % 360.0 - 180.0            # unwrapped across frames
             else:
-                yaw += YAW_STEP_DEG * (("l" in parse_keys(frame_keys)) - ("j" in parse_keys(frame_keys)))
+                pressed = parse_keys(frame_keys)
+                yaw += YAW_STEP_DEG * (("l" in pressed) - ("j" in pressed))
             out.append({"frame": len(out), "c2w": pose.tolist(), "translation": rel[:3, 3].tolist(),
                         "intrinsics": table[i].tolist(), "pitch_deg": pitch, "yaw_deg": yaw})
         rig.commit(planned)
@@ -516,9 +513,9 @@ class CameraRig:
     def frame_intrinsics(self, planned: PlannedChunk) -> np.ndarray:
         """(fx, fy, cx, cy) of each frame of the chunk [frames, 4]."""
         table = intrinsics_table(self.intrinsics, len(planned.poses))
-        scripted = self.scripted_frames(self.state.frame, len(planned.poses))
-        if scripted:
-            table[:scripted] = self.trajectory.intrinsics[self.state.frame:self.state.frame + scripted]
+        n, start = planned.scripted, self.state.frame
+        if n:
+            table[:n] = self.trajectory.intrinsics[start:start + n]
         return table
 
     def rays(self, planned: PlannedChunk, height: int, width: int, device="cpu") -> Tensor:

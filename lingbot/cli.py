@@ -44,10 +44,10 @@ def load_offline_trajectory(args, preset, chunks: Optional[int]):
     import numpy as np
 
     from .camera import Trajectory
-    g = LINGBOT_GEOMETRY
+    g = preset.geometry
     poses = np.load(args.poses, allow_pickle=False)
     intrinsics = np.load(args.intrinsics, allow_pickle=False)
-    return Trajectory.from_video_frames(poses, intrinsics, preset.width, preset.height, preset.vae_stride[0],
+    return Trajectory.from_video_frames(poses, intrinsics, preset.width, preset.height, g.temporal_stride,
                                         max_video_frames=None if chunks is None else g.video_frames(chunks))
 
 
