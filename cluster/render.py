@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -72,7 +73,10 @@ def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:
     head["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": SERVE_PORT}, "periodSeconds": 10,
                               "failureThreshold": 360}       # the first group loads 14B and warms up: minutes
     worker = _container("ray-worker", profile, profile.node_cpus, profile.node_memory_gi, profile.devices_per_node)
-    object_store = str(int(profile.shm_gi * 0.8 * 2 ** 30))
+    worker_params = {"object-store-memory": str(int(profile.shm_gi * 0.8 * 2 ** 30))}
+    if profile.ray_resource != "GPU":       # GPUs are detected from the pod's limits; other devices are named
+        # KubeRay passes the value to `ray start --resources` as is: a JSON object inside a quoted string
+        worker_params["resources"] = json.dumps(json.dumps({profile.ray_resource: profile.devices_per_node}))
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -93,9 +97,7 @@ def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:
                 "workerGroupSpecs": [{
                     "groupName": f"{profile.device}-workers",
                     "replicas": 1, "minReplicas": 1, "maxReplicas": profile.max_worker_nodes,
-                    "rayStartParams": {"object-store-memory": object_store,
-                                       "resources": f'"{{\\"{profile.ray_resource}\\": {profile.devices_per_node}}}"'}
-                    if profile.ray_resource != "GPU" else {"object-store-memory": object_store},
+                    "rayStartParams": worker_params,
                     "template": _pod(worker, profile),
                 }],
             },
