@@ -308,10 +308,11 @@ def test_grafana_dashboard_queries_only_exported_metrics(serve_app):
 
 def test_a_quiet_client_that_reads_is_never_cut(serve_app):
     """100 chunks to a client that never sends a message (no pings either): longer than stall_timeout_s
-    (15 s here), and the session runs to its end."""
+    (15 s here), and the session runs to its end. At 24 fps the 100 chunks are 49.9 s of video and pacing
+    lets a session run at most 30 s ahead (pacing_lead_s), so it lasts 20 s or more on any machine."""
     async def quiet():
         async with RealtimeClient(serve_app) as client:
-            await client.start("a long road", png_url(), W, H, 100, fps=120)
+            await client.start("a long road", png_url(), W, H, 100, fps=24)
             return await client.receive_session(timeout=600, ping_interval=None)
 
     result = run(quiet())
