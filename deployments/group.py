@@ -141,7 +141,7 @@ class WorldGroup:
         state = ScheduledSession(sid, start, self.geometry, self.settings.max_queued_controls,
                                  max_in_flight=self.settings.in_flight_chunks)
         try:
-            mime = await self.muxer.open.remote(sid, start.fps)
+            mime = await self.muxer.open.remote(sid, start.fps, start.output)
             opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
                                                                   start.flow_shift, start.trajectory)
                                             for r in self.ranks])
@@ -312,7 +312,8 @@ class WorldGroup:
                                             plan.completed, timings, done_at - t0,
                                             {"dispatched": t0, "fragment": fragment_at, "lead_s": state.pacer.lead_s,
                                              "slack_s": state.last_slack or 0.0,
-                                             "restarted": float(plan.restarted)}))
+                                             "restarted": float(plan.restarted)},
+                                            fragment.batches, plan.controls.keys))
             if state.start.chunks is not None and plan.index == state.start.chunks - 1:
                 self._post(state.id, SessionDone(plan.index + 1))
         except SessionFailure as e:                   # this session's chunk could not be delivered

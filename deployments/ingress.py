@@ -1,7 +1,8 @@
 """Ingress: the WebSocket endpoint, health checks and the web page (CPU only).
 `WS /v1/realtime/video` speaks the vLLM-Omni realtime video protocol (docs/architecture.md) plus keyboard
-keys in interactions. Per connection: wait for session.start (start_timeout_s), validate it, then hold
-one streaming call to a WorldGroup (the session's lease) and relay its chunks as a JSON
+keys in interactions; `WS /v1/realtime_video/generate` speaks SGLang's (MessagePack, raw or image frames),
+on the same groups, admission and limits. Per connection: wait for the start (start_timeout_s), validate
+it, then hold one streaming call to a WorldGroup (the session's lease) and relay its chunks as a JSON
 video.chunk_metadata + one binary fMP4 message each. Client controls go straight to the group's control
 mailbox (not through Serve's routing).
 Every refusal is an `error` with a stable code; the shared process never crashes on client input.
@@ -21,6 +22,7 @@ from ray import serve
 
 from lingbot.config import get_preset
 
+from . import sglang
 from .limits import TenantLimits
 from .messages import Admitted, ChunkReady, SessionDone, SessionError, SessionRequest
 from .metrics import Metrics
@@ -29,6 +31,7 @@ from .protocol import (
     CLOSE_POLICY,
     CLOSE_SERVER_ERROR,
     CLOSE_TRY_AGAIN,
+    Interaction,
     ProtocolError,
     origin_allowed,
     parse_interaction,
@@ -47,9 +50,14 @@ app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None)
 CLOSE_TIMEOUT_S = 5.0                     # a clogged socket (a client that stopped reading) may never take the close
 
 
-async def _close_quietly(ws: WebSocket, message: Optional[dict], code: int, reason: str = "") -> None:
+async def _close_quietly(ws: WebSocket, message, code: int, reason: str = "", send=None) -> None:
+    """Send `message` (a JSON map, or bytes) or call `send`, then close; bounded in time, never raising."""
     async def close():
-        if message is not None:
+        if send is not None:
+            await send()
+        elif isinstance(message, (bytes, bytearray)):
+            await ws.send_bytes(message)
+        elif message is not None:
             await ws.send_json(message)
         await ws.close(code=code, reason=reason[:120])
     try:
@@ -59,7 +67,8 @@ async def _close_quietly(ws: WebSocket, message: Optional[dict], code: int, reas
 
 
 class Connection:
-    """One client WebSocket: start, admission, the chunk pump and the control reader."""
+    """One client WebSocket, whichever protocol: start, admission, the chunk pump and the control reader.
+    The wire is the subclass's: VllmConnection (JSON + fMP4), SglangConnection (MessagePack + frames)."""
 
     def __init__(self, ingress: "Ingress", ws: WebSocket):
         self.ingress = ingress
@@ -73,39 +82,76 @@ class Connection:
         self.last_interaction = time.monotonic()
         self.started_at = time.monotonic()
         self.closed = False
+        self.scripted = False                  # the camera follows an offline trajectory: no camera or key events
 
+    # ---- the wire (subclasses) ------------------------------------------------------------------
+    async def receive_message(self, timeout: float, limit: int) -> dict:
+        """The next client message, decoded (ProtocolError on bad input, WebSocketDisconnect at the end)."""
+        raise NotImplementedError
+
+    async def answered(self, msg: dict) -> bool:
+        """True when `msg` was a keepalive this method answered (it needs no other handling)."""
+        return False
+
+    def error_close(self, error: ProtocolError) -> tuple[Optional[object], str]:
+        """(message to send before the close, or None; the close reason) for a refusal that closes."""
+        raise NotImplementedError
+
+    async def send_error(self, error: ProtocolError) -> None:
+        raise NotImplementedError
+
+    async def parse_start(self, msg: dict):
+        """A StartRequest from the message (ProtocolError when it is not a valid start)."""
+        raise NotImplementedError
+
+    def limit_error(self, code: str, text: str) -> ProtocolError:
+        return ProtocolError(code, text, close=CLOSE_POLICY)
+
+    async def on_admitted(self, admitted: Admitted, start) -> None:
+        pass
+
+    async def send_chunk(self, event: ChunkReady) -> bool:
+        """Put one chunk on the wire; False when the connection is over (a stalled send ended it)."""
+        raise NotImplementedError
+
+    async def on_control(self, msg: dict) -> Optional[bool]:
+        """Handle one client message during the session; True means the client stopped it."""
+        raise NotImplementedError
+
+    async def finish(self, stopped: bool) -> None:
+        """The session ended by itself (stopped False) or at the client's request (True)."""
+        raise NotImplementedError
+
+    # ---- shared ---------------------------------------------------------------------------------
     async def refuse(self, error: ProtocolError) -> None:
         self.ingress.metrics.refusals.inc(tags={"code": error.code})
         if error.close is None:
-            await self.ws.send_json(error.to_message())
+            await self.send_error(error)
             return
         self.closed = True
-        await _close_quietly(self.ws, error.to_message(), error.close, error.code)
+        message, reason = self.error_close(error)
+        await _close_quietly(self.ws, message, error.close, reason)
 
-    async def receive_text(self, timeout: float, limit: int) -> Optional[dict]:
-        """Next client JSON message, or None on timeout. Raises ProtocolError on bad input."""
-        message = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
-        if message["type"] == "websocket.disconnect":
-            raise WebSocketDisconnect(message.get("code", 1000))
-        if message.get("bytes") is not None:
-            raise ProtocolError("unsupported_message", "binary messages are not accepted from clients")
-        return parse_json(message.get("text") or "", limit)
+    async def send(self, data) -> None:
+        if isinstance(data, (bytes, bytearray)):
+            await self.ws.send_bytes(data)
+        else:
+            await self.ws.send_json(data)
 
     async def next_message(self, deadline: float, limit: int) -> Optional[dict]:
         """The next client message that needs handling, read until `deadline` (monotonic; raises
-        asyncio.TimeoutError after it). Pings are answered and bad messages refused here; None means a
+        asyncio.TimeoutError after it). Keepalives are answered and bad messages refused here; None means a
         refusal closed the connection."""
         while True:
             try:
-                msg = await self.receive_text(max(deadline - time.monotonic(), 0.001), limit)
+                msg = await self.receive_message(max(deadline - time.monotonic(), 0.001), limit)
             except ProtocolError as e:
                 await self.refuse(e)
                 if self.closed:
                     return None
                 continue
-            if msg["type"] != "session.ping":
+            if not await self.answered(msg):
                 return msg
-            await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
 
     async def run(self) -> None:
         headers = dict(self.ws.headers)
@@ -137,25 +183,17 @@ class Connection:
             try:
                 msg = await self.next_message(deadline, s.max_start_bytes)
             except asyncio.TimeoutError:
-                await self.refuse(ProtocolError("start_timeout", f"no session.start within {s.start_timeout_s:g} s "
+                await self.refuse(ProtocolError("start_timeout", f"no session start within {s.start_timeout_s:g} s "
                                                 "of connecting", close=CLOSE_POLICY))
                 return None
             if msg is None:
                 return None
-            kind = msg["type"]
-            if kind == "session.start":
-                try:
-                    return await asyncio.to_thread(parse_start, msg, self.ingress.size, self.ingress.geometry,
-                                                   s.default_chunks, s.max_chunks, s.fps)
-                except ProtocolError as e:
-                    if e.close is None:
-                        e.close = CLOSE_POLICY
-                    await self.refuse(e)
+            try:
+                return await self.parse_start(msg)
+            except ProtocolError as e:
+                await self.refuse(e)
+                if self.closed:
                     return None
-            elif kind in ("session.interaction", "session.stop"):
-                await self.refuse(ProtocolError("not_started", f"{kind} before session.start"))
-            else:
-                await self.refuse(ProtocolError("unknown_type", f"unknown message type {kind!r}"))
 
     async def admit_and_stream(self, start) -> None:
         self.lease = self.ingress.group.options(stream=True).session.remote(SessionRequest(self.session_id, start))
@@ -179,22 +217,16 @@ class Connection:
         self.mailbox = first.mailbox
         self.ingress.metrics.sessions_total.inc(tags={"component": "ingress"})
         self.started_at = time.monotonic()
-        geometry = self.ingress.geometry
-        config = {"width": start.width, "height": start.height, "fps": start.fps, "num_frames": start.num_frames,
-                  "chunks": start.chunks, "endless": start.chunks is None, "mime": first.mime,
-                  "frames_per_chunk": [geometry.pixel_frames(0), geometry.pixel_frames(1)], "seed": start.seed,
-                  "group": first.group}
-        await self.ws.send_json({"type": "video.start", "request_id": self.session_id, "format": "m4s",
-                                 "config": config})
-        reader = asyncio.create_task(self.read_controls(scripted=start.trajectory is not None))
+        self.scripted = start.trajectory is not None
+        await self.on_admitted(first, start)
+        reader = asyncio.create_task(self.read_controls())
         try:
             stopped = await self.pump(reader)
         finally:
             reader.cancel()
         if stopped is not None and not self.closed:
             self.lease.cancel()
-            await self.ws.send_json({"type": "session.done", "chunks": self.chunks_sent, "stopped": stopped})
-            await _close_quietly(self.ws, None, CLOSE_NORMAL)
+            await self.finish(stopped)
 
     async def pump(self, reader: asyncio.Task) -> Optional[bool]:
         """Relay the group's chunks; returns stopped (True/False), or None when the connection is over."""
@@ -214,15 +246,7 @@ class Connection:
                     if last is not None:
                         self.ingress.metrics.chunk_interval.observe(now - last, tags={"group": "all"})
                     last = now
-                    if not await self.send_or_stall(self.ws.send_json({
-                        "type": "video.chunk_metadata", "kind": "media", "generation_chunk_index": event.index,
-                        "transport_chunk_index": self.chunks_sent, "num_frames": event.num_frames,
-                        "byte_length": len(event.data), "started_event_ids": event.started,
-                        "active_event_ids": event.active, "completed_event_ids": event.completed,
-                        "timings": {k: round(v, 5) for k, v in event.timings.items()},
-                        "group_clock": {k: round(v, 4) for k, v in event.clock.items()}})):
-                        return None
-                    if not await self.send_or_stall(self.ws.send_bytes(event.data)):
+                    if not await self.send_chunk(event):
                         return None
                     self.chunks_sent += 1
                 elif isinstance(event, SessionDone):
@@ -238,13 +262,13 @@ class Connection:
         finally:
             next_item.cancel()
 
-    async def send_or_stall(self, send) -> bool:
-        """Await one send to the client; False (and the session ended with stall_timeout) when it stays
+    async def send_or_stall(self, data) -> bool:
+        """Send one message to the client; False (and the session ended with stall_timeout) when it stays
         blocked for stall_timeout_s: the client stopped reading, or is gone without closing. A client that
         reads but has nothing to say is never cut for its silence."""
         s = self.settings
         try:
-            await asyncio.wait_for(send, s.stall_timeout_s)
+            await asyncio.wait_for(self.send(data), s.stall_timeout_s)
             return True
         except asyncio.TimeoutError:
             log.warning("session %s: a send blocked for %g s; ending it", self.session_id, s.stall_timeout_s)
@@ -260,10 +284,9 @@ class Connection:
                     (self.started_at + s.max_lifetime_s, "max_lifetime",
                      f"session reached its maximum lifetime of {s.max_lifetime_s:g} s")])
 
-    async def read_controls(self, scripted: bool = False) -> Optional[bool]:
-        """Client messages during the session. Returns True on session.stop, None when the connection
-        ends (disconnect or a timeout refusal). `scripted`: the camera follows an offline trajectory, so
-        camera and key events are refused."""
+    async def read_controls(self) -> Optional[bool]:
+        """Client messages during the session. Returns True when the client stopped the session, None when the
+        connection ends (disconnect or a timeout refusal)."""
         s = self.settings
         while True:
             until, _, _ = self._next_limit()
@@ -272,7 +295,7 @@ class Connection:
             except asyncio.TimeoutError:
                 until, code, text = self._next_limit()       # an interaction may have moved the limit meanwhile
                 if time.monotonic() >= until:
-                    await self.refuse(ProtocolError(code, text, close=CLOSE_POLICY))
+                    await self.refuse(self.limit_error(code, text))
                     return None
                 continue
             except WebSocketDisconnect:
@@ -280,29 +303,177 @@ class Connection:
                 return None
             if msg is None:
                 return None
-            kind = msg["type"]
-            if kind == "session.stop":
+            if await self.on_control(msg):
                 return True
-            elif kind == "session.interaction":
-                try:
-                    interaction = parse_interaction(msg)
-                except ProtocolError as e:
-                    await self.refuse(e)
-                    continue
-                if scripted and (interaction.camera is not None or interaction.keys is not None):
-                    await self.refuse(ProtocolError("camera_scripted", "this session's camera follows its "
-                                                    "camera_trajectory; only prompt events apply",
-                                                    event_id=interaction.event_id))
-                    continue
-                self.last_interaction = time.monotonic()
-                self.sequence += 1
-                interaction.seq = self.sequence
-                self.mailbox.post.remote(self.session_id, interaction)
+            if self.closed:
+                return None
+
+    async def post(self, interaction: Interaction) -> bool:
+        """Send a client's interaction to its group (refused while the camera follows a path)."""
+        if self.scripted and (interaction.camera is not None or interaction.keys is not None
+                              or interaction.hold is not None):
+            await self.refuse(ProtocolError("camera_scripted", "this session's camera follows its camera_trajectory; "
+                                            "only prompt events apply", event_id=interaction.event_id))
+            return False
+        self.last_interaction = time.monotonic()
+        self.sequence += 1
+        interaction.seq = self.sequence
+        self.mailbox.post.remote(self.session_id, interaction)
+        return True
+
+
+class VllmConnection(Connection):
+    """`/v1/realtime/video`: JSON text messages, one binary fMP4 message per chunk."""
+
+    async def receive_message(self, timeout: float, limit: int) -> dict:
+        message = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        if message.get("bytes") is not None:
+            raise ProtocolError("unsupported_message", "binary messages are not accepted from clients")
+        return parse_json(message.get("text") or "", limit)
+
+    async def answered(self, msg: dict) -> bool:
+        if msg["type"] != "session.ping":
+            return False
+        await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
+        return True
+
+    def error_close(self, error: ProtocolError):
+        return error.to_message(), error.code
+
+    async def send_error(self, error: ProtocolError) -> None:
+        await self.ws.send_json(error.to_message())
+
+    async def parse_start(self, msg: dict):
+        s, kind = self.settings, msg["type"]
+        if kind == "session.start":
+            try:
+                return await asyncio.to_thread(parse_start, msg, self.ingress.size, self.ingress.geometry,
+                                               s.default_chunks, s.max_chunks, s.fps)
+            except ProtocolError as e:
+                if e.close is None:
+                    e.close = CLOSE_POLICY
+                raise
+        if kind in ("session.interaction", "session.stop"):
+            raise ProtocolError("not_started", f"{kind} before session.start")
+        raise ProtocolError("unknown_type", f"unknown message type {kind!r}")
+
+    async def on_admitted(self, admitted: Admitted, start) -> None:
+        geometry = self.ingress.geometry
+        config = {"width": start.width, "height": start.height, "fps": start.fps, "num_frames": start.num_frames,
+                  "chunks": start.chunks, "endless": start.chunks is None, "mime": admitted.mime,
+                  "frames_per_chunk": [geometry.pixel_frames(0), geometry.pixel_frames(1)], "seed": start.seed,
+                  "group": admitted.group}
+        await self.ws.send_json({"type": "video.start", "request_id": self.session_id, "format": "m4s",
+                                 "config": config})
+
+    async def send_chunk(self, event: ChunkReady) -> bool:
+        meta = {"type": "video.chunk_metadata", "kind": "media", "generation_chunk_index": event.index,
+                "transport_chunk_index": self.chunks_sent, "num_frames": event.num_frames,
+                "byte_length": len(event.data), "started_event_ids": event.started,
+                "active_event_ids": event.active, "completed_event_ids": event.completed,
+                "timings": {k: round(v, 5) for k, v in event.timings.items()},
+                "group_clock": {k: round(v, 4) for k, v in event.clock.items()}}
+        return await self.send_or_stall(meta) and await self.send_or_stall(event.data)
+
+    async def on_control(self, msg: dict) -> Optional[bool]:
+        kind = msg["type"]
+        if kind == "session.stop":
+            return True
+        if kind == "session.interaction":
+            try:
+                interaction = parse_interaction(msg)
+            except ProtocolError as e:
+                await self.refuse(e)
+                return None
+            if await self.post(interaction):
                 await self.ws.send_json({"type": "session.interaction.queued", "event_id": interaction.event_id})
-            elif kind == "session.start":
-                await self.refuse(ProtocolError("already_started", "this connection already has a session"))
-            else:
-                await self.refuse(ProtocolError("unknown_type", f"unknown message type {kind!r}"))
+        elif kind == "session.start":
+            await self.refuse(ProtocolError("already_started", "this connection already has a session"))
+        else:
+            await self.refuse(ProtocolError("unknown_type", f"unknown message type {kind!r}"))
+        return None
+
+    async def finish(self, stopped: bool) -> None:
+        await self.ws.send_json({"type": "session.done", "chunks": self.chunks_sent, "stopped": stopped})
+        await _close_quietly(self.ws, None, CLOSE_NORMAL)
+
+
+class SglangConnection(Connection):
+    """`/v1/realtime_video/generate` (SGLang's protocol): MessagePack maps in binary messages; frames raw,
+    delta-gzip, WebP or JPEG in batches, then a chunk_stats map per chunk. A bad init or event gets an error
+    and the connection goes on; the end of the session is the close (1000 "generation complete")."""
+
+    def __init__(self, ingress: "Ingress", ws: WebSocket):
+        super().__init__(ingress, ws)
+        self.output = None
+        self.event_id: Optional[int] = None      # the last client event applied, echoed with every chunk
+
+    async def receive_message(self, timeout: float, limit: int) -> dict:
+        message = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        if message.get("bytes") is None:
+            raise ProtocolError("unsupported_message", "send MessagePack maps as binary messages, not text")
+        return sglang.unpack(message["bytes"], limit)
+
+    def error_close(self, error: ProtocolError):
+        if error.close == CLOSE_NORMAL:          # the session's own limits end it normally, with their reason
+            return None, error.message
+        return sglang.error_message(error), error.message
+
+    async def send_error(self, error: ProtocolError) -> None:
+        await self.ws.send_bytes(sglang.error_message(error))
+
+    def limit_error(self, code: str, text: str) -> ProtocolError:
+        return ProtocolError(code, text, close=CLOSE_NORMAL)
+
+    async def parse_start(self, msg: dict):
+        s = self.settings
+        start = await asyncio.to_thread(sglang.parse_init, msg, self.ingress.size, self.ingress.geometry,
+                                        s.max_chunks, s.fps, self.ingress.steps)
+        self.output = start.output
+        return start
+
+    async def send_chunk(self, event: ChunkReady) -> bool:
+        t0 = time.monotonic()
+        started = [int(e) for e in event.started if not e.startswith("~")]
+        if started:
+            self.event_id = started[-1]
+        width, height = self.ingress.size
+        messages = sglang.batch_messages(self.session_id, event.index, self.event_id, self.output, width, height,
+                                         event.batches)
+        for message in messages:
+            if not await self.send_or_stall(message):
+                return False
+        sent = time.monotonic()
+        stats = {"type": "chunk_stats", "session_id": self.session_id, "request_id": self.session_id,
+                 "chunk_index": event.index, "event_id": self.event_id,
+                 "request_prepare_ms": sglang.ms(event.timings.get("prepare_next_chunk", 0.0)),
+                 "scheduler_forward_ms": sglang.ms(event.wall_s),
+                 "raw_payload_build_ms": sglang.ms(event.timings.get("encode", 0.0)),
+                 "ws_write_ms": sglang.ms(sent - t0), "chunk_total_ms": sglang.ms(event.wall_s + sent - t0),
+                 "num_batches": len(messages), "num_frames": event.num_frames,
+                 "raw_bytes": sum(b.raw_size for b in event.batches),
+                 "ws_payload_bytes": sum(len(m) for m in messages), "content_type": self.output.content_type,
+                 "actions": None if event.keys is None else [list(k) for k in event.keys]}
+        return await self.send_or_stall(sglang.pack(stats))
+
+    async def on_control(self, msg: dict) -> Optional[bool]:
+        try:
+            interaction = sglang.parse_event(msg, self.sequence + 1)
+        except ProtocolError as e:
+            await self.refuse(e)
+            return None
+        if interaction is None:                  # a heartbeat: the client is here
+            self.last_interaction = time.monotonic()
+        else:
+            await self.post(interaction)
+        return None
+
+    async def finish(self, stopped: bool) -> None:
+        await _close_quietly(self.ws, None, CLOSE_NORMAL, "generation complete")
 
 
 @serve.ingress(app)
@@ -313,6 +484,7 @@ class Ingress:
         preset = get_preset(self.settings.preset)
         self.size = (preset.width, preset.height)
         self.geometry = preset.geometry
+        self.steps = len(preset.sampler.timesteps)
         self.limits = TenantLimits(self.settings.max_sessions_per_key, self.settings.max_starts_per_minute_per_key)
         self.metrics = Metrics()
         self.live = 0
@@ -355,15 +527,23 @@ class Ingress:
     # ---- WebSocket ----------------------------------------------------------------------------
     @app.websocket("/v1/realtime/video")
     async def realtime(self, ws: WebSocket):
+        await self._serve(VllmConnection, ws, lambda: ws.send_json({"type": "error", "code": "internal_error",
+                                                                     "message": "internal server error"}))
+
+    @app.websocket(sglang.ROUTE)
+    async def realtime_sglang(self, ws: WebSocket):
+        error = ProtocolError("internal_error", "internal server error")
+        await self._serve(SglangConnection, ws, lambda: ws.send_bytes(sglang.error_message(error)))
+
+    async def _serve(self, kind, ws: WebSocket, send_internal_error) -> None:
         await ws.accept()
         self.live += 1
         try:
-            await Connection(self, ws).run()
+            await kind(self, ws).run()
         except WebSocketDisconnect:
             pass
         except Exception:                       # never a trace to the client, never a dead ingress
             log.exception("session failed")
-            await _close_quietly(ws, {"type": "error", "code": "internal_error",
-                                      "message": "internal server error"}, CLOSE_SERVER_ERROR)
+            await _close_quietly(ws, None, CLOSE_SERVER_ERROR, "internal_error", send_internal_error)
         finally:
             self.live -= 1

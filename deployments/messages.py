@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lingbot.camera import CameraEvent
+from lingbot.io.frames import FrameBatch
 
 from .protocol import StartRequest
 
@@ -64,12 +65,14 @@ class DeviceStats:
 
 @dataclass(frozen=True)
 class Fragment:
-    """The muxer's encoding of one chunk: fMP4 bytes (the first one starts with the init segment)."""
+    """The muxer's encoding of one chunk: fMP4 bytes (the first one starts with the init segment), or for a
+    session of the second protocol its frame batches (and no bytes)."""
     index: int
     data: bytes
     frames: int
     encode_s: float
     transfer_s: float              # rank 0 -> muxer
+    batches: tuple[FrameBatch, ...] = ()
 
 
 # ---- group -> ingress: the events of a session lease ---------------------------------------------
@@ -92,6 +95,8 @@ class ChunkReady:
     timings: dict[str, float]
     wall_s: float
     clock: dict[str, float] = field(default_factory=dict)   # the group's monotonic clock: dispatched, fragment
+    batches: tuple[FrameBatch, ...] = ()                    # the second protocol's frames (then data is empty)
+    keys: Optional[tuple[str, ...]] = None                  # the key set of each latent frame (None: no keys)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The group's muxer: one H.264 fMP4 encoder per session, fed by rank 0's uint8 frames point to point.
-Plain Python; the group makes it a Ray actor with max_concurrency > 1 (sessions encode in parallel).
+"""The group's muxer: per session, one H.264 fMP4 encoder (or, for the second protocol, a FrameBatcher of
+raw, delta-gzip, WebP or JPEG frames), fed by rank 0's uint8 frames point to point. Plain Python; the
+group makes it a Ray actor with max_concurrency > 1 (sessions encode in parallel).
 
 Chunks of one session may overlap here (the ranks run chunk k+1 while chunk k is encoded), and the calls
 of a threaded actor run in any order, so each session's chunks are encoded strictly in index order: a
@@ -14,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from lingbot.io.frames import FMP4, FrameBatcher, FrameFormat
 from lingbot.io.video import FragmentedMp4Encoder, H264Settings, pick_h264_encoder
 
 from .messages import Fragment
@@ -25,8 +27,8 @@ ORDER_TIMEOUT_S = 120.0       # how long a chunk waits for its predecessor's enc
 
 
 class _Stream:
-    def __init__(self, encoder: FragmentedMp4Encoder):
-        self.encoder = encoder
+    def __init__(self, encoder):
+        self.encoder = encoder                # FragmentedMp4Encoder or FrameBatcher
         self.next_index = 0
 
 
@@ -44,13 +46,17 @@ class Muxer:
     def ready(self) -> str:
         return self.settings.encoder
 
-    def open(self, session_id: str, fps: float) -> str:
-        """Start a session's encoder; returns the MSE mime type of its stream."""
-        encoder = FragmentedMp4Encoder(self.width, self.height, fps, self.settings)
+    def open(self, session_id: str, fps: float, fmt: FrameFormat = FMP4) -> str:
+        """Start a session's encoder; returns the MSE mime type of its stream (fmp4), else the content type of
+        its frame batches."""
+        if fmt.kind == "fmp4":
+            encoder = FragmentedMp4Encoder(self.width, self.height, fps, self.settings)
+        else:
+            encoder = FrameBatcher(fmt, self.width, self.height)
         with self.turn:
             if session_id not in self.closed:
                 self.streams[session_id] = _Stream(encoder)
-        return encoder.mime
+        return encoder.mime if fmt.kind == "fmp4" else fmt.content_type
 
     def encode(self, session_id: str, index: int, frames: np.ndarray, sent_at: float) -> Optional[Fragment]:
         """Encode chunk `index` once chunk index-1 is done (None when the session is gone). `sent_at` is rank
@@ -67,12 +73,15 @@ class Muxer:
                                    f"chunk {stream.next_index}")
         t1 = time.perf_counter()
         try:
-            data = stream.encoder.encode_chunk(frames)
+            if isinstance(stream.encoder, FrameBatcher):
+                data, batches = b"", tuple(stream.encoder.batches(frames))
+            else:
+                data, batches = stream.encoder.encode_chunk(frames), ()
         finally:
             with self.turn:
                 stream.next_index = index + 1
                 self.turn.notify_all()
-        return Fragment(index, data, int(frames.shape[0]), time.perf_counter() - t1, t0 - sent_at)
+        return Fragment(index, data, int(frames.shape[0]), time.perf_counter() - t1, t0 - sent_at, batches)
 
     def _turn_of(self, session_id: str, index: int) -> bool:
         stream = self.streams.get(session_id)

@@ -16,6 +16,7 @@ import numpy as np
 
 from lingbot.camera import CameraError, CameraEvent, Trajectory, TrajectoryError, parse_keys
 from lingbot.config import ChunkGeometry
+from lingbot.io.frames import FMP4, FrameFormat
 from lingbot.io.images import open_image, resize_image
 
 # close codes
@@ -55,6 +56,7 @@ class StartRequest:
     model: Optional[str] = None
     profile: bool = False                 # stage timings with device synchronisation (extra_params.profile_stages)
     trajectory: Optional[Trajectory] = None   # offline camera path (extra_params.camera_trajectory)
+    output: FrameFormat = FMP4                # fmp4 (this protocol) or the second protocol's frame format
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Interaction:
     prompt: Optional[str] = None
     camera: Optional[CameraEvent] = None
     keys: Optional[list[str]] = None      # one key set per latent frame, from the next chunk on
+    hold: Optional[list[str]] = None      # held keys: the key set after each transition (the level holds)
     transition_chunks: Optional[float] = None
     seq: int = 0                          # arrival order at the ingress (mailbox posts may land out of order)
 

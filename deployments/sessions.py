@@ -125,6 +125,7 @@ class ScheduledSession:
         self.first_delivery: Optional[float] = None
         self.pending: deque[Interaction] = deque()
         self.events: dict[str, _Progress] = {}
+        self.held: Optional[str] = None              # held keys (None: no key-state event yet, or a script replaced it)
         self.stopped = False
         self.stalls = 0
         self.stall_seconds = 0.0
@@ -205,9 +206,14 @@ class ScheduledSession:
                                  p.prompt_chunks) for eid, p in self.events.items()}
         controls = ChunkControls(profile=self.start.profile)
         started, completed = [], []
+        held, transitions = self.held, []
         for inter in self.pending:
             started.append(inter.event_id)
             prog = _Progress(inter.event_id)
+            if inter.hold is not None:                  # key state replaces a running key script, and back
+                for other in events.values():
+                    other.keys = None if other.keys is None else []
+                transitions += inter.hold
             if inter.camera is not None:
                 for other in events.values():           # a new camera event replaces the active one
                     other.camera_chunks = None if other.camera_chunks is None else 0
@@ -220,6 +226,7 @@ class ScheduledSession:
                 for other in events.values():
                     other.keys = None if other.keys is None else []
                 prog.keys = list(inter.keys)
+                held, transitions = None, []
             if inter.prompt is not None:
                 for other in events.values():
                     other.prompt_chunks = None if other.prompt_chunks is None else 0
@@ -232,14 +239,24 @@ class ScheduledSession:
             if eid not in started and prog.done():
                 completed.append(eid)
                 del events[eid]
-        # keys for this chunk: the active keys event, else the start script
+        # keys for this chunk: the active keys event, else the held keys, else the start script
+        n = self.frames_per_chunk
+        if transitions:                              # a press and release between two chunks still shows:
+            before, held = self.held or "", transitions[-1]     # on the first latent frame, with what is held
+            taps = "".join(sorted(set("".join(transitions)) - set(before) - set(held)))
+            hold_frames = [held + taps] + [held] * (n - 1)
+        else:
+            hold_frames = None if held is None else [held] * n
         keys_event = next((p for p in events.values() if p.keys), None)
         if keys_event is not None:
-            frames = keys_event.keys[:self.frames_per_chunk]
-            keys_event.keys = keys_event.keys[self.frames_per_chunk:]
-            controls.keys = tuple(frames + [""] * (self.frames_per_chunk - len(frames)))
+            frames = keys_event.keys[:n]
+            keys_event.keys = keys_event.keys[n:]
+            controls.keys = tuple(frames + [""] * (n - len(frames)))
+        elif hold_frames is not None:
+            controls.keys = tuple(hold_frames)
         elif k < len(self.start.action_script):
             controls.keys = tuple(self.start.action_script[k])
+        self._planned_held = held
         active = list(events)
         for prog in events.values():                 # one chunk of every running part has now run
             if prog.camera_chunks is not None and prog.camera_chunks > 0:
@@ -255,6 +272,7 @@ class ScheduledSession:
         for _ in plan.started:
             self.pending.popleft()
         self.events = self._planned
+        self.held = self._planned_held
         self.next_chunk = plan.index + 1
         self.generated(self.geometry.pixel_frames(plan.index))
 

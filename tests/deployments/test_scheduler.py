@@ -193,3 +193,49 @@ def test_a_queued_control_goes_before_earlier_deadlines_but_not_before_a_late_se
     assert sched.pick(now=0.6)[0] is a                # ... unless a's player would wait (due 0.5625)
     c.commit_plan(c.plan_next_chunk())                # c's chunk ran with the control: nothing queued
     assert sched.pick(now=0.3)[0] is a
+
+
+def _keys(s):
+    plan = s.plan_next_chunk()
+    s.commit_plan(plan)
+    return plan.controls.keys
+
+
+def test_held_keys_hold_across_chunks_and_a_short_press_shows_for_one_latent_frame():
+    s = _state("a", chunks=10, script=[("i", "i", "i")] * 10)
+    assert _keys(s) == ("i", "i", "i")                        # the start script until key state arrives
+    s.queue(Interaction("1", hold=["w"]))
+    assert _keys(s) == ("w", "w", "w")
+    assert _keys(s) == ("w", "w", "w")                        # the level holds, with no new event
+    s.queue(Interaction("2", hold=["wj", "w"]))               # j tapped while w held
+    assert _keys(s) == ("wj", "w", "w")
+    s.queue(Interaction("3", hold=[""]))
+    assert _keys(s) == ("", "", "")                           # released: no keys (the script stays replaced)
+    s.queue(Interaction("4", hold=["d", ""]))                 # pressed and released between two chunks
+    assert _keys(s) == ("d", "", "")
+    s.queue(Interaction("5", hold=["a"]))
+    s.queue(Interaction("6", hold=["", "s", ""]))             # two events before one chunk: both taps show
+    assert _keys(s) == ("as", "", "")
+    s.queue(Interaction("7", hold=["w"]))
+    assert _keys(s) == ("w", "w", "w")
+    s.queue(Interaction("8", hold=["s"]))                     # w (held before) let go for s: no tap of w
+    assert _keys(s) == ("s", "s", "s")
+
+
+def test_a_key_script_replaces_held_keys_and_the_other_way_round():
+    s = _state("a", chunks=10)
+    s.queue(Interaction("1", hold=["w"]))
+    assert _keys(s) == ("w", "w", "w")
+    s.queue(Interaction("2", keys=["l", "l", "l", "l"]))
+    assert _keys(s) == ("l", "l", "l")
+    assert _keys(s) == ("l", "", "")                          # the script runs out: nothing is held any more
+    assert _keys(s) is None
+    s.queue(Interaction("3", keys=["k"] * 6))
+    assert _keys(s) == ("k", "k", "k")
+    s.queue(Interaction("4", hold=["a"]))                     # key state cuts the rest of the script
+    assert _keys(s) == ("a", "a", "a")
+    s.queue(Interaction("5", hold=["d"]))
+    s.queue(Interaction("6", keys=["i"]))                     # the later of the two wins within one chunk
+    assert _keys(s) == ("i", "", "")
+    plan = s.plan_next_chunk()
+    assert plan.controls.keys is None and s.held is None

@@ -1,0 +1,272 @@
+"""The second realtime protocol: SGLang's `WS /v1/realtime_video/generate` (docs/architecture.md "The second
+protocol"). Every message is a MessagePack map in a binary WebSocket frame; frames come back raw (RGB24),
+as XOR deltas under gzip, or as WebP/JPEG images, in batches.
+
+Plain Python (no Ray): parsing and validation of `init` and `event` messages into the same typed requests
+as the first protocol (protocol.StartRequest / Interaction), and the server's messages. The ingress runs
+the sessions; tests check every refusal without a server.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import msgpack
+
+from lingbot.config import ChunkGeometry
+from lingbot.io.frames import DEFAULT_QUALITY, FrameBatch, FrameFormat
+from lingbot.io.images import open_image, resize_image
+
+from .protocol import CLOSE_TOO_BIG, Interaction, ProtocolError, StartRequest, decode_image, parse_keys_list
+
+ROUTE = "/v1/realtime_video/generate"
+SPLIT_BYTES = 64 * 2 ** 10          # a payload this big or bigger follows its header as a binary frame of its own
+MAX_SCRIPT_FRAMES = 512             # latent frames in one camera_actions script
+MAX_TRANSITIONS = 512               # transitions in one camera_actions state event
+FORMATS = ("raw", "webp", "jpeg")
+
+
+def pack(message: dict) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes, limit: int) -> dict:
+    """One client message -> a map with a string `type`; ProtocolError for anything else."""
+    if len(data) > limit:
+        raise ProtocolError("message_too_large", f"message of {len(data)} bytes exceeds the limit of {limit} bytes",
+                            close=CLOSE_TOO_BIG)
+    try:
+        msg = msgpack.unpackb(data, raw=False)
+    except Exception as e:                       # truncated, extra bytes, bad UTF-8, too deep, unhashable keys...
+        raise ProtocolError("invalid_msgpack", f"message is not one valid MessagePack value ({type(e).__name__})") \
+            from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("invalid_msgpack", "message must be a MessagePack map")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError("missing_field", "message has no string field 'type'")
+    return msg
+
+
+def error_message(error: ProtocolError) -> bytes:
+    """{"type": "error", "content": ...} as SGLang sends it, with our stable code beside it."""
+    return pack({"type": "error", "content": error.message, "code": error.code,
+                 **{k: v for k, v in error.extra.items() if v is not None}})
+
+
+# ---- init -----------------------------------------------------------------------------------------
+def _opt(msg: dict, key: str, kinds, what: str):
+    value = msg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ProtocolError("invalid_field", f"init field '{key}' must be {what}, got {type(value).__name__}")
+    return value
+
+
+def parse_size(value: Any) -> tuple[int, int]:
+    """'832x480' (any case, spaces allowed) -> (832, 480)."""
+    parts = str(value).lower().replace(" ", "").split("x") if isinstance(value, str) else []
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not all(0 < int(p) <= 16384 for p in parts):
+        raise ProtocolError("invalid_size", f"size must be 'WIDTHxHEIGHT' with positive integers, got {value!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def first_frame(value: Any, width: int, height: int):
+    """Image bytes or a data: URL -> float32 [3, H, W] at the served size (http(s) URLs are not fetched)."""
+    if value is None:
+        raise ProtocolError("missing_field", "init needs first_frame (image bytes or a data:image/...;base64 URL)")
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return resize_image(open_image(bytes(value)), width, height)
+        except ValueError as e:
+            raise ProtocolError("invalid_image", f"first_frame: {e}") from None
+    if isinstance(value, str):
+        if value.startswith(("http://", "https://")):
+            raise ProtocolError("invalid_image", "first_frame URLs are not fetched by this server; send the image "
+                                "bytes or a data: URL")
+        return decode_image(value, width, height)
+    raise ProtocolError("invalid_field", f"first_frame must be bytes or a string, got {type(value).__name__}")
+
+
+def script_chunks(frames: list[str], latent_frames: int) -> list[tuple[str, ...]]:
+    """Key sets per latent frame -> per chunk, the last chunk padded with no keys."""
+    frames = frames + [""] * (-len(frames) % latent_frames)
+    return [tuple(frames[i:i + latent_frames]) for i in range(0, len(frames), latent_frames)]
+
+
+def parse_actions_script(value: Any, where: str) -> list[str]:
+    """[["w"], ["w", "j"], []] (one action list per latent frame) -> ["w", "wj", ""]."""
+    if not isinstance(value, list) or not all(isinstance(v, list) for v in value):
+        raise ProtocolError("invalid_field", f"{where} must be a list of action lists, one per latent frame")
+    if len(value) > MAX_SCRIPT_FRAMES:
+        raise ProtocolError("invalid_field", f"{where} holds {len(value)} latent frames; at most {MAX_SCRIPT_FRAMES}")
+    return parse_keys_list(value, where)
+
+
+def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
+               default_fps: float, steps: int) -> StartRequest:
+    """An `init` map -> StartRequest. Bad input raises ProtocolError (the connection then waits for another)."""
+    if msg["type"] != "init":
+        raise ProtocolError("not_started", f"the first message must be an init, not {msg['type']!r}")
+    prompt = msg.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ProtocolError("missing_field", "init needs a non-empty string 'prompt'")
+    _opt(msg, "model", str, "a string")
+    width, height = parse_size(msg["size"]) if msg.get("size") is not None else served_size
+    if (width, height) != tuple(served_size):
+        raise ProtocolError("unsupported_size", f"this deployment serves {served_size[0]}x{served_size[1]}, "
+                            f"not {width}x{height}")
+    fps = _opt(msg, "fps", (int, float), "a number")
+    fps = default_fps if fps is None else float(fps)
+    if not (math.isfinite(fps) and 1 <= fps <= 120):
+        raise ProtocolError("invalid_field", f"fps must be between 1 and 120, got {fps}")
+    for key in ("num_frames", "seconds"):                  # they size nothing here: a session runs by chunks
+        value = _opt(msg, key, (int, float), "a positive number")
+        if value is not None and not value > 0:
+            raise ProtocolError("invalid_field", f"init field '{key}' must be positive, got {value}")
+    seed = _opt(msg, "seed", int, "an integer")
+    seed = 42 if seed is None else seed
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise ProtocolError("invalid_field", f"seed must fit in 64 bits, got {seed}")
+    n_steps = _opt(msg, "num_inference_steps", int, "an integer")
+    if n_steps is not None and n_steps != steps:
+        raise ProtocolError("invalid_field", f"this model samples {steps} steps per chunk, not {n_steps}")
+    chunks = _opt(msg, "max_chunks", int, "an integer")
+    if chunks is not None and not 1 <= chunks <= max_chunks:
+        raise ProtocolError("invalid_field", f"max_chunks must be between 1 and {max_chunks}, got {chunks}")
+    script: list[tuple[str, ...]] = []
+    conditions = _opt(msg, "condition_inputs", dict, "a map")
+    if conditions and conditions.get("camera_actions") is not None:
+        script = script_chunks(parse_actions_script(conditions["camera_actions"], "condition_inputs.camera_actions"),
+                               geometry.latent_frames)
+    output = parse_output(msg)
+    image = first_frame(msg.get("first_frame"), width, height)
+    return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
+                        fps, seed, None, script, msg.get("model"), output=output)
+
+
+def parse_output(msg: dict) -> FrameFormat:
+    kind = msg.get("realtime_output_format")
+    kind = "raw" if kind is None else kind
+    if kind not in FORMATS:
+        raise ProtocolError("invalid_field", f"realtime_output_format must be one of {', '.join(FORMATS)}, "
+                            f"got {kind!r}")
+    quality = _opt(msg, "output_compression", int, "an integer")
+    if quality is not None and not 0 <= quality <= 100:
+        raise ProtocolError("invalid_field", f"output_compression must be between 1 and 100 (0: the "
+                            f"format's default), got {quality}")
+    max_width = _opt(msg, "realtime_preview_max_width", int, "an integer")
+    if max_width is not None and max_width < 0:
+        raise ProtocolError("invalid_field", f"realtime_preview_max_width must be positive, got {max_width}")
+    delta = msg.get("delta_reference")
+    if delta not in (None, "previous-frame"):
+        raise ProtocolError("invalid_field", f"delta_reference must be 'previous-frame', got {delta!r}")
+    if delta is not None and kind != "raw":
+        raise ProtocolError("invalid_field", "delta_reference applies to raw frames only")
+    return FrameFormat(kind, quality or DEFAULT_QUALITY.get(kind, 0), max_width or None, delta is not None)
+
+
+# ---- events ---------------------------------------------------------------------------------------
+def parse_event(msg: dict, seq: int) -> Optional[Interaction]:
+    """An `event` map -> Interaction (None for a heartbeat). Events without an event_id get "~seq"."""
+    if msg["type"] == "init":
+        raise ProtocolError("already_started", "this connection already has a session")
+    if msg["type"] != "event":
+        raise ProtocolError("unknown_type", f"unknown message type {msg['type']!r}")
+    event_id = msg.get("event_id")
+    if event_id is not None and (isinstance(event_id, bool) or not isinstance(event_id, int)
+                                 or not -2 ** 63 <= event_id < 2 ** 64):
+        raise ProtocolError("invalid_field", "event_id must be an integer")
+    kind = msg.get("kind")
+    if kind == "heartbeat":
+        return None
+    out = Interaction(f"~{seq}" if event_id is None else str(event_id))
+    try:
+        if kind == "composite_input":
+            _composite(msg.get("payload"), out)
+        elif kind in ("camera_actions", "prompt"):
+            _apply(kind, msg.get("payload"), out)
+        else:
+            raise ProtocolError("unsupported_event", f"unknown event kind {kind!r}; use camera_actions, prompt, "
+                                "composite_input or heartbeat")
+    except ProtocolError as e:
+        if event_id is not None:
+            e.extra.setdefault("event_id", event_id)
+        raise
+    return out
+
+
+def _apply(kind: str, payload: Any, out: Interaction) -> None:
+    if kind == "prompt":
+        if not isinstance(payload, str) or not payload.strip():
+            raise ProtocolError("invalid_field", "prompt event payload must be a non-empty string")
+        out.prompt = payload
+        return
+    if isinstance(payload, dict) and payload.get("mode") == "state":
+        transitions = payload.get("transitions")
+        if not isinstance(transitions, list) or not transitions:
+            raise ProtocolError("invalid_field", "camera_actions state payload needs a non-empty list 'transitions'")
+        if len(transitions) > MAX_TRANSITIONS:
+            raise ProtocolError("invalid_field", f"camera_actions state payload holds {len(transitions)} "
+                                f"transitions; at most {MAX_TRANSITIONS}")
+        held = []
+        for i, t in enumerate(transitions):
+            if not isinstance(t, dict) or not isinstance(t.get("actions"), list):
+                raise ProtocolError("invalid_field", f"camera_actions transitions[{i}] must be a map with a list "
+                                    "'actions'")
+            ts = t.get("client_ts_ms")
+            if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+                raise ProtocolError("invalid_field", f"camera_actions transitions[{i}].client_ts_ms must be a number")
+            held += parse_keys_list([t["actions"]], f"camera_actions transitions[{i}].actions")
+        out.hold = held
+        return
+    out.keys = parse_actions_script(payload, "camera_actions payload")
+
+
+def _composite(payload: Any, out: Interaction) -> None:
+    if not isinstance(payload, dict):
+        raise ProtocolError("invalid_field", "composite_input payload must be a map")
+    types = payload.get("input_types")
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t for t in types):
+        raise ProtocolError("invalid_field", "composite_input needs a non-empty list of strings 'input_types'")
+    for kind in types:
+        if kind not in ("camera_actions", "prompt"):
+            raise ProtocolError("unsupported_event", f"unsupported composite_input type {kind!r}")
+        if payload.get(kind) is None:
+            raise ProtocolError("missing_field", f"composite_input lists {kind!r} but has no field {kind!r}")
+        _apply(kind, payload[kind], out)
+
+
+# ---- server messages ------------------------------------------------------------------------------
+def batch_messages(request_id: str, chunk_index: int, event_id: Optional[int], fmt: FrameFormat, width: int,
+                   height: int, batches: tuple[FrameBatch, ...]) -> list[bytes]:
+    """The WebSocket messages of one chunk's frame batches: a `frame_batch` map with its payload inside, or for
+    payloads of 64 KiB and more a `frame_batch_header` map followed by the payload as a binary message."""
+    out = []
+    for i, batch in enumerate(batches):
+        header: dict[str, Any] = {
+            "type": "frame_batch_header", "request_id": request_id, "chunk_index": chunk_index,
+            "content_type": fmt.content_type, "num_frames": batch.num_frames, "total_size": len(batch.payload),
+            "frame_batch_index": i, "num_frame_batches": len(batches), "is_final_frame_batch": i == len(batches) - 1}
+        if event_id is not None:
+            header["event_id"] = event_id
+        header.update(channels=3, bytes_per_frame=width * height * 3)
+        if fmt.kind == "raw":
+            header.update(format="rgb24", width=width, height=height, raw_size=batch.raw_size,
+                          encoding="delta-gzip" if fmt.delta else "raw")
+            if batch.delta_reference:
+                header["delta_reference"] = "previous-frame"
+        else:
+            pw, ph = fmt.image_size(width, height)
+            header.update(format=fmt.kind, encoding=fmt.kind, source_width=width, source_height=height,
+                          preview_width=pw, preview_height=ph, width=pw, height=ph,
+                          payload_lengths=list(batch.lengths))
+        if len(batch.payload) >= SPLIT_BYTES:
+            out += [pack(header), batch.payload]
+        else:
+            out.append(pack({**header, "type": "frame_batch", "payload": batch.payload}))
+    return out
+
+
+def ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000 + 0.5))
