@@ -1,9 +1,12 @@
-"""A client of the realtime video protocol: `python -m lingbot.client ws://host:8000/v1/realtime/video
+"""A client of both realtime video protocols: `python -m lingbot.client ws://host:8000/v1/realtime/video
 --image first.png --prompt "..." --keys "w,w,wa,,j" --chunks 4 -o out.mp4`.
 
-Sends session.start (the image as a data: URL), then keys as session.interaction events, one chunk
-ahead, and writes the fMP4 stream to a file as it arrives, with a progress bar. Also a library:
-`RealtimeClient` for tests and benchmarks. Connects without permessage-deflate (H.264 does not compress).
+vllm (/v1/realtime/video): sends session.start (the image as a data: URL) with the keys as its action
+script, and writes the fMP4 stream to a file as it arrives. sglang (/v1/realtime_video/generate): sends
+an init (MessagePack, the image bytes, the keys as condition_inputs.camera_actions), restores the raw,
+delta-gzip, WebP or JPEG frames, and writes them as MP4 (encoded here) or .npy. Both show a progress bar.
+Also a library: `RealtimeClient` and `FramesClient` for tests and benchmarks. Connects without
+permessage-deflate (H.264 and raw frames gain little from it).
 """
 from __future__ import annotations
 
@@ -151,9 +154,222 @@ class RealtimeClient:
         return result
 
 
+@dataclass
+class FrameChunk:
+    """One chunk of the second protocol, restored: its frames, the headers of its batches, its chunk_stats."""
+    index: int
+    frames: Any                                            # uint8 [F, H, W, 3]
+    headers: list[dict] = field(default_factory=list)
+    stats: Optional[dict] = None
+
+
+@dataclass
+class FramesResult:
+    chunks: list[FrameChunk] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)    # monotonic arrival of each chunk's last batch
+    messages: list[dict] = field(default_factory=list)     # every map from the server (payloads left out)
+    errors: list[dict] = field(default_factory=list)
+    close_code: Optional[int] = None
+    close_reason: str = ""
+    started_at: float = 0.0
+
+    @property
+    def frames(self):
+        import numpy as np
+        return np.concatenate([c.frames for c in self.chunks]) if self.chunks else None
+
+
+class FramesClient:
+    """A client of SGLang's realtime video protocol (`/v1/realtime_video/generate`): MessagePack maps in
+    binary messages; frames come back raw, as delta-gzip, WebP or JPEG, and are restored to uint8 arrays."""
+
+    def __init__(self, url: str, open_timeout: float = 30.0, api_key: Optional[str] = None):
+        self.url = url
+        self.open_timeout = open_timeout
+        self.api_key = api_key
+        self.ws = None
+        self._reference = None                             # the last restored frame (delta-gzip)
+
+    async def __aenter__(self):
+        import websockets
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self.ws = await websockets.connect(self.url, compression=None, max_size=2 ** 28,
+                                           open_timeout=self.open_timeout, additional_headers=headers)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.ws.close()
+
+    async def send(self, message: dict) -> None:
+        import msgpack
+        await self.ws.send(msgpack.packb(message, use_bin_type=True))
+
+    async def init(self, prompt: str, first_frame, max_chunks: Optional[int] = None, seed: int = 0,
+                   fps: float = 16.0, size: Optional[str] = None, actions: Optional[list] = None,
+                   output_format: str = "raw", quality: Optional[int] = None, max_width: Optional[int] = None,
+                   delta: bool = False, **extra) -> None:
+        """`first_frame`: image bytes or a data: URL; `actions`: one key list per latent frame."""
+        msg: dict[str, Any] = {"type": "init", "model": "lingbot-world", "prompt": prompt, "first_frame": first_frame,
+                               "fps": fps, "seed": seed, "realtime_output_format": output_format, **extra}
+        for key, value in (("size", size), ("max_chunks", max_chunks), ("output_compression", quality),
+                           ("realtime_preview_max_width", max_width)):
+            if value is not None:
+                msg[key] = value
+        if actions:
+            msg["condition_inputs"] = {"camera_actions": actions}
+        if delta:
+            msg["delta_reference"] = "previous-frame"
+        await self.send(msg)
+
+    async def event(self, kind: str, payload: Any = None, event_id: Optional[int] = None) -> None:
+        msg: dict[str, Any] = {"type": "event", "kind": kind, "payload": payload}
+        if event_id is not None:
+            msg["event_id"] = event_id
+        await self.send(msg)
+
+    async def hold(self, *transitions: list, event_id: Optional[int] = None) -> None:
+        """Key state: the actions held after each transition, e.g. hold(["w"]) then hold([])."""
+        now = int(time.time() * 1000)
+        await self.event("camera_actions", {"mode": "state", "transitions": [
+            {"actions": list(t), "client_ts_ms": now} for t in transitions]}, event_id)
+
+    async def _heartbeat(self, interval: float) -> None:
+        import websockets
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                await self.event("heartbeat")
+        except websockets.ConnectionClosed:
+            pass
+
+    def restore(self, header: dict, payload: bytes):
+        """A batch's frames as uint8 [F, H, W, 3]."""
+        import numpy as np
+
+        from .io.frames import decode_images, restore_delta_gzip
+        n, w, h = header["num_frames"], header["width"], header["height"]
+        encoding = header.get("encoding")
+        if encoding == "raw":
+            frames = np.frombuffer(payload, np.uint8).reshape(n, h, w, 3)
+        elif encoding == "delta-gzip":
+            reference = self._reference if header.get("delta_reference") == "previous-frame" else None
+            frames = restore_delta_gzip(payload, w, h, n, reference)
+        else:
+            frames = decode_images(payload, header["payload_lengths"])
+        if len(frames):
+            self._reference = frames[-1]
+        return frames
+
+    async def receive_session(self, on_chunk=None, timeout: float = 600.0,
+                              heartbeat_interval: Optional[float] = 20.0) -> FramesResult:
+        """Read until the server closes, sending a heartbeat event every `heartbeat_interval` s (None: never).
+        on_chunk(result, chunk) may be a coroutine function; it runs when a chunk's last batch arrived."""
+        keepalive = asyncio.create_task(self._heartbeat(heartbeat_interval)) if heartbeat_interval else None
+        try:
+            return await self._receive(on_chunk, timeout)
+        finally:
+            if keepalive is not None:
+                keepalive.cancel()
+
+    async def _receive(self, on_chunk, timeout: float) -> FramesResult:
+        import msgpack
+        import numpy as np
+        import websockets
+        result = FramesResult(started_at=time.monotonic())
+        header, parts, headers = None, [], []
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                raw = await asyncio.wait_for(self.ws.recv(), timeout=max(0.01, deadline - time.monotonic()))
+                if header is not None:                     # the payload that follows a frame_batch_header
+                    payload, batch, header = raw, header, None
+                else:
+                    msg = msgpack.unpackb(raw, raw=False)
+                    kind = msg.get("type")
+                    payload = msg.pop("payload", None)
+                    result.messages.append(msg)
+                    if kind == "error":
+                        result.errors.append(msg)
+                    elif kind == "chunk_stats" and result.chunks:
+                        result.chunks[-1].stats = msg
+                    if kind == "frame_batch_header":
+                        header = msg
+                    if kind != "frame_batch":
+                        continue
+                    batch = msg
+                parts.append(self.restore(batch, payload))
+                headers.append(batch)
+                if batch["is_final_frame_batch"]:
+                    result.chunks.append(FrameChunk(batch["chunk_index"], np.concatenate(parts), headers))
+                    result.arrivals.append(time.monotonic())
+                    parts, headers = [], []
+                    if on_chunk is not None:
+                        out = on_chunk(result, result.chunks[-1])
+                        if asyncio.iscoroutine(out):
+                            await out
+        except websockets.ConnectionClosed as e:
+            result.close_code = e.rcvd.code if e.rcvd is not None else None
+            result.close_reason = e.rcvd.reason if e.rcvd is not None else ""
+        return result
+
+
+def protocol_of(url: str, protocol: str) -> str:
+    if protocol != "auto":
+        return protocol
+    return "sglang" if "/realtime_video/" in url else "vllm"
+
+
+async def _main_frames(args, script: list) -> int:
+    """--protocol sglang: frames restored on this side, written as H.264 MP4 (or .npy for the exact uint8)."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from .io.video import H264Writer
+    actions = [list(k) for chunk in script for k in chunk]
+    while actions and not actions[-1]:
+        actions.pop()
+    async with FramesClient(args.url, api_key=args.api_key) as client:
+        await client.init(args.prompt, Path(args.image).read_bytes(), args.chunks, args.seed, args.fps,
+                          actions=actions, output_format=args.format, delta=args.delta)
+        bar = tqdm(total=args.chunks, unit="chunk", desc="receiving", file=sys.stderr)
+        state: dict[str, Any] = {}
+
+        def on_chunk(result, chunk):
+            if not args.output.endswith(".npy"):
+                if "writer" not in state:
+                    h, w = chunk.frames.shape[1:3]
+                    state["writer"] = H264Writer(args.output, w, h, args.fps)
+                state["writer"].write(chunk.frames)
+            bar.update()
+            if len(result.arrivals) == 1:
+                bar.set_postfix(ttfc=f"{result.arrivals[0] - result.started_at:.2f}s")
+        result = await client.receive_session(on_chunk)
+        bar.close()
+    if "writer" in state:
+        state["writer"].close()
+    if result.errors:
+        error = result.errors[-1]
+        print(f"server error {error.get('code')}: {error.get('content')}", file=sys.stderr)
+        return 1
+    if result.close_code != 1000:
+        print(f"server closed the session: {result.close_code} {result.close_reason}", file=sys.stderr)
+        return 1
+    if args.output.endswith(".npy") and result.chunks:
+        np.save(args.output, result.frames)
+    frames = sum(len(c.frames) for c in result.chunks)
+    print(f"wrote {len(result.chunks)} chunks, {frames} frames ({args.format}) to {args.output}")
+    return 0
+
+
 async def _main(args) -> int:
     from PIL import Image
     from tqdm import tqdm
+    Image.open(args.image).verify()
+    script = parse_key_script(args.keys, args.chunks, LINGBOT_GEOMETRY.latent_frames)
+    if protocol_of(args.url, args.protocol) == "sglang":
+        if args.poses or args.intrinsics:
+            raise ValueError("--poses/--intrinsics travel over the vllm protocol only (/v1/realtime/video)")
+        return await _main_frames(args, script)
     async with RealtimeClient(args.url, api_key=args.api_key) as client:
         width, height = args.width, args.height
         if width is None or height is None:
@@ -162,8 +378,7 @@ async def _main(args) -> int:
             with urllib.request.urlopen(f"{http}/v1/config", timeout=10) as r:
                 served = json.loads(r.read())
             width, height = served["width"], served["height"]
-        Image.open(args.image).verify()
-        script = [list(keys) for keys in parse_key_script(args.keys, args.chunks, LINGBOT_GEOMETRY.latent_frames)]
+        script = [list(keys) for keys in script]
         extra = {}
         if args.poses or args.intrinsics:
             if not (args.poses and args.intrinsics):
@@ -199,7 +414,13 @@ async def _main(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lingbot.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("url", help="ws://host:8000/v1/realtime/video")
+    p.add_argument("url", help="ws://host:8000/v1/realtime/video (or /v1/realtime_video/generate)")
+    p.add_argument("--protocol", default="auto", choices=("auto", "vllm", "sglang"),
+                   help="vllm: JSON + fMP4 (/v1/realtime/video); sglang: MessagePack + frames "
+                        "(/v1/realtime_video/generate); auto: from the URL's path")
+    p.add_argument("--format", default="raw", choices=("raw", "webp", "jpeg"),
+                   help="sglang: how frames travel (raw is the model's exact uint8 output)")
+    p.add_argument("--delta", action="store_true", help="sglang, raw: XOR with the previous frame, gzipped")
     p.add_argument("--image", required=True)
     p.add_argument("--prompt", required=True)
     p.add_argument("--keys", default="", help='one key set per latent frame, e.g. "w,w,wa,,j"')
@@ -213,7 +434,9 @@ def main(argv=None) -> int:
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--api-key", default=os.environ.get("LINGBOT_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $LINGBOT_API_KEY)")
-    p.add_argument("-o", "--output", required=True, help="output .mp4 (fragmented)")
+    p.add_argument("-o", "--output", required=True,
+                   help="output .mp4 (vllm: the fMP4 stream as sent; sglang: the frames encoded here), or .npy "
+                        "(sglang: the uint8 frames)")
     args = p.parse_args(argv)
     if args.chunks < 1:
         p.error("--chunks must be >= 1")

@@ -1,0 +1,188 @@
+"""The second protocol end to end (SGLang's MessagePack realtime video, /v1/realtime_video/generate) on the same
+Serve app, groups and sessions as the first: real WebSocket clients, frames restored on the client side."""
+import asyncio
+import base64
+import random
+
+import msgpack
+import numpy as np
+import websockets
+
+from lingbot.camera import Controls
+from lingbot.client import FramesClient
+from lingbot.io.video import FragmentedMp4Encoder, H264Settings, read_frames
+from tests.deployments.test_app import H, W, in_process_frames, png_url, run, session
+from tests.deployments.test_sglang_protocol import _mutations
+
+FRAME_BYTES = W * H * 3
+
+
+def frames_url(serve_app: str) -> str:
+    return serve_app.replace("/v1/realtime/video", "/v1/realtime_video/generate")
+
+
+def png() -> bytes:
+    return base64.b64decode(png_url().partition(",")[2])
+
+
+async def frames_session(url, chunks, seed=0, prompt="a forest path", on_chunk=None, **init):
+    async with FramesClient(url) as client:
+        await client.init(prompt, png(), chunks, seed, **init)
+
+        async def hook(result, chunk):
+            if on_chunk is not None:
+                await on_chunk(client, result, chunk)
+        return await client.receive_session(hook)
+
+
+def test_a_session_of_n_chunks_delivers_12n_minus_3_raw_frames(serve_app):
+    result = run(frames_session(frames_url(serve_app), 3, seed=2))
+    assert result.errors == [] and (result.close_code, result.close_reason) == (1000, "generation complete")
+    assert [c.index for c in result.chunks] == [0, 1, 2]
+    assert [c.frames.shape for c in result.chunks] == [(9, H, W, 3), (12, H, W, 3), (12, H, W, 3)]
+    assert result.frames.shape[0] == 12 * 3 - 3 and result.frames.dtype == np.uint8
+    for chunk in result.chunks:
+        [header] = chunk.headers                             # <= 16 frames: one batch, over 64 KiB: split
+        assert header["type"] == "frame_batch_header" and header["content_type"] == "application/x-raw-rgb"
+        assert header["total_size"] == header["raw_size"] == len(chunk.frames) * FRAME_BYTES
+        assert (header["width"], header["height"], header["bytes_per_frame"]) == (W, H, FRAME_BYTES)
+        assert "event_id" not in header
+        stats = chunk.stats
+        assert stats["chunk_index"] == chunk.index and stats["num_frames"] == len(chunk.frames)
+        assert stats["raw_bytes"] == len(chunk.frames) * FRAME_BYTES and stats["num_batches"] == 2
+        assert stats["ws_payload_bytes"] > stats["raw_bytes"] and stats["scheduler_forward_ms"] > 0
+        assert stats["actions"] is None
+    assert [m["type"] for m in result.messages] == ["frame_batch_header", "chunk_stats"] * 3
+
+
+def test_raw_frames_are_the_fmp4_streams_source_frames(serve_app):
+    """Same image, prompt, seed and key script on both protocols: the raw frames, put through the muxer's
+    encoder here, give the first protocol's fMP4 stream byte for byte (so its source frames were these)."""
+    script = [("w", "w", "wj"), ("", "l", "l"), ("d", "d", "")]
+    fmp4 = run(session(serve_app, 3, seed=6, script=[list(c) for c in script]))
+    raw = run(frames_session(frames_url(serve_app), 3, seed=6, actions=[[k] if k else [] for c in script for k in c]))
+    assert fmp4.error is None and raw.errors == []
+    assert [c.stats["actions"] for c in raw.chunks] == [[list(k) for k in c] for c in script]
+    encoder = FragmentedMp4Encoder(W, H, 16.0, H264Settings(encoder="libx264"))
+    encoded = [encoder.encode_chunk(c.frames) for c in raw.chunks]
+    assert encoded == fmp4.data
+    assert np.array_equal(read_frames(b"".join(encoded)), read_frames(fmp4.video))
+    other = run(frames_session(frames_url(serve_app), 1, seed=7))
+    assert np.abs(other.frames.astype(int) - raw.chunks[0].frames).mean() > 5    # the seed matters
+
+
+def test_delta_gzip_webp_and_jpeg_carry_the_same_frames(serve_app):
+    url = frames_url(serve_app)
+    raw = run(frames_session(url, 2, seed=3))
+    delta = run(frames_session(url, 2, seed=3, delta=True))
+    assert np.array_equal(delta.frames, raw.frames)                       # restored exactly
+    headers = [h for c in delta.chunks for h in c.headers]
+    assert [h.get("delta_reference") for h in headers] == [None, "previous-frame"]
+    assert {h["content_type"] for h in headers} == {"application/x-raw-rgb-delta-gzip"}
+    webp = run(frames_session(url, 2, seed=3, output_format="webp", max_width=56))
+    jpeg = run(frames_session(url, 2, seed=3, output_format="jpeg"))
+    for result, shape in ((webp, (32, 56)), (jpeg, (H, W))):
+        assert result.errors == [] and result.close_code == 1000
+        assert [[h["num_frames"] for h in c.headers] for c in result.chunks] == [[6, 3], [6, 6]]
+        assert all(h["type"] == "frame_batch" for c in result.chunks for h in c.headers)   # small: inline
+        assert result.frames.shape == (21, *shape, 3)
+    # JPEG at quality 95 (4:4:4) stays close to the raw frames; another seed's frames are far from them
+    other = run(frames_session(url, 1, seed=8))
+    near = np.abs(jpeg.frames[:9].astype(int) - raw.frames[:9]).mean()
+    assert near < 6 and np.abs(other.frames.astype(int) - raw.frames[:9]).mean() > 3 * near, near
+
+
+def test_held_w_moves_the_camera_over_the_chunks_it_spans(serve_app):
+    """w held for 2 s (key state events, as a keyboard sends them) drives the chunks planned meanwhile: they
+    carry w on every latent frame, the frames are the in-process pipeline's with those keys, and the
+    event ids of the press and the release are echoed from the chunks they started."""
+    async def on_chunk(client, result, chunk):
+        if chunk.index == 1:
+            await client.hold(["w"], event_id=10)
+            await asyncio.sleep(2.0)
+            await client.hold([], event_id=11)
+
+    result = run(frames_session(frames_url(serve_app), 9, seed=5, on_chunk=on_chunk))
+    assert result.errors == [] and result.close_code == 1000
+    actions = [c.stats["actions"] for c in result.chunks]
+    held = [i for i, a in enumerate(actions) if a == [["w"]] * 3]
+    assert held and held == list(range(held[0], held[-1] + 1)) and held[0] >= 2, actions
+    assert all(a is None for a in actions[:held[0]]), actions
+    assert all(a == [[], [], []] for a in actions[held[-1] + 1:]), actions
+    assert held[-1] < 8, actions                                          # the release came in time
+    ids = [c.stats["event_id"] for c in result.chunks]
+    assert ids == [None] * held[0] + [10] * len(held) + [11] * (9 - held[-1] - 1)
+    assert all(h.get("event_id") == i for c, i in zip(result.chunks, ids) for h in c.headers if i is not None)
+    keys = [None if a is None else Controls(keys=tuple("".join(k) for k in a)) for a in actions]
+    expected = in_process_frames(9, seed=5, prompt="a forest path", controls=keys)
+    still = in_process_frames(9, seed=5, prompt="a forest path")
+    moved = slice(9 + 12 * (held[0] - 1), None)                           # from the first chunk with w on
+    assert np.abs(result.frames.astype(int) - expected).mean() < 0.5      # SP-2 vs SP-1 decode: +-1 rounding
+    assert np.abs(result.frames[moved].astype(int) - still[moved]).mean() > 2.0
+
+
+def test_bad_input_gets_its_error_and_nobody_else_notices(serve_app):
+    """Bad inits are refused and the connection waits for a good one; a live session (of the other protocol)
+    streams on while a second session takes a few hundred malformed messages and still completes."""
+    url = frames_url(serve_app)
+    rng = random.Random(3)
+    junk = [m for m in _mutations(rng)][::2]
+
+    async def scenario():
+        live = asyncio.create_task(session(serve_app, 6, seed=12))
+        async with FramesClient(url) as client:
+            await client.ws.send("a text message")
+            await client.send({"type": "init", "prompt": "p", "first_frame": b"not an image"})
+            await client.send({"type": "init", "prompt": "p", "first_frame": "https://example.com/a.png"})
+            await client.send({"type": "event", "kind": "prompt", "payload": "x"})
+            await client.init("p", png(), 4, 1)
+
+            async def fuzz(c, result, chunk):
+                if chunk.index == 0:
+                    for data in junk:
+                        await c.ws.send(data)
+                    await c.event("prompt", "", event_id=5)
+                    await c.event("camera_actions", [["w"], ["q"]], event_id=6)
+            fuzzed = await client.receive_session(lambda r, c: fuzz(client, r, c))
+        return fuzzed, await live
+
+    fuzzed, live = run(scenario())
+    codes = [e["code"] for e in fuzzed.errors]
+    assert codes[:4] == ["unsupported_message", "invalid_image", "invalid_image", "not_started"]
+    assert len(codes) >= 4 + len(junk) * 0.8 and "internal_error" not in codes
+    assert all(e["content"] and "Traceback" not in e["content"] for e in fuzzed.errors)
+    assert [e.get("event_id") for e in fuzzed.errors[-2:]] == [5, 6]
+    assert (fuzzed.close_code, fuzzed.close_reason) == (1000, "generation complete")
+    assert [len(c.frames) for c in fuzzed.chunks] == [9, 12, 12, 12]
+    assert live.error is None and live.done["chunks"] == 6
+
+
+def test_refusals_close_with_their_codes(serve_app):
+    url = frames_url(serve_app)
+
+    async def closed_with(messages):
+        async with websockets.connect(url, compression=None, max_size=2 ** 26) as ws:
+            for m in messages:
+                await ws.send(m)
+            errors = []
+            try:
+                while True:
+                    errors.append(msgpack.unpackb(await asyncio.wait_for(ws.recv(), 20)))
+            except websockets.ConnectionClosed as e:
+                return errors, e.rcvd.code
+
+    big = msgpack.packb({"type": "init", "prompt": "x" * (5 * 2 ** 20)})
+    errors, code = run(closed_with([big]))
+    assert [e["code"] for e in errors] == ["message_too_large"] and code == 1009
+
+    async def capacity():
+        async with FramesClient(url) as a, FramesClient(url) as b:
+            for seed, client in enumerate((a, b)):
+                await client.init("p", png(), None, seed)              # endless: both slots held
+            for client in (a, b):
+                await client.ws.recv()
+            third = await frames_session(url, 2, seed=3)
+            return third
+    third = run(capacity())
+    assert [e["code"] for e in third.errors] == ["capacity_exhausted"] and third.errors[0]["retry_after_s"] == 7
+    assert third.close_code == 1013 and third.chunks == []

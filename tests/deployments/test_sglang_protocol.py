@@ -1,0 +1,236 @@
+"""The second protocol (SGLang's MessagePack realtime video) without a server: init and event parsing, every
+refusal's code, the server's frame messages, and a fuzz of malformed input that must only ever be refused."""
+import io
+import random
+
+import msgpack
+import numpy as np
+import pytest
+from PIL import Image
+
+from deployments import sglang
+from deployments.protocol import CLOSE_TOO_BIG, ProtocolError
+from lingbot.io.frames import FrameBatcher, FrameFormat
+from tests.deployments.test_protocol import GEOMETRY, data_url
+
+SIZE = (112, 64)
+
+
+def png_bytes(w=30, h=20):
+    buf = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), 99, np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def init(**kw):
+    msg = {"type": "init", "prompt": "p", "first_frame": png_bytes(), "size": "112x64"}
+    msg.update(kw)
+    return sglang.parse_init(msg, SIZE, GEOMETRY, max_chunks=100, default_fps=16.0, steps=4)
+
+
+def refused(fn, code, match=None):
+    with pytest.raises(ProtocolError, match=match) as e:
+        fn()
+    assert e.value.code == code, (e.value.code, e.value.message)
+    return e.value
+
+
+def test_init_defaults_and_fields():
+    req = init()
+    assert (req.width, req.height, req.fps, req.seed, req.chunks, req.num_frames) == (112, 64, 16.0, 42, None, None)
+    assert req.output == FrameFormat("raw") and req.action_script == []
+    assert req.image.shape == (3, 64, 112) and abs(float(req.image.mean()) - (99 / 127.5 - 1)) < 1e-6
+    req = init(max_chunks=3, seed=-5, fps=24, size=" 112 X 64", num_inference_steps=4, model="lingbot-world",
+               first_frame=data_url(), num_frames=81, seconds=5,
+               condition_inputs={"camera_actions": [["w"], ["w", "j"], [], ["l"]]},
+               realtime_output_format="webp", output_compression=70, realtime_preview_max_width=56)
+    assert (req.chunks, req.num_frames, req.seed, req.fps) == (3, 33, -5, 24.0)
+    assert req.action_script == [("w", "wj", ""), ("l", "", "")]
+    assert req.output == FrameFormat("webp", 70, 56)
+    assert init(realtime_output_format="jpeg").output == FrameFormat("jpeg", 95)
+    assert init(realtime_output_format="webp", output_compression=0).output.quality == 90
+    assert init(delta_reference="previous-frame").output == FrameFormat("raw", delta=True)
+
+
+@pytest.mark.parametrize("fields, code, match", [
+    (dict(type="event"), "not_started", "first message must be an init"),
+    (dict(prompt=""), "missing_field", "non-empty string 'prompt'"),
+    (dict(prompt=3), "missing_field", "prompt"),
+    (dict(first_frame=None), "missing_field", "first_frame"),
+    (dict(first_frame=b"not an image"), "invalid_image", "first_frame"),
+    (dict(first_frame="https://example.com/a.png"), "invalid_image", "not fetched"),
+    (dict(first_frame="aGVsbG8="), "invalid_image", "data: URL"),
+    (dict(first_frame=5), "invalid_field", "bytes or a string"),
+    (dict(size="832x480"), "unsupported_size", "serves 112x64"),
+    (dict(size="112by64"), "invalid_size", "WIDTHxHEIGHT"),
+    (dict(size="0x64"), "invalid_size", "positive"),
+    (dict(size=112), "invalid_size", "WIDTHxHEIGHT"),
+    (dict(fps=0), "invalid_field", "fps"),
+    (dict(fps="16"), "invalid_field", "fps"),
+    (dict(fps=True), "invalid_field", "fps"),
+    (dict(seed=2 ** 64), "invalid_field", "64 bits"),
+    (dict(seed=1.5), "invalid_field", "seed"),
+    (dict(num_inference_steps=8), "invalid_field", "4 steps per chunk, not 8"),
+    (dict(max_chunks=0), "invalid_field", "max_chunks"),
+    (dict(max_chunks=101), "invalid_field", "between 1 and 100"),
+    (dict(num_frames=-1), "invalid_field", "num_frames"),
+    (dict(seconds=0), "invalid_field", "seconds"),
+    (dict(condition_inputs=[]), "invalid_field", "condition_inputs"),
+    (dict(condition_inputs={"camera_actions": ["w"]}), "invalid_field", "list of action lists"),
+    (dict(condition_inputs={"camera_actions": [["x"]]}), "invalid_field", "unknown key"),
+    (dict(condition_inputs={"camera_actions": [[]] * 513}), "invalid_field", "at most 512"),
+    (dict(realtime_output_format="png"), "invalid_field", "raw, webp, jpeg"),
+    (dict(output_compression=101), "invalid_field", "output_compression"),
+    (dict(realtime_preview_max_width=-2), "invalid_field", "positive"),
+    (dict(delta_reference="first-frame"), "invalid_field", "previous-frame"),
+    (dict(delta_reference="previous-frame", realtime_output_format="jpeg"), "invalid_field", "raw frames only"),
+    (dict(model=1), "invalid_field", "model"),
+])
+def test_bad_init_is_refused_with_its_code(fields, code, match):
+    error = refused(lambda: init(**fields), code, match)
+    assert error.close is None                             # a bad init keeps the connection for another init
+
+
+def event(kind, payload=None, event_id=None, seq=1):
+    msg = {"type": "event", "kind": kind, "payload": payload}
+    if event_id is not None:
+        msg["event_id"] = event_id
+    return sglang.parse_event(msg, seq)
+
+
+def test_event_kinds():
+    assert event("heartbeat") is None
+    e = event("camera_actions", [["w"], [], ["a", "j"]], event_id=7)
+    assert (e.event_id, e.keys, e.hold, e.prompt) == ("7", ["w", "", "aj"], None, None)
+    e = event("camera_actions", {"mode": "state", "transitions": [{"actions": ["w", "j"], "client_ts_ms": 5},
+                                                                  {"actions": []}]}, seq=9)
+    assert (e.event_id, e.hold, e.keys) == ("~9", ["wj", ""], None)
+    assert event("prompt", "a night sky", event_id=2).prompt == "a night sky"
+    e = event("composite_input", {"input_types": ["prompt", "camera_actions"], "prompt": "snow",
+                                  "camera_actions": {"mode": "state", "transitions": [{"actions": ["d"]}]}})
+    assert (e.prompt, e.hold) == ("snow", ["d"])
+
+
+@pytest.mark.parametrize("msg, code, match", [
+    ({"type": "init"}, "already_started", "already has a session"),
+    ({"type": "stop"}, "unknown_type", "'stop'"),
+    ({"type": "event", "kind": "dance"}, "unsupported_event", "unknown event kind 'dance'"),
+    ({"type": "event", "kind": "prompt", "payload": ""}, "invalid_field", "non-empty string"),
+    ({"type": "event", "kind": "prompt", "payload": None}, "invalid_field", "non-empty string"),
+    ({"type": "event", "kind": "prompt", "payload": "x", "event_id": "7"}, "invalid_field", "event_id"),
+    ({"type": "event", "kind": "prompt", "payload": "x", "event_id": True}, "invalid_field", "event_id"),
+    ({"type": "event", "kind": "camera_actions", "payload": "w"}, "invalid_field", "list of action lists"),
+    ({"type": "event", "kind": "camera_actions", "payload": [["q"]]}, "invalid_field", "unknown key"),
+    ({"type": "event", "kind": "camera_actions", "payload": {"mode": "state"}}, "invalid_field", "transitions"),
+    ({"type": "event", "kind": "camera_actions", "payload": {"mode": "state", "transitions": [[]]}},
+     "invalid_field", r"transitions\[0\] must be a map"),
+    ({"type": "event", "kind": "camera_actions",
+      "payload": {"mode": "state", "transitions": [{"actions": ["w"], "client_ts_ms": "now"}]}},
+     "invalid_field", "client_ts_ms"),
+    ({"type": "event", "kind": "camera_actions",
+      "payload": {"mode": "state", "transitions": [{"actions": ["w"]}] * 513}}, "invalid_field", "at most 512"),
+    ({"type": "event", "kind": "composite_input", "payload": []}, "invalid_field", "must be a map"),
+    ({"type": "event", "kind": "composite_input", "payload": {"input_types": []}}, "invalid_field", "input_types"),
+    ({"type": "event", "kind": "composite_input", "payload": {"input_types": ["prompt"]}}, "missing_field",
+     "no field 'prompt'"),
+    ({"type": "event", "kind": "composite_input", "payload": {"input_types": ["image"], "image": 1}},
+     "unsupported_event", "'image'"),
+])
+def test_bad_events_are_refused_with_their_code(msg, code, match):
+    error = refused(lambda: sglang.parse_event(msg, 1), code, match)
+    assert error.close is None
+    if "event_id" in msg and code != "invalid_field":
+        assert error.extra["event_id"] == msg["event_id"]
+
+
+def test_unpack_refuses_what_is_not_one_map():
+    assert sglang.unpack(msgpack.packb({"type": "init"}), 100) == {"type": "init"}
+    big = refused(lambda: sglang.unpack(b"\x80" * 101, 100), "message_too_large", "101 bytes")
+    assert big.close == CLOSE_TOO_BIG
+    refused(lambda: sglang.unpack(b"\xc1", 100), "invalid_msgpack")                   # a reserved byte
+    refused(lambda: sglang.unpack(msgpack.packb({"type": "x"})[:-1], 100), "invalid_msgpack")   # truncated
+    refused(lambda: sglang.unpack(msgpack.packb({"type": "x"}) + b"\x00", 100), "invalid_msgpack")  # extra
+    refused(lambda: sglang.unpack(msgpack.packb([1, 2]), 100), "invalid_msgpack", "a MessagePack map")
+    refused(lambda: sglang.unpack(msgpack.packb({"kind": "x"}), 100), "missing_field")
+    refused(lambda: sglang.unpack(b"\xa2\xff\xfe", 100), "invalid_msgpack")          # not UTF-8
+    assert msgpack.unpackb(sglang.error_message(ProtocolError("c", "m", event_id=3))) == \
+        {"type": "error", "content": "m", "code": "c", "event_id": 3}
+
+
+def test_frame_messages_split_at_64_kib_and_carry_the_header_fields():
+    w, h = 112, 64
+    frames = np.random.RandomState(0).randint(0, 256, (12, h, w, 3), dtype=np.uint8)
+    raw = FrameFormat("raw")
+    [batch] = FrameBatcher(raw, w, h).batches(frames)          # 258 KiB: the header, then the payload alone
+    header, payload = sglang.batch_messages("r", 3, 9, raw, w, h, (batch,))
+    assert payload == frames.tobytes()
+    assert msgpack.unpackb(header) == {
+        "type": "frame_batch_header", "request_id": "r", "chunk_index": 3, "content_type": "application/x-raw-rgb",
+        "num_frames": 12, "total_size": len(payload), "frame_batch_index": 0, "num_frame_batches": 1,
+        "is_final_frame_batch": True, "event_id": 9, "channels": 3, "bytes_per_frame": w * h * 3,
+        "format": "rgb24", "width": w, "height": h, "raw_size": len(payload), "encoding": "raw"}
+    small = FrameBatcher(raw, w, h).batches(frames[:2])        # 43 KiB: one frame_batch with the payload inside
+    [inline] = sglang.batch_messages("r", 0, None, raw, w, h, tuple(small))
+    msg = msgpack.unpackb(inline)
+    assert msg["type"] == "frame_batch" and msg["payload"] == frames[:2].tobytes() and "event_id" not in msg
+    webp = FrameFormat("webp", 80, max_width=56)
+    batches = FrameBatcher(webp, w, h).batches(frames)
+    messages = [msgpack.unpackb(m) for m in sglang.batch_messages("r", 1, None, webp, w, h, tuple(batches))]
+    assert [(m["type"], m["num_frames"], m["frame_batch_index"], m["is_final_frame_batch"]) for m in messages] == \
+        [("frame_batch", 6, 0, False), ("frame_batch", 6, 1, True)]
+    m = messages[0]
+    assert (m["content_type"], m["width"], m["height"], m["source_width"], m["preview_height"]) == \
+        ("image/webp", 56, 32, 112, 32)
+    assert sum(m["payload_lengths"]) == len(m["payload"]) == m["total_size"]
+    delta = FrameFormat("raw", delta=True)
+    batcher = FrameBatcher(delta, w, h)
+    first = msgpack.unpackb(sglang.batch_messages("r", 0, None, delta, w, h, tuple(batcher.batches(frames)))[0])
+    second = msgpack.unpackb(sglang.batch_messages("r", 1, None, delta, w, h, tuple(batcher.batches(frames)))[0])
+    assert first["encoding"] == "delta-gzip" and "delta_reference" not in first
+    assert second["delta_reference"] == "previous-frame" and second["raw_size"] == frames.nbytes
+
+
+def _mutations(rng: random.Random):
+    """Malformed client messages: random bytes, cut and flipped valid ones, wrong types in every field."""
+    good_init = {"type": "init", "prompt": "p", "first_frame": png_bytes(), "size": "112x64", "max_chunks": 2,
+                 "condition_inputs": {"camera_actions": [["w"]]}, "realtime_output_format": "raw"}
+    good_events = [{"type": "event", "kind": "prompt", "payload": "x", "event_id": 1},
+                   {"type": "event", "kind": "camera_actions", "payload": {"mode": "state",
+                                                                          "transitions": [{"actions": ["w"]}]}},
+                   {"type": "event", "kind": "composite_input",
+                    "payload": {"input_types": ["prompt"], "prompt": "y"}}]
+    odd = [None, True, -1, 2 ** 64 - 1, 1.5, float("nan"), float("inf"), "", "w" * 300, b"\x00\xff", [], [[]],
+           {}, {"mode": "state"}, [["w"] * 40], msgpack.ExtType(5, b"x")]
+    for _ in range(120):
+        yield bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+    for base in [good_init] + good_events:
+        packed = msgpack.packb(base, use_bin_type=True)
+        for _ in range(25):
+            cut = bytearray(packed[:rng.randint(0, len(packed))])
+            if cut and rng.random() < 0.5:
+                cut[rng.randrange(len(cut))] ^= 1 << rng.randrange(8)
+            yield bytes(cut)
+        for key in list(base) + ["payload", "event_id", "kind"]:
+            for value in rng.sample(odd, 4):
+                yield msgpack.packb({**base, key: value}, use_bin_type=True)
+
+
+def test_fuzz_malformed_messages_are_only_ever_refused():
+    """A few hundred generated messages: each is parsed or refused with a ProtocolError, nothing else escapes."""
+    rng = random.Random(12)
+    cases = list(_mutations(rng))
+    assert len(cases) >= 300
+    outcomes = {"parsed": 0, "refused": 0}
+    for data in cases:
+        try:
+            msg = sglang.unpack(data, 2 ** 20)
+            if msg["type"] == "init":
+                req = sglang.parse_init(msg, SIZE, GEOMETRY, max_chunks=100, default_fps=16.0, steps=4)
+                assert req.image.shape == (3, 64, 112)
+            else:
+                sglang.parse_event(msg, 1)
+            outcomes["parsed"] += 1
+        except ProtocolError as e:
+            assert e.code and e.message and e.close in (None, CLOSE_TOO_BIG)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 250 and outcomes["parsed"] > 5, outcomes
