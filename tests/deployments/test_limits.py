@@ -7,14 +7,16 @@ import asyncio
 
 import pytest
 
-from lingbot.client import RealtimeClient
+from lingbot.client import FramesClient, RealtimeClient
 from tests.deployments.conftest import PORT, TEST_SETTINGS
 from tests.deployments.test_app import H, W, png_url, run
+from tests.deployments.test_sglang_app import png
 
 KEY = "test-key-1"
 KEY2 = "test-key-2"                       # the door-limit test's tenant
+KEY3 = "test-key-3"                       # the second protocol's tenant
 STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=6, max_lifetime_s=12,
-              max_queued_controls=2, api_keys=f"{KEY},{KEY2}", stall_timeout_s=60, restart_stale_chunks=True,
+              max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3}", stall_timeout_s=60, restart_stale_chunks=True,
               max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example")
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
 
@@ -130,6 +132,27 @@ def test_idle_and_lifetime_limits(strict_app):
     assert busy_result.error["code"] == "max_lifetime" and busy_result.close_code == 1008
     assert "maximum lifetime of 12 s" in busy_result.error["message"]
     assert len(busy_result.chunks) > len(idle_result.chunks)               # it outlived the idle limit
+
+
+def test_second_protocol_limits_close_normally_with_their_reason(strict_app):
+    """Over /v1/realtime_video/generate: no key is refused (1008); a client that sends nothing ends at the idle
+    limit and one that sends heartbeats at the lifetime limit, each closed 1000 with its reason."""
+    url = strict_app[0].replace("/v1/realtime/video", "/v1/realtime_video/generate")
+
+    async def one(api_key, heartbeat):
+        async with FramesClient(url, api_key=api_key) as client:
+            await client.init("a quiet street", png(), None, 0)
+            return await client.receive_session(heartbeat_interval=heartbeat, timeout=60)
+
+    async def scenario():
+        return await asyncio.gather(one(None, None), one(KEY3, None), one(KEY3, 2.0))
+
+    nokey, quiet, beating = run(scenario())
+    assert [e["code"] for e in nokey.errors] == ["unauthorized"] and nokey.close_code == 1008
+    assert quiet.errors == [] and (quiet.close_code, quiet.close_reason) == (1000, "no interaction for 6 s")
+    assert beating.errors == [] and beating.close_code == 1000
+    assert beating.close_reason == "session reached its maximum lifetime of 12 s"
+    assert len(beating.chunks) > len(quiet.chunks) > 0
 
 
 def test_too_many_controls_refuses_the_excess_and_keeps_the_session(strict_app):
