@@ -1,5 +1,6 @@
-// lingbot-serve web page: start a session over WS /v1/realtime/video, play the fMP4 chunks through
-// Media Source Extensions as they arrive, steer with W/A/S/D + I/J/K/L (arrows too) or the buttons.
+// lingbot-serve web page: start a session over WS /v1/realtime/video and play the fMP4 chunks through
+// Media Source Extensions as they arrive, or over WS /v1/realtime_video/generate (MessagePack) and draw the
+// raw frames on a canvas at the session's frame rate; steer with W/A/S/D + I/J/K/L (arrows too) or the buttons.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -11,6 +12,7 @@ const state = {
   startedAt: 0, firstChunkAt: 0, lastChunkAt: 0, intervals: [], chunks: 0, videoSeconds: 0,
   held: new Set(), eventSeq: 0, acks: 0, lastSentKeys: "", running: false, startedEvents: [], errors: [],
   sentAt: {}, pendingShows: [], controlLatencies: [],
+  transport: "mse", frames: [], framesReceived: 0, framesDrawn: 0, nextFrameAt: 0, echoed: null, lastFrame: null,
 };
 window.lingbot = state;   // for tests and curious people
 
@@ -65,6 +67,8 @@ function resetStats() {
   Object.assign(state, { startedAt: performance.now(), firstChunkAt: 0, lastChunkAt: 0, intervals: [], chunks: 0,
                          videoSeconds: 0, acks: 0, queue: [] });
   Object.assign(state, { sentAt: {}, pendingShows: [], controlLatencies: [] });
+  Object.assign(state, { frames: [], framesReceived: 0, framesDrawn: 0, nextFrameAt: 0, echoed: null, lastFrame: null,
+                         lastSentKeys: "" });
   for (const id of ["s-interval", "s-rtf", "s-buffer", "s-ttfc", "s-control"]) $(id).textContent = "–";
   $("s-chunks").textContent = "0"; $("s-acks").textContent = "0";
 }
@@ -113,6 +117,10 @@ function onChunk(meta, data) {
     if (id in state.sentAt) state.pendingShows.push({ id, sentAt: state.sentAt[id], mediaTime: state.videoSeconds });
   }
   state.videoSeconds += meta.num_frames / state.config.fps;
+  if (data === null) {                               // the canvas transport counts its frames itself
+    $("s-chunks").textContent = state.chunks;
+    return;
+  }
   $("s-rtf").textContent = (((now - state.firstChunkAt) / 1000 + 1e-9) /
                             Math.max(state.videoSeconds - meta.num_frames / state.config.fps, 1e-9)).toFixed(2);
   $("s-chunks").textContent = state.chunks;
@@ -139,6 +147,16 @@ function sendHeldKeys() {
   // Held keys drive the next chunk (one key set per latent frame); a release sends one empty set.
   const keys = heldKeys();
   $("s-keys").textContent = keys || "–";
+  if (state.transport === "frames") {
+    // key state: the server holds the level across chunks, and shows a tap for at least one latent frame
+    if (keys === state.lastSentKeys || !state.ws || state.ws.readyState !== WebSocket.OPEN || !state.running) return;
+    const id = ++state.eventSeq;
+    state.sentAt[id] = performance.now();
+    state.ws.send(MsgPack.encode({ type: "event", kind: "camera_actions", event_id: id, payload: {
+      mode: "state", transitions: [{ actions: [...keys], client_ts_ms: Date.now() }] } }));
+    state.lastSentKeys = keys;
+    return;
+  }
   if (!keys && !state.lastSentKeys) return;
   sendInteraction({ keys: [keys, keys, keys] });
   state.lastSentKeys = keys;
@@ -182,8 +200,103 @@ function watchControls() {
 }
 requestAnimationFrame(watchControls);
 
+function drawFrames() {
+  // the canvas player: frame i is due 1/fps after frame i-1; when none is queued in time, playback waits
+  const now = performance.now();
+  let frame = null;
+  while (state.frames.length && now >= state.nextFrameAt) {
+    frame = state.frames.shift();
+    state.nextFrameAt = Math.max(state.nextFrameAt, now - 1000 / state.config.fps) + 1000 / state.config.fps;
+    state.framesDrawn += 1;
+  }
+  if (frame) {
+    const c = $("canvas"), g = c.getContext("2d");
+    const image = g.createImageData(frame.width, frame.height);
+    const rgb = frame.rgb, rgba = image.data;
+    for (let i = 0, j = 0; i < rgb.length; i += 3, j += 4) {
+      rgba[j] = rgb[i]; rgba[j + 1] = rgb[i + 1]; rgba[j + 2] = rgb[i + 2]; rgba[j + 3] = 255;
+    }
+    if (c.width !== frame.width || c.height !== frame.height) { c.width = frame.width; c.height = frame.height; }
+    g.putImageData(image, 0, 0);
+    state.lastFrame = rgb;
+    $("s-frames").textContent = state.framesDrawn;
+    const shown = state.pendingShows.filter((p) => state.framesDrawn > p.frame);
+    if (shown.length) {
+      state.pendingShows = state.pendingShows.filter((p) => state.framesDrawn <= p.frame);
+      for (const p of shown) state.controlLatencies.push(now - p.sentAt);
+      const recent = state.controlLatencies.slice(-8).sort((a, b) => a - b);
+      $("s-control").textContent = `${Math.round(recent[Math.floor((recent.length - 1) / 2)])} ms`;
+    }
+  }
+  if (state.transport === "frames") $("s-buffer").textContent = `${(state.frames.length / state.config.fps).toFixed(2)} s`;
+  requestAnimationFrame(drawFrames);
+}
+requestAnimationFrame(drawFrames);
+
+function onFrameBatch(header, payload) {
+  // raw RGB frames of one batch (of one chunk): queue them for the canvas; a chunk's first batch counts it
+  const n = header.num_frames, size = header.width * header.height * 3;
+  if (payload.length !== n * size) throw new RangeError(`batch of ${payload.length} bytes for ${n} frames`);
+  if (header.frame_batch_index === 0) {
+    const id = header.event_id === undefined ? null : header.event_id;
+    if (id !== null && id !== state.echoed && id in state.sentAt) {
+      state.pendingShows.push({ id, sentAt: state.sentAt[id], frame: state.framesReceived });
+      state.startedEvents.push(id);
+      state.acks += 1; $("s-acks").textContent = state.acks;
+      log(`chunk ${header.chunk_index}: applies event ${id}`);
+    }
+    state.echoed = id;
+    onChunk({ started_event_ids: [], num_frames: 0, generation_chunk_index: header.chunk_index }, null);
+  }
+  for (let i = 0; i < n; i++) {
+    state.frames.push({ rgb: payload.subarray(i * size, (i + 1) * size), width: header.width, height: header.height });
+  }
+  if (!state.framesReceived) state.nextFrameAt = performance.now();
+  state.framesReceived += n;
+  state.videoSeconds += n / state.config.fps;
+}
+
+function startFrames(proto, key) {
+  // the second protocol: MessagePack maps in binary messages; raw frames, drawn on the canvas
+  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime_video/generate${key ? "?api_key=" + encodeURIComponent(key) : ""}`);
+  ws.binaryType = "arraybuffer";
+  state.ws = ws;
+  let pendingHeader = null;
+  ws.onopen = () => {
+    const msg = { type: "init", model: "lingbot-world", prompt: $("prompt").value, first_frame: state.imageUrl,
+                  size: `${state.config.width}x${state.config.height}`, fps: state.config.fps,
+                  seed: parseInt($("seed").value || "0", 10), realtime_output_format: "raw" };
+    if (!$("endless").checked) msg.max_chunks = Math.max(1, parseInt($("chunks").value || "1", 10));
+    ws.send(MsgPack.encode(msg));
+    state.running = true;
+    setStatus("starting…");
+    $("start").disabled = true; $("stop").disabled = false;
+  };
+  ws.onmessage = (e) => {
+    const data = new Uint8Array(e.data);
+    if (pendingHeader) { const h = pendingHeader; pendingHeader = null; onFrameBatch(h, data); return; }
+    const msg = MsgPack.decode(data);
+    if (msg.type === "frame_batch_header") pendingHeader = msg;
+    else if (msg.type === "frame_batch") onFrameBatch(msg, msg.payload);
+    else if (msg.type === "error") {
+      state.errors.push({ code: msg.code, message: msg.content });
+      setStatus(`${msg.code || "error"}: ${msg.content}`, true);
+      log(`error ${msg.code || ""}: ${msg.content}`);
+    } else if (msg.type === "chunk_stats" && state.chunks === 1) {
+      setStatus(`session ${msg.session_id.slice(0, 8)}`);
+    }
+  };
+  ws.onclose = (e) => {
+    state.running = false;
+    $("start").disabled = false; $("stop").disabled = true;
+    if (e.code === 1000) setStatus(`done: ${state.chunks} chunks (${e.reason || "closed"})`);
+    else log(`connection closed (${e.code}${e.reason ? ": " + e.reason : ""})`);
+  };
+}
+
 setInterval(() => {
   const v = $("video");
+  if (state.transport === "frames") return;
   if (v.buffered.length) $("s-buffer").textContent = `${(v.buffered.end(v.buffered.length - 1) - v.currentTime).toFixed(2)} s`;
   const q = v.getVideoPlaybackQuality ? v.getVideoPlaybackQuality() : null;
   if (q) $("s-frames").textContent = q.totalVideoFrames;
@@ -194,6 +307,10 @@ function start() {
   resetStats();
   const proto = location.protocol === "https:" ? "wss" : "ws";
   const key = new URLSearchParams(location.search).get("api_key");     // open /?api_key=KEY on servers that need one
+  state.transport = $("transport").value;
+  $("video").style.display = state.transport === "frames" ? "none" : "block";
+  $("canvas").style.display = state.transport === "frames" ? "block" : "none";
+  if (state.transport === "frames") { startFrames(proto, key); return; }
   const ws = new WebSocket(`${proto}://${location.host}/v1/realtime/video${key ? "?api_key=" + encodeURIComponent(key) : ""}`);
   ws.binaryType = "arraybuffer";
   state.ws = ws;
@@ -245,10 +362,14 @@ function start() {
 
 $("start").addEventListener("click", start);
 $("stop").addEventListener("click", () => {
-  if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify({ type: "session.stop" }));
+  if (!state.ws || state.ws.readyState !== WebSocket.OPEN) return;
+  if (state.transport === "frames") state.ws.close(1000, "stopped");     // the protocol ends a session by closing
+  else state.ws.send(JSON.stringify({ type: "session.stop" }));
 });
 setInterval(() => {
-  if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify({ type: "session.ping", t: Date.now() }));
+  if (!state.ws || state.ws.readyState !== WebSocket.OPEN) return;
+  if (state.transport === "frames") state.ws.send(MsgPack.encode({ type: "event", kind: "heartbeat" }));
+  else state.ws.send(JSON.stringify({ type: "session.ping", t: Date.now() }));
 }, 10000);
 
 loadConfig().catch((err) => setStatus(`cannot reach the server: ${err}`, true));

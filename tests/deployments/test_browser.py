@@ -53,3 +53,57 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
     assert info["time"] > t_before and info["time"] > 0.5          # playback advanced
     assert info["frames"] >= 20                                     # frames were decoded
     assert info["buffered"] >= (9 + 12 * 4) / 16 - 0.1              # the chunks were appended as they came
+
+
+def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
+    """The canvas transport speaks the second protocol from the page (its own MessagePack codec): the frame it
+    draws last is, pixel for pixel, the last raw frame a Python client gets for the same inputs; held keys go
+    out as key state and their control -> display latency is measured."""
+    import numpy as np
+    from playwright.async_api import async_playwright
+
+    from lingbot.client import FramesClient
+    from tests.deployments.test_sglang_app import frames_url
+
+    async def scenario():
+        async with async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=CHROMIUM, args=FLAGS,
+                                              ignore_default_args=["--headless"])
+            page = await browser.new_page()
+            await page.goto(f"{HTTP}/")
+            await page.wait_for_function("window.lingbot.config !== null", timeout=30000)
+            await page.select_option("#transport", "frames")
+            await page.fill("#chunks", "3")
+            await page.click("#start")
+            await page.wait_for_function("window.lingbot.framesDrawn >= 33 && !window.lingbot.running",
+                                         timeout=90000)
+            drawn = await page.evaluate("""() => { const c = document.getElementById('canvas');
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                const rgb = []; for (let i = 0; i < d.length; i += 4) rgb.push(d[i], d[i + 1], d[i + 2]);
+                return {rgb, w: c.width, h: c.height, image: window.lingbot.imageUrl, errors: window.lingbot.errors,
+                        status: document.getElementById('status').textContent,
+                        prompt: document.getElementById('prompt').value}; }""")
+            await page.fill("#chunks", "8")
+            await page.click("#start")
+            await page.wait_for_function("window.lingbot.framesDrawn >= 12", timeout=90000)
+            await page.keyboard.down("d")
+            await page.wait_for_function("window.lingbot.acks >= 1", timeout=90000)
+            await page.keyboard.up("d")
+            await page.wait_for_function("window.lingbot.controlLatencies.length >= 1", timeout=90000)
+            await page.wait_for_function("!window.lingbot.running && window.lingbot.frames.length === 0",
+                                         timeout=90000)
+            keys = await page.evaluate("[window.lingbot.controlLatencies, window.lingbot.errors, "
+                                       "window.lingbot.framesDrawn, window.lingbot.startedEvents]")
+            await browser.close()
+        async with FramesClient(frames_url(serve_app)) as client:
+            await client.init(drawn["prompt"], drawn["image"], 3, 0)
+            python = await client.receive_session()
+        return drawn, keys, python
+
+    drawn, keys, python = asyncio.run(scenario())
+    assert drawn["errors"] == [] and drawn["status"] == "done: 3 chunks (generation complete)"
+    canvas = np.array(drawn["rgb"], np.uint8).reshape(drawn["h"], drawn["w"], 3)
+    assert python.frames.shape[0] == 33 and np.array_equal(canvas, python.frames[-1])
+    latencies, errors, frames, started = keys
+    assert errors == [] and frames == 93 and started[:1] == [1]
+    assert all(ms > 0 for ms in latencies)
