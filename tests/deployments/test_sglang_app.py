@@ -186,3 +186,21 @@ def test_refusals_close_with_their_codes(serve_app):
     third = run(capacity())
     assert [e["code"] for e in third.errors] == ["capacity_exhausted"] and third.errors[0]["retry_after_s"] == 7
     assert third.close_code == 1013 and third.chunks == []
+
+
+def test_python_client_speaks_the_second_protocol(serve_app, tmp_path, capsys):
+    """`python -m lingbot.client` picks the protocol from the URL: the .npy it writes holds the server's exact
+    frames (those of a FramesClient session with the same inputs); an .mp4 holds them encoded."""
+    from lingbot.client import main
+    (tmp_path / "f.png").write_bytes(png())
+    url = frames_url(serve_app)
+    args = [url, "--image", str(tmp_path / "f.png"), "--prompt", "a forest path", "--chunks", "2", "--seed", "4",
+            "--keys", "w,w,w,d"]
+    assert main(args + ["-o", str(tmp_path / "out.npy")]) == 0
+    assert "wrote 2 chunks, 21 frames (raw)" in capsys.readouterr().out
+    direct = run(frames_session(url, 2, seed=4, actions=[["w"], ["w"], ["w"], ["d"]]))
+    assert np.array_equal(np.load(tmp_path / "out.npy"), direct.frames)
+    assert main(args + ["--format", "jpeg", "-o", str(tmp_path / "out.mp4")]) == 0
+    assert read_frames(tmp_path / "out.mp4").shape == (21, H, W, 3)
+    assert main(args + ["--poses", "p.npy", "--intrinsics", "k.npy", "-o", str(tmp_path / "x.mp4")]) == 2
+    assert "travel over the vllm protocol only" in capsys.readouterr().err
