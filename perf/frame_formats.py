@@ -28,7 +28,7 @@ def scene(kind: str, width: int, height: int, chunks: int) -> list[np.ndarray]:
     rng = np.random.RandomState(0)
     if kind == "noise":
         return [rng.randint(0, 256, (12, height, width, 3), dtype=np.uint8) for _ in range(chunks)]
-    y, x = np.mgrid[0:height, 0:2 * width].astype(np.float32)
+    y, x = np.mgrid[0:height, 0:width + 4 * 12 * chunks].astype(np.float32)
     base = 128 + 60 * np.sin(x / 37.0)[..., None] * np.cos(y / 23.0)[..., None] \
         + np.array([30.0, -10.0, 20.0]) * np.sin((x + y) / 91.0)[..., None]
     base = base + rng.normal(0, 6, base.shape)                  # texture
