@@ -22,6 +22,7 @@ CONTENT_TYPES = {"raw": RAW, "webp": WEBP, "jpeg": JPEG}
 RAW_FRAMES_PER_BATCH = 16
 IMAGE_FRAMES_PER_BATCH = 6
 DEFAULT_QUALITY = {"webp": 90, "jpeg": 95}
+MAX_BATCH_BYTES = 8 * 2 ** 20               # a WebSocket message stays well under the proxy's 16 MiB frame limit
 _GZIP = 31                                  # zlib wbits: a gzip container
 
 
@@ -39,9 +40,11 @@ class FrameFormat:
     def content_type(self) -> str:
         return RAW_DELTA_GZIP if self.kind == "raw" and self.delta else CONTENT_TYPES[self.kind]
 
-    @property
-    def per_batch(self) -> int:
-        return RAW_FRAMES_PER_BATCH if self.kind == "raw" else IMAGE_FRAMES_PER_BATCH
+    def per_batch(self, frame_bytes: int) -> int:
+        """Frames per batch: 16 raw or 6 images, fewer when 16 raw frames would pass MAX_BATCH_BYTES."""
+        if self.kind != "raw":
+            return IMAGE_FRAMES_PER_BATCH
+        return max(1, min(RAW_FRAMES_PER_BATCH, MAX_BATCH_BYTES // max(1, frame_bytes)))
 
     def image_size(self, width: int, height: int) -> tuple[int, int]:
         """The size frames travel at: raw keeps the source; images are scaled down to max_width."""
@@ -55,7 +58,7 @@ FMP4 = FrameFormat()                        # the first protocol's H.264 stream 
 
 @dataclass(frozen=True)
 class FrameBatch:
-    """Up to 16 raw (6 image) frames of one chunk, as they go on the wire."""
+    """Up to 16 raw (6 image) frames of one chunk, as they go on the wire (FrameFormat.per_batch)."""
     num_frames: int
     payload: bytes
     lengths: tuple[int, ...] = ()           # webp/jpeg: each frame's bytes within the payload
@@ -130,7 +133,8 @@ class FrameBatcher:
     def batches(self, frames: np.ndarray) -> list[FrameBatch]:
         frames = np.ascontiguousarray(frames, dtype=np.uint8)
         out = []
-        for part in (frames[s] for s in batch_slices(len(frames), self.fmt.per_batch)):
+        per_batch = self.fmt.per_batch(self.width * self.height * 3)
+        for part in (frames[s] for s in batch_slices(len(frames), per_batch)):
             raw_size = part.nbytes
             if self.fmt.kind == "raw" and self.fmt.delta:
                 out.append(FrameBatch(len(part), delta_gzip(part, self.last), (), raw_size, self.last is not None))

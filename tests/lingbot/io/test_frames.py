@@ -31,6 +31,15 @@ def test_batches_hold_at_most_16_raw_or_6_image_frames():
     assert [(s.start, s.stop) for s in batch_slices(0, 6)] == [(0, 0)]
 
 
+def test_raw_batches_stay_under_8_mib():
+    raw, jpeg = FrameFormat("raw"), FrameFormat("jpeg")
+    assert raw.per_batch(112 * 64 * 3) == 16 and jpeg.per_batch(832 * 480 * 3) == 6
+    assert raw.per_batch(832 * 480 * 3) == 7                    # 7 x 1.14 MiB; a 12-frame chunk in 2 batches
+    assert raw.per_batch(1280 * 720 * 3) == 3 and raw.per_batch(10 ** 8) == 1
+    big = np.zeros((12, 480, 832, 3), np.uint8)
+    assert [b.num_frames for b in FrameBatcher(raw, 832, 480).batches(big)] == [7, 5]
+
+
 def test_raw_batches_are_the_frames_bytes():
     f = frames(12)
     [batch] = FrameBatcher(FrameFormat("raw"), W, H).batches(f)
