@@ -17,6 +17,8 @@ import asyncio
 import contextvars
 import logging
 import math
+import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from .messages import (
     Fragment,
     GroupEvent,
     RankInfo,
+    Resumed,
     SessionDone,
     SessionError,
     SessionRequest,
@@ -50,6 +53,8 @@ from .settings import ServeSettings
 log = logging.getLogger("ray.serve")
 
 MAILBOX_POLL_S = 5.0       # a long poll: the mailbox answers at once when a control arrives
+WATCH_S = 1.0              # how often the group checks that its ranks, muxer and mailbox are alive
+EXIT_DELAY_S = 1.0         # a failed group exits this soon after telling its sessions (Serve replaces it)
 
 
 class SessionFailure(Exception):
@@ -118,6 +123,8 @@ class WorldGroup:
         self.last_chunk_s = 0.0                       # how long the last chunk call took
         self.metrics = Metrics()
         self.last_metrics = 0.0
+        self.event_loop: Optional[asyncio.AbstractEventLoop] = None
+        threading.Thread(target=self._watch, name=f"group-{self.id}-watch", daemon=True).start()
         log.info("group %s: %d ranks on %s ready in %.1f s, capacity %d sessions", self.id, s.sp, infos[0].device,
                  time.monotonic() - t0, self.capacity)
 
@@ -126,22 +133,50 @@ class WorldGroup:
         if self.broken:
             raise RuntimeError(f"group {self.id} is broken: {self.broken}")
 
+    # ---- healing ------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """A thread: every WATCH_S, is every rank, the muxer and the mailbox still there? A dead one fails the
+        group at once, with or without sessions (a busy actor is not a dead one)."""
+        while not self.broken:
+            time.sleep(WATCH_S)
+            calls = [r.alive.remote() for r in self.ranks] + [self.muxer.ready.remote(), self.mailbox.ready.remote()]
+            done, _ = ray.wait(calls, num_returns=len(calls), timeout=WATCH_S * 5)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    if self.event_loop is not None and not self.event_loop.is_closed():
+                        self.event_loop.call_soon_threadsafe(self._fail_group, e)
+                        time.sleep(EXIT_DELAY_S * 2)       # _fail_group exits after telling the sessions
+                    self._exit(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+    def _exit(self, why: str) -> None:
+        """Leave at once so that Serve replaces this replica now, not at its next health check (the ranks,
+        muxer and mailbox go with it: this process owns them)."""
+        log.error("group %s exits (%s); Serve starts a new one", self.id, why)
+        logging.shutdown()
+        os._exit(1)
+
     # ---- the session lease --------------------------------------------------------------------
     async def session(self, request: SessionRequest):
         """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
         SessionDone (or SessionError). Cancelling it (client gone, stop) frees the session within one step."""
+        self.event_loop = asyncio.get_running_loop()
         if self.broken:
-            yield SessionError("internal_error", "the group is restarting; retry")
+            yield SessionError("group_unavailable", "this group failed and is being replaced; retry")
             return
         if self.reserved >= self.capacity:             # checked and taken before any await: no over-admission
             yield SessionError("capacity_exhausted", "group is full")
             return
         self.reserved += 1
-        sid, start = request.session_id, request.start
+        sid, start, resume = request.session_id, request.start, request.resume
         state = ScheduledSession(sid, start, self.geometry, self.settings.max_queued_controls,
                                  max_in_flight=self.settings.in_flight_chunks)
+        if resume is not None:
+            state.resume_from(resume)
         try:
-            mime = await self.muxer.open.remote(sid, start.fps, start.output)
+            first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
+            mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
             opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
                                                                   start.flow_shift, start.trajectory)
                                             for r in self.ranks])
@@ -153,6 +188,8 @@ class WorldGroup:
             self._ensure_tasks()
             self.metrics.active_sessions.set(len(self.scheduler.sessions), tags={"group": self.id})
             yield Admitted(self.id, self.mailbox, mime, self.capacity)
+            if resume is not None and not resume.journal:
+                yield Resumed(0, 0.0)                  # nothing to replay: it continues from its first chunk
             while True:
                 event = await outbox.get()
                 yield event
@@ -222,11 +259,17 @@ class WorldGroup:
             r.abort_chunk.remote(state.id, run.index)
 
     def _fail_group(self, error: Exception) -> None:
+        """A rank, the muxer or the mailbox failed: tell every session (their ingresses resume them elsewhere),
+        then exit so that Serve replaces the group at once."""
+        if self.broken:
+            return
         self.broken = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         log.error("group %s: failing its sessions: %s", self.id, self.broken)
         for sid in list(self.outboxes):
-            self._post(sid, SessionError("internal_error", "the model group failed while generating; please retry"))
-        self.wake.set()
+            self._post(sid, SessionError("internal_error", "the model group failed while generating"))
+        if self.wake is not None:
+            self.wake.set()
+        asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._exit, self.broken)
 
     async def _loop(self) -> None:
         while self.scheduler.sessions and not self.broken:
@@ -250,6 +293,9 @@ class WorldGroup:
         """Run the session's next chunk on every rank; its delivery goes on as a task of its own. With
         restart_stale_chunks, a control for the session that arrives while the chunk is in its probes gives
         the chunk up and runs it again with the control (at most once per chunk; see _restart_for)."""
+        if state.replay:
+            await self._replay_chunk(state)
+            return
         restarted = False
         while True:
             plan = state.plan_next_chunk()
@@ -282,6 +328,28 @@ class WorldGroup:
         self.deliveries[state.id] = asyncio.get_running_loop().create_task(
             self._deliver(state, plan, root, t0, previous), context=contextvars.Context())
 
+    async def _replay_chunk(self, state: ScheduledSession) -> None:
+        """A resumed session: run its next delivered chunk again with the controls it had (nothing goes to the
+        muxer), so the ranks' state (K/V window, decoder cache, camera, RNG, prompt) is what it was. The
+        last one posts Resumed."""
+        if state.replay_started is None:
+            state.replay_started = time.monotonic()
+        index = state.next_chunk
+        calls = [r.run_chunk.remote(state.id, index, state.replay[0], None) for r in self.ranks]
+        try:
+            replies: list[ChunkReply] = await asyncio.wait_for(asyncio.gather(*calls), self.settings.chunk_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"replay of chunk {index} of session {state.id} did not come back from every rank "
+                               f"within {self.settings.chunk_timeout_s:g} s") from None
+        if state.stopped or replies[0].stopped:
+            return
+        state.replayed()
+        if not state.replay:
+            seconds = time.monotonic() - state.replay_started
+            log.info("group %s: session %s resumed after replaying %d chunks in %.2f s", self.id, state.id,
+                     index + 1, seconds)
+            self._post(state.id, Resumed(index + 1, seconds))
+
     async def _deliver(self, state: ScheduledSession, plan: ChunkPlan, root: ChunkReply, t0: float,
                        previous: Optional[asyncio.Task]) -> None:
         """Await the chunk's fragment, then (after the session's previous chunk) put it on the stream."""
@@ -313,7 +381,7 @@ class WorldGroup:
                                             {"dispatched": t0, "fragment": fragment_at, "lead_s": state.pacer.lead_s,
                                              "slack_s": state.last_slack or 0.0,
                                              "restarted": float(plan.restarted)},
-                                            fragment.batches, plan.controls.keys))
+                                            fragment.batches, plan.controls, plan.planner))
             if state.start.chunks is not None and plan.index == state.start.chunks - 1:
                 self._post(state.id, SessionDone(plan.index + 1))
         except SessionFailure as e:                   # this session's chunk could not be delivered

@@ -24,7 +24,7 @@ from lingbot.config import get_preset
 
 from . import sglang
 from .limits import TenantLimits
-from .messages import Admitted, ChunkReady, SessionDone, SessionError, SessionRequest
+from .messages import Admitted, ChunkReady, Resume, Resumed, SessionDone, SessionError, SessionRequest
 from .metrics import Metrics
 from .protocol import (
     CLOSE_NORMAL,
@@ -83,6 +83,15 @@ class Connection:
         self.started_at = time.monotonic()
         self.closed = False
         self.scripted = False                  # the camera follows an offline trajectory: no camera or key events
+        self.start = None
+        # what it takes to continue the session on another group (resume): every delivered chunk's controls,
+        # the interaction state after the last one, the interactions sent but not yet started
+        self.journal: list = []
+        self.planner = None
+        self.frames_sent = 0
+        self.unstarted: list[Interaction] = []
+        self.resumes = 0
+        self.failed_at: Optional[float] = None
 
     # ---- the wire (subclasses) ------------------------------------------------------------------
     async def receive_message(self, timeout: float, limit: int) -> dict:
@@ -109,6 +118,10 @@ class Connection:
 
     async def on_admitted(self, admitted: Admitted, start) -> None:
         pass
+
+    async def send_resumed(self, event: Resumed, gap_s: float) -> bool:
+        """Tell the client its session continues after a fault (`gap_s` since it broke)."""
+        raise NotImplementedError
 
     async def send_chunk(self, event: ChunkReady) -> bool:
         """Put one chunk on the wire; False when the connection is over (a stalled send ended it)."""
@@ -196,22 +209,43 @@ class Connection:
                     return None
 
     async def admit_and_stream(self, start) -> None:
-        self.lease = self.ingress.group.options(stream=True).session.remote(SessionRequest(self.session_id, start))
+        self.start = start
         try:
             await self._admitted_session(start)
         finally:
-            self.lease.cancel()                  # every path (done, stop, refusal, disconnect) ends the lease
+            if self.lease is not None:
+                self.lease.cancel()              # every path (done, stop, refusal, disconnect) ends the lease
+
+    async def admit(self, request: SessionRequest, wait_s: float):
+        """Hold a lease on a group for the session: the Admitted event, or the last refusal (None: no answer)
+        within wait_s. A group that is full, failed or gone is tried again (Serve routes each try anew, and
+        a failed group leaves at once) until the time is up."""
+        deadline = time.monotonic() + wait_s
+        answer = None
+        while True:
+            self.lease = self.ingress.group.options(stream=True).session.remote(request)
+            try:
+                answer = await asyncio.wait_for(self.lease.__anext__(), timeout=max(deadline - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                return answer
+            except Exception as e:                        # the replica died under the call
+                answer = SessionError("group_unavailable", f"the group's replica is gone ({type(e).__name__})")
+            if isinstance(answer, Admitted):
+                return answer
+            self.lease.cancel()
+            if answer.code not in ("capacity_exhausted", "group_unavailable") or time.monotonic() >= deadline:
+                return answer
+            await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
 
     async def _admitted_session(self, start) -> None:
         s = self.settings
-        try:
-            first = await asyncio.wait_for(self.lease.__anext__(), timeout=s.admission_wait_s)
-        except (asyncio.TimeoutError, StopAsyncIteration):
+        first = await self.admit(SessionRequest(self.session_id, start), s.admission_wait_s)
+        if first is None or (isinstance(first, SessionError) and first.code == "capacity_exhausted"):
             await self.refuse(ProtocolError("capacity_exhausted", "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
             return
         if not isinstance(first, Admitted):
-            close = CLOSE_TRY_AGAIN if first.code == "capacity_exhausted" else CLOSE_SERVER_ERROR
+            close = CLOSE_TRY_AGAIN if first.code == "group_unavailable" else CLOSE_SERVER_ERROR
             await self.refuse(ProtocolError(first.code, first.message, close=close, retry_after_s=s.retry_after_s))
             return
         self.mailbox = first.mailbox
@@ -241,6 +275,8 @@ class Connection:
                     event = next_item.result()
                 except StopAsyncIteration:
                     return False
+                except Exception as e:                    # the group's replica is gone
+                    event = SessionError("internal_error", f"the model group is gone ({type(e).__name__})")
                 if isinstance(event, ChunkReady):
                     now = time.monotonic()
                     if last is not None:
@@ -248,19 +284,65 @@ class Connection:
                     last = now
                     if not await self.send_chunk(event):
                         return None
-                    self.chunks_sent += 1
+                    self.delivered(event)
+                elif isinstance(event, Resumed):
+                    gap = time.monotonic() - (self.failed_at or time.monotonic())
+                    if not await self.send_resumed(event, gap):
+                        return None
                 elif isinstance(event, SessionDone):
                     return False
+                elif isinstance(event, SessionError) and event.event_id is None:
+                    log.warning("session %s: %s: %s", self.session_id, event.code, event.message)
+                    if not await self.resume():
+                        await self.refuse(ProtocolError(event.code, "the model group failed while generating; "
+                                                        "please retry", close=CLOSE_SERVER_ERROR))
+                        return None
+                    last = None
                 elif isinstance(event, SessionError):
-                    if event.event_id is None:
-                        await self.refuse(ProtocolError(event.code, event.message, close=CLOSE_SERVER_ERROR))
-                    else:
-                        await self.refuse(ProtocolError(event.code, event.message, event_id=event.event_id))
+                    self.unstarted = [i for i in self.unstarted if i.event_id != event.event_id]
+                    await self.refuse(ProtocolError(event.code, event.message, event_id=event.event_id))
                     if self.closed:
                         return None
                 next_item = asyncio.ensure_future(self.lease.__anext__())
         finally:
             next_item.cancel()
+
+    def delivered(self, event: ChunkReady) -> None:
+        """A chunk reached the client: it joins the journal; the interactions it started are no longer owed."""
+        self.chunks_sent += 1
+        self.journal.append(event.controls)
+        self.planner = event.planner
+        self.frames_sent += event.num_frames
+        if event.started:
+            started = set(event.started)
+            self.unstarted = [i for i in self.unstarted if i.event_id not in started]
+
+    async def resume(self) -> bool:
+        """The session's group failed: continue the session on a healthy group (another, or this one rebuilt)
+        from its journal. True when a group took it; the chunks it replays are not sent again."""
+        s = self.settings
+        if not s.resume_sessions or self.resumes >= s.max_resumes or self.closed:
+            return False
+        self.resumes += 1
+        self.failed_at = time.monotonic()
+        self.lease.cancel()
+        self.mailbox = None                          # controls sent meanwhile wait in self.unstarted
+        request = SessionRequest(self.session_id, self.start, Resume(tuple(self.journal), self.planner,
+                                                                     self.frames_sent))
+        log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)", self.session_id,
+                    len(self.journal), self.resumes, s.max_resumes)
+        answer = await self.admit(request, s.resume_wait_s)
+        if not isinstance(answer, Admitted):
+            self.ingress.metrics.resumes.inc(tags={"outcome": "failed"})
+            log.error("session %s: no group took it within %g s (%s)", self.session_id, s.resume_wait_s,
+                      getattr(answer, "code", "no answer"))
+            return False
+        self.ingress.metrics.resumes.inc(tags={"outcome": "resumed"})
+        self.last_interaction = time.monotonic()     # the client was not idle: its session was away
+        self.mailbox = answer.mailbox
+        for interaction in self.unstarted:          # what the failed group had not started yet, in order
+            self.mailbox.post.remote(self.session_id, interaction)
+        return True
 
     async def send_or_stall(self, data) -> bool:
         """Send one message to the client; False (and the session ended with stall_timeout) when it stays
@@ -318,7 +400,9 @@ class Connection:
         self.last_interaction = time.monotonic()
         self.sequence += 1
         interaction.seq = self.sequence
-        self.mailbox.post.remote(self.session_id, interaction)
+        self.unstarted.append(interaction)
+        if self.mailbox is not None:                # None while the session resumes on another group
+            self.mailbox.post.remote(self.session_id, interaction)
         return True
 
 
@@ -376,6 +460,11 @@ class VllmConnection(Connection):
                 "timings": {k: round(v, 5) for k, v in event.timings.items()},
                 "group_clock": {k: round(v, 4) for k, v in event.clock.items()}}
         return await self.send_or_stall(meta) and await self.send_or_stall(event.data)
+
+    async def send_resumed(self, event: Resumed, gap_s: float) -> bool:
+        return await self.send_or_stall({"type": "session.resumed", "generation_chunk_index": len(self.journal),
+                                         "transport_chunk_index": self.chunks_sent, "replayed_chunks": event.replayed,
+                                         "replay_s": round(event.replay_s, 3), "gap_s": round(gap_s, 3)})
 
     async def on_control(self, msg: dict) -> Optional[bool]:
         kind = msg["type"]
@@ -459,6 +548,11 @@ class SglangConnection(Connection):
                  "ws_payload_bytes": sum(len(m) for m in messages), "content_type": self.output.content_type,
                  "actions": None if event.keys is None else [list(k) for k in event.keys]}
         return await self.send_or_stall(sglang.pack(stats))
+
+    async def send_resumed(self, event: Resumed, gap_s: float) -> bool:
+        return await self.send_or_stall(sglang.pack({
+            "type": "session_resumed", "session_id": self.session_id, "chunk_index": len(self.journal),
+            "replayed_chunks": event.replayed, "replay_ms": sglang.ms(event.replay_s), "gap_ms": sglang.ms(gap_s)}))
 
     async def on_control(self, msg: dict) -> Optional[bool]:
         try:

@@ -18,10 +18,32 @@ from .protocol import StartRequest
 
 
 @dataclass(frozen=True)
+class Planner:
+    """A session's interaction state after a chunk (sessions.ScheduledSession): the events still running
+    (what is left of each) and the held keys. With the journal it lets another group continue exactly."""
+    events: dict
+    held: Optional[str]
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue a session whose group failed: replay the delivered chunks' controls (the journal, one per
+    chunk 0..next_index-1) without delivering them, then go on from chunk next_index."""
+    journal: tuple[ChunkControls, ...]
+    planner: Optional[Planner]
+    frames_delivered: int          # video frames the client has (the fMP4 stream continues from there)
+
+    @property
+    def next_index(self) -> int:
+        return len(self.journal)
+
+
+@dataclass(frozen=True)
 class SessionRequest:
     """The ingress asks a group to run one session (the argument of the streaming lease call)."""
     session_id: str
     start: StartRequest
+    resume: Optional[Resume] = None
 
 
 # ---- group <-> ranks ------------------------------------------------------------------------------
@@ -96,7 +118,20 @@ class ChunkReady:
     wall_s: float
     clock: dict[str, float] = field(default_factory=dict)   # the group's monotonic clock: dispatched, fragment
     batches: tuple[FrameBatch, ...] = ()                    # the second protocol's frames (then data is empty)
-    keys: Optional[tuple[str, ...]] = None                  # the key set of each latent frame (None: no keys)
+    controls: Optional[ChunkControls] = None                # what the chunk applied (the ingress's journal)
+    planner: Optional[Planner] = None                       # the interaction state after the chunk
+
+    @property
+    def keys(self) -> Optional[tuple[str, ...]]:
+        """The key set of each latent frame (None: no keys)."""
+        return None if self.controls is None else self.controls.keys
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A resumed session caught up: `replayed` chunks were run again in `replay_s` seconds."""
+    replayed: int
+    replay_s: float
 
 
 @dataclass(frozen=True)
@@ -111,4 +146,4 @@ class SessionError:
     event_id: Optional[str] = None   # set when the error concerns one interaction (the session goes on)
 
 
-GroupEvent = Union[Admitted, ChunkReady, SessionDone, SessionError]
+GroupEvent = Union[Admitted, ChunkReady, Resumed, SessionDone, SessionError]

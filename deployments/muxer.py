@@ -46,16 +46,22 @@ class Muxer:
     def ready(self) -> str:
         return self.settings.encoder
 
-    def open(self, session_id: str, fps: float, fmt: FrameFormat = FMP4) -> str:
+    def open(self, session_id: str, fps: float, fmt: FrameFormat = FMP4, first_chunk: int = 0,
+             frames_before: int = 0) -> str:
         """Start a session's encoder; returns the MSE mime type of its stream (fmp4), else the content type of
-        its frame batches."""
+        its frame batches. A resumed session starts at `first_chunk`, its client holding `frames_before`
+        frames: the fMP4 stream continues after them."""
         if fmt.kind == "fmp4":
             encoder = FragmentedMp4Encoder(self.width, self.height, fps, self.settings)
+            if first_chunk:
+                encoder.continue_stream(first_chunk, frames_before)
         else:
             encoder = FrameBatcher(fmt, self.width, self.height)
+        stream = _Stream(encoder)
+        stream.next_index = first_chunk
         with self.turn:
             if session_id not in self.closed:
-                self.streams[session_id] = _Stream(encoder)
+                self.streams[session_id] = stream
         return encoder.mime if fmt.kind == "fmp4" else fmt.content_type
 
     def encode(self, session_id: str, index: int, frames: np.ndarray, sent_at: float) -> Optional[Fragment]:

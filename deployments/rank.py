@@ -70,6 +70,10 @@ class RankWorker:
         """Run fn(*args) on the device thread (one at a time: open_session and run_chunk never overlap)."""
         return self.device_thread.submit(fn, *args).result()
 
+    def alive(self) -> bool:
+        """For the group's watcher: answers on any free thread, whatever the device is doing."""
+        return True
+
     # ---- set-up -------------------------------------------------------------------------------
     def address(self) -> str:
         """rank 0 picks the rendezvous address: this node's IP and a free port."""

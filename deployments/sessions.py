@@ -28,13 +28,13 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from lingbot.config import LINGBOT_GEOMETRY, ChunkGeometry
 from lingbot.stats import percentile
 
-from .messages import ChunkControls
+from .messages import ChunkControls, Planner, Resume
 from .protocol import Interaction, StartRequest
 
 
@@ -75,6 +75,7 @@ class ChunkPlan:
     active: list[str]
     completed: list[str]
     restarted: bool = False                     # run again once, with a control that arrived in its probes
+    planner: Optional[Planner] = None           # the interaction state once the chunk is committed
 
 
 class Pacer:
@@ -126,6 +127,8 @@ class ScheduledSession:
         self.pending: deque[Interaction] = deque()
         self.events: dict[str, _Progress] = {}
         self.held: Optional[str] = None              # held keys (None: no key-state event yet, or a script replaced it)
+        self.replay: deque[ChunkControls] = deque()  # a resumed session's delivered chunks, to run again first
+        self.replay_started: Optional[float] = None
         self.stopped = False
         self.stalls = 0
         self.stall_seconds = 0.0
@@ -273,8 +276,25 @@ class ScheduledSession:
             self.pending.popleft()
         self.events = self._planned
         self.held = self._planned_held
+        plan.planner = Planner({eid: replace(p, keys=None if p.keys is None else list(p.keys))
+                                for eid, p in self.events.items()}, self.held)
         self.next_chunk = plan.index + 1
         self.generated(self.geometry.pixel_frames(plan.index))
+
+    # ---- resuming on another group ------------------------------------------------------------
+    def resume_from(self, resume: Resume) -> None:
+        """Continue a session another group ran: its delivered chunks are replayed first (replay_chunk),
+        then planning goes on from the interaction state after the last of them."""
+        self.replay = deque(resume.journal)
+        if resume.planner is not None:
+            self.events = {eid: replace(p, keys=None if p.keys is None else list(p.keys))
+                           for eid, p in resume.planner.events.items()}
+            self.held = resume.planner.held
+
+    def replayed(self) -> None:
+        """The ranks ran the next replay chunk again (nothing is delivered)."""
+        self.replay.popleft()
+        self.next_chunk += 1
 
 
 class Scheduler:

@@ -52,6 +52,9 @@ class ServeSettings:
     pacing_quantile: float = 0.9             # adaptive: the share of recent chunks the lead must cover
     restart_stale_chunks: bool = False       # a control arriving in a chunk's probes restarts it with the control
     admission_wait_s: float = 20.0           # wait for a free group (autoscaler) before capacity_exhausted
+    resume_sessions: bool = True             # a session whose group fails goes on on another (or the rebuilt) one
+    resume_wait_s: float = 120.0             # how long a failed session waits for a group to resume on
+    max_resumes: int = 3                     # resumes per session (a session that breaks every group is ended)
     retry_after_s: float = 10.0
     start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting
     stall_timeout_s: float = 60.0            # a send to the client blocked this long (not reading, or gone) ends it
@@ -119,7 +122,7 @@ class ServeSettings:
         if not 0 < self.pacing_quantile <= 1 or self.pacing_margin_s < 0:
             raise ConfigError(f"pacing_quantile must be in (0, 1] and pacing_margin_s >= 0, got "
                               f"{self.pacing_quantile} and {self.pacing_margin_s}")
-        for name in ("fps", "pacing_lead_s", "admission_wait_s", "start_timeout_s", "stall_timeout_s"):
+        for name in ("fps", "pacing_lead_s", "admission_wait_s", "start_timeout_s", "stall_timeout_s", "resume_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -186,6 +186,15 @@ class FragmentedMp4Encoder:
         payload = b"".join(data for data, _ in samples)
         return moof(size + 8) + _box(b"mdat", payload)
 
+    def continue_stream(self, fragments: int, frames: int) -> None:
+        """Continue a stream another encoder began (a session resumed elsewhere): the client has the init
+        segment, `fragments` fragments and `frames` frames, so the next fragment follows them in sequence
+        number and time, and starts with a keyframe (this encoder's first frame)."""
+        if self.frames_encoded:
+            raise RuntimeError("continue_stream must come before the first chunk")
+        self._sequence, self._next_pts, self._sent_init = fragments, frames * self.frame_duration, True
+        self.frames_encoded = frames
+
     def encode_chunk(self, frames: np.ndarray) -> bytes:
         """uint8 RGB [F, H, W, 3] -> (init segment +) one fragment holding these F frames."""
         packets = []

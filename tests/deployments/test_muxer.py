@@ -54,3 +54,33 @@ def test_close_releases_waiting_chunks_and_drops_late_ones():
     with pytest.raises(ValueError, match=r"H\.264 encoder 'vp9' is not one of"):
         from lingbot.io.video import pick_h264_encoder
         pick_h264_encoder("vp9")
+
+
+def test_a_resumed_session_continues_the_fmp4_stream():
+    """A session resumed on another group: the new muxer continues the stream the client holds (no second
+    init segment, sequence numbers and times after the old ones), and the whole stream decodes in order."""
+    import io
+
+    import av
+
+    w, h = 112, 64
+    rng = np.random.RandomState(1)
+    chunks = [rng.randint(0, 255, (9 if k == 0 else 12, h, w, 3), dtype=np.uint8) for k in range(4)]
+    first = Muxer(w, h)
+    first.open("s", 16.0)
+    before = [first.encode("s", k, chunks[k], time.perf_counter()).data for k in range(2)]
+    second = Muxer(w, h)                                         # another group's muxer
+    second.open("s", 16.0, first_chunk=2, frames_before=21)
+    after = [second.encode("s", k, chunks[k], time.perf_counter()).data for k in (2, 3)]
+    assert before[0].startswith(b"\x00\x00\x00") and b"ftyp" in before[0][:16]
+    assert b"ftyp" not in after[0] and b"moov" not in after[0]
+    stream = b"".join(before + after)
+    with av.open(io.BytesIO(stream)) as container:
+        times = [f.pts for f in container.decode(video=0)]
+    assert len(times) == 45 and times == sorted(times) and len(set(times)) == 45
+    assert read_frames(stream).shape == (45, h, w, 3)
+    with pytest.raises(RuntimeError, match="before the first chunk"):
+        from lingbot.io.video import FragmentedMp4Encoder
+        encoder = FragmentedMp4Encoder(w, h, 16.0)
+        encoder.encode_chunk(chunks[0])
+        encoder.continue_stream(1, 9)

@@ -239,3 +239,41 @@ def test_a_key_script_replaces_held_keys_and_the_other_way_round():
     assert _keys(s) == ("i", "", "")
     plan = s.plan_next_chunk()
     assert plan.controls.keys is None and s.held is None
+
+
+def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
+    """Chunks 0-2 delivered, then the group fails: a new ScheduledSession given the journal (controls of the
+    delivered chunks) and the planner state after chunk 2 replays 3 chunks and then plans chunks 3-5 exactly
+    as the session that never failed (a keys event and a target move running across the fault, held keys,
+    an interaction that arrives after it)."""
+    from deployments.messages import Resume
+
+    def feed(s, k):
+        if k == 1:
+            s.queue(Interaction("k", keys=["w", "a", "s", "d", "i", "j", "k"]))      # 7 frames: chunks 1-3
+            s.queue(Interaction("c", camera=CameraEvent("target", (0, 0, 1), (0, 0, 0, 1), 3)))
+        if k == 4:
+            s.queue(Interaction("h", hold=["l", ""]))
+
+    whole = _state("a", chunks=6)
+    controls, plans = [], []
+    for k in range(6):
+        feed(whole, k)
+        plan = whole.plan_next_chunk()
+        whole.commit_plan(plan)
+        controls.append(plan.controls)
+        plans.append(plan)
+    resumed = _state("a", chunks=6)
+    resumed.resume_from(Resume(tuple(controls[:3]), plans[2].planner, 9 + 12 * 2))
+    assert [p for p in resumed.events] == ["k", "c"] and resumed.events["k"].keys == ["k"]
+    for k in range(3):
+        assert resumed.replay[0] == controls[k]
+        resumed.replayed()
+    assert resumed.next_chunk == 3 and not resumed.replay
+    for k in range(3, 6):
+        feed(resumed, k)
+        plan = resumed.plan_next_chunk()
+        resumed.commit_plan(plan)
+        assert plan.controls == controls[k] and (plan.started, plan.active, plan.completed) == \
+            (plans[k].started, plans[k].active, plans[k].completed), k
+    assert controls[3].keys == ("k", "", "") and controls[4].keys == ("l", "", "")

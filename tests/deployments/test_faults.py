@@ -1,0 +1,132 @@
+"""Faults end to end, on an app of their own beside the package's one (route prefix /faults, SP-1, one group,
+API key test-key-3): a rank killed mid-session (the sessions resume on the rebuilt group with identical
+frames) and a rank killed with no session (the group is replaced at once). Each replaces the group."""
+import asyncio
+
+import pytest
+
+from lingbot.client import FramesClient, RealtimeClient
+from tests.deployments.conftest import PORT, TEST_SETTINGS
+from tests.deployments.test_app import H, W, png_url, run
+
+KEY3 = "test-key-3"
+FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120)
+URL = f"ws://127.0.0.1:{PORT}/faults/v1/realtime/video"
+
+
+@pytest.fixture(scope="module")
+def faults_app(serve_app):
+    from ray import serve
+
+    from deployments.app import build_app
+    serve.run(build_app(FAULTS), name="faults", route_prefix="/faults")
+    yield URL
+    serve.delete("faults")
+
+
+def replica_pids(name="ServeReplica:faults:WorldGroup"):
+    from ray._private import state
+    return {a["Pid"] for a in state.actors().values() if a["ActorClassName"] == name and a["State"] == "ALIVE"}
+
+
+def rank_pids():
+    from ray._private import state
+    return {a["Pid"] for a in state.actors().values() if a["ActorClassName"] == "RankWorker" and a["State"] == "ALIVE"}
+
+
+def rank_pids_of_app():
+    """The faults app's rank processes: the ranks its group replica owns."""
+    from ray._private import state
+    actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+    owners = {a["Address"]["Port"] for a in actors if a["ActorClassName"] == "ServeReplica:faults:WorldGroup"}
+    return {a["Pid"] for a in actors if a["ActorClassName"] == "RankWorker" and a["OwnerAddress"]["Port"] in owners}
+
+
+def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(faults_app):
+    """SIGKILL of the group's rank (SP-1) while two sessions stream, one per protocol. The group fails, exits,
+    and Serve rebuilds it; both sessions resume on the new group without an error or a close: indices
+    contiguous, nothing twice, a resumed event with the gap, and the raw frames of every chunk bitwise those
+    of the same session run without a fault. Last in this module: it replaces the group."""
+    import os
+    import signal
+
+    import numpy as np
+
+    from lingbot.io.video import read_frames
+    from tests.deployments.test_sglang_app import png
+    [pid] = rank_pids_of_app()
+    frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
+    assert wait_for_group() < 120
+    actions = [["w"], ["w"], ["j"], [], ["d"], ["d"], ["l"], ["i"], ["s"], ["a"], [], ["k"]] * 2
+    script = [["w", "w", "j"], ["", "d", "d"], ["l", "i", "s"], ["a", "", "k"]] * 2
+
+    async def pair(kill_after=None):
+        async with FramesClient(frames_url, api_key=KEY3) as raw, RealtimeClient(URL, api_key=KEY3) as fmp4:
+            await raw.init("a quiet street", png(), 8, 3, actions=actions)
+            await fmp4.start("a quiet street", png_url(), W, H, 8, seed=3, script=script)
+
+            async def kill(result, chunk):
+                if kill_after is not None and len(result.chunks) == kill_after:
+                    os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(raw.receive_session(kill, timeout=300), fmp4.receive_session(timeout=300))
+
+    clean_raw, clean_fmp4 = run(pair())
+    raw, fmp4 = run(pair(kill_after=3))
+    assert clean_raw.errors == [] and raw.errors == [], raw.errors
+    assert (raw.close_code, raw.close_reason) == (1000, "generation complete")
+    assert [c.index for c in raw.chunks] == list(range(8))
+    [resumed] = [m for m in raw.messages if m["type"] == "session_resumed"]
+    assert 3 <= resumed["chunk_index"] == resumed["replayed_chunks"] < 8 and resumed["gap_ms"] > 0
+    for clean, got in zip(clean_raw.chunks, raw.chunks):
+        assert np.array_equal(clean.frames, got.frames), got.index            # bitwise, after the fault too
+    assert fmp4.error is None and fmp4.done == {"type": "session.done", "chunks": 8, "stopped": False}
+    assert [c["generation_chunk_index"] for c in fmp4.chunks] == list(range(8))
+    assert [c["transport_chunk_index"] for c in fmp4.chunks] == list(range(8))
+    [note] = [m for m in fmp4.messages if m["type"] == "session.resumed"]
+    assert note["replayed_chunks"] == note["generation_chunk_index"] == note["transport_chunk_index"]
+    decoded, clean_decoded = read_frames(fmp4.video), read_frames(clean_fmp4.video)   # one stream, 93 frames
+    assert decoded.shape == clean_decoded.shape == (93, H, W, 3)
+    cut = 9 + 12 * (note["generation_chunk_index"] - 1)
+    assert np.array_equal(decoded[:cut], clean_decoded[:cut])                  # the same bytes up to the fault
+    assert np.abs(decoded[cut:].astype(int) - clean_decoded[cut:]).mean() < 3  # re-encoded from the same frames
+    assert pid not in rank_pids() and len(rank_pids_of_app()) == 1
+
+
+def test_a_rank_that_dies_without_sessions_is_replaced_at_once(faults_app):
+    """An idle group notices a dead rank within seconds (not at Serve's next health check) and exits; Serve
+    builds a new one, which then serves."""
+    import os
+    import signal
+    import time
+    replicas = replica_pids()
+    ranks = rank_pids_of_app()
+    assert len(replicas) == 1 and len(ranks) == 1
+    t0 = time.monotonic()
+    os.kill(next(iter(ranks)), signal.SIGKILL)
+    while replica_pids() & replicas and time.monotonic() - t0 < 30:
+        time.sleep(0.2)
+    gone = time.monotonic() - t0
+    assert not replica_pids() & replicas and gone < 10, gone
+    assert wait_for_group() < 120                                       # Serve built a new group
+    result = run(one_chunk())
+    assert result.error is None and result.done["chunks"] == 1
+
+
+def wait_for_group(timeout=120.0) -> float:
+    """Seconds until the strict app's group runs again (a new replica, RUNNING)."""
+    import time
+
+    from ray import serve
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        status = serve.status().applications["faults"].deployments["WorldGroup"]
+        if status.replica_states.get("RUNNING", 0) >= 1 and replica_pids():
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+async def one_chunk():
+    async with RealtimeClient(URL, api_key=KEY3) as client:
+        await client.start("p", png_url(), W, H, 1)
+        return await client.receive_session(timeout=60)
