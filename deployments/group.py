@@ -70,6 +70,16 @@ def device_metric_tags(group: str, stats: list[Optional[DeviceStats]]) -> list[t
     return [(st, {"group": group, "rank": str(rank)}) for rank, st in enumerate(stats) if st is not None]
 
 
+def replica_unique_id() -> str:
+    """The Serve replica's id (as the dashboard and the replica's actor name show it), or a fresh one when
+    the group runs outside Serve. Sessions, metrics and logs name the group by it."""
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return uuid.uuid4().hex[:8]
+
+
 @dataclass
 class RunningChunk:
     state: ScheduledSession
@@ -81,7 +91,7 @@ class RunningChunk:
 class WorldGroup:
     def __init__(self, settings: dict):
         s = self.settings = ServeSettings(**settings)
-        self.id = uuid.uuid4().hex[:8]
+        self.id = replica_unique_id()
         pg = get_current_placement_group()
 
         def pinned(bundle: int):
@@ -172,24 +182,32 @@ class WorldGroup:
         sid, start, resume = request.session_id, request.start, request.resume
         state = ScheduledSession(sid, start, self.geometry, self.settings.max_queued_controls,
                                  max_in_flight=self.settings.in_flight_chunks)
-        if resume is not None:
-            state.resume_from(resume)
         try:
             first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
             mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
+            snapshots = resume.snapshots if resume is not None and len(resume.snapshots) == len(self.ranks) \
+                else [None] * len(self.ranks)
             opened = await asyncio.gather(*[r.open_session.remote(sid, start.image, start.prompt, start.seed,
-                                                                  start.flow_shift, start.trajectory)
-                                            for r in self.ranks])
-            if not all(opened):
+                                                                  start.flow_shift, start.trajectory, request.keeper,
+                                                                  snapshots[i])
+                                            for i, r in enumerate(self.ranks)])
+            if any(o is None for o in opened):
                 return                                 # cancelled while opening: the finally cleans up
+            if resume is not None:
+                restored = resume.snapshot_index + 1
+                if any(o != restored for o in opened):  # a snapshot was lost, or another group size: replay all
+                    if any(o != 0 for o in opened):
+                        await asyncio.gather(*[r.reset_session.remote(sid) for r in self.ranks])
+                    restored = 0
+                state.resume_from(resume, restored)
             outbox: asyncio.Queue = asyncio.Queue()
             self.outboxes[sid] = outbox
             self.scheduler.add(state)
             self._ensure_tasks()
             self.metrics.active_sessions.set(len(self.scheduler.sessions), tags={"group": self.id})
             yield Admitted(self.id, self.mailbox, mime, self.capacity)
-            if resume is not None and not resume.journal:
-                yield Resumed(0, 0.0)                  # nothing to replay: it continues from its first chunk
+            if resume is not None and not state.replay:
+                yield Resumed(0, 0.0, state.next_chunk)   # nothing to replay: it continues at once
             while True:
                 event = await outbox.get()
                 yield event
@@ -324,6 +342,7 @@ class WorldGroup:
                 return
             break
         state.commit_plan(plan)                       # the ranks advanced the session: the chunk is in flight
+        state.take_snapshots(replies)
         previous = self.deliveries.get(state.id)
         self.deliveries[state.id] = asyncio.get_running_loop().create_task(
             self._deliver(state, plan, root, t0, previous), context=contextvars.Context())
@@ -343,12 +362,14 @@ class WorldGroup:
                                f"within {self.settings.chunk_timeout_s:g} s") from None
         if state.stopped or replies[0].stopped:
             return
+        state.take_snapshots(replies)
         state.replayed()
         if not state.replay:
             seconds = time.monotonic() - state.replay_started
-            log.info("group %s: session %s resumed after replaying %d chunks in %.2f s", self.id, state.id,
-                     index + 1, seconds)
-            self._post(state.id, Resumed(index + 1, seconds))
+            replayed = index + 1 - state.restored
+            log.info("group %s: session %s resumed from chunk %d after replaying %d chunks in %.2f s", self.id,
+                     state.id, state.restored, replayed, seconds)
+            self._post(state.id, Resumed(replayed, seconds, state.restored))
 
     async def _deliver(self, state: ScheduledSession, plan: ChunkPlan, root: ChunkReply, t0: float,
                        previous: Optional[asyncio.Task]) -> None:
@@ -381,7 +402,8 @@ class WorldGroup:
                                             {"dispatched": t0, "fragment": fragment_at, "lead_s": state.pacer.lead_s,
                                              "slack_s": state.last_slack or 0.0,
                                              "restarted": float(plan.restarted)},
-                                            fragment.batches, plan.controls, plan.planner))
+                                            fragment.batches, plan.controls, plan.planner,
+                                            state.give_snapshots()))
             if state.start.chunks is not None and plan.index == state.start.chunks - 1:
                 self._post(state.id, SessionDone(plan.index + 1))
         except SessionFailure as e:                   # this session's chunk could not be delivered

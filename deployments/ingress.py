@@ -16,14 +16,16 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+import ray
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
 
 from lingbot.config import get_preset
+from lingbot.runtime.snapshot import chunks_to_restore
 
 from . import sglang
-from .limits import TenantLimits
+from .limits import SnapshotKeeper, TenantLimits
 from .messages import Admitted, ChunkReady, Resume, Resumed, SessionDone, SessionError, SessionRequest
 from .metrics import Metrics
 from .protocol import (
@@ -92,6 +94,7 @@ class Connection:
         self.unstarted: list[Interaction] = []
         self.resumes = 0
         self.failed_at: Optional[float] = None
+        self.snapshots: dict[int, dict[int, object]] = {}   # chunk -> rank -> ObjectRef of its snapshot
 
     # ---- the wire (subclasses) ------------------------------------------------------------------
     async def receive_message(self, timeout: float, limit: int) -> dict:
@@ -239,7 +242,8 @@ class Connection:
 
     async def _admitted_session(self, start) -> None:
         s = self.settings
-        first = await self.admit(SessionRequest(self.session_id, start), s.admission_wait_s)
+        first = await self.admit(SessionRequest(self.session_id, start, keeper=self.ingress.keeper),
+                                 s.admission_wait_s)
         if first is None or (isinstance(first, SessionError) and first.code == "capacity_exhausted"):
             await self.refuse(ProtocolError("capacity_exhausted", "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
@@ -313,9 +317,29 @@ class Connection:
         self.journal.append(event.controls)
         self.planner = event.planner
         self.frames_sent += event.num_frames
+        self.keep_snapshots(event.snapshots)
         if event.started:
             started = set(event.started)
             self.unstarted = [i for i in self.unstarted if i.event_id not in started]
+
+    def keep_snapshots(self, snapshots) -> None:
+        """Hold the references to the snapshots a resume would restore (the chunks the next chunk attends,
+        every rank's); older ones are let go, which frees them."""
+        for index, rank, ref in snapshots:
+            self.snapshots.setdefault(index, {})[rank] = ref
+        newest = self.restorable()
+        if newest is not None:
+            keep = set(chunks_to_restore(newest, *self.ingress.window))
+            self.snapshots = {i: refs for i, refs in self.snapshots.items() if i in keep or i > newest}
+
+    def restorable(self) -> Optional[int]:
+        """The newest delivered chunk whose continuation every rank can restore from snapshots."""
+        sp = self.settings.sp
+        complete = {i for i, refs in self.snapshots.items() if len(refs) == sp and i < len(self.journal)}
+        for index in sorted(complete, reverse=True):
+            if all(c in complete for c in chunks_to_restore(index, *self.ingress.window)):
+                return index
+        return None
 
     async def resume(self) -> bool:
         """The session's group failed: continue the session on a healthy group (another, or this one rebuilt)
@@ -327,8 +351,13 @@ class Connection:
         self.failed_at = time.monotonic()
         self.lease.cancel()
         self.mailbox = None                          # controls sent meanwhile wait in self.unstarted
-        request = SessionRequest(self.session_id, self.start, Resume(tuple(self.journal), self.planner,
-                                                                     self.frames_sent))
+        index = self.restorable()
+        refs = () if index is None else tuple(
+            tuple(self.snapshots[c][rank] for c in chunks_to_restore(index, *self.ingress.window))
+            for rank in range(s.sp))
+        request = SessionRequest(self.session_id, self.start, Resume(
+            tuple(self.journal), self.planner, self.frames_sent, -1 if index is None else index, refs),
+            keeper=self.ingress.keeper)
         log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)", self.session_id,
                     len(self.journal), self.resumes, s.max_resumes)
         answer = await self.admit(request, s.resume_wait_s)
@@ -463,8 +492,9 @@ class VllmConnection(Connection):
 
     async def send_resumed(self, event: Resumed, gap_s: float) -> bool:
         return await self.send_or_stall({"type": "session.resumed", "generation_chunk_index": len(self.journal),
-                                         "transport_chunk_index": self.chunks_sent, "replayed_chunks": event.replayed,
-                                         "replay_s": round(event.replay_s, 3), "gap_s": round(gap_s, 3)})
+                                         "transport_chunk_index": self.chunks_sent, "restored_chunks": event.restored,
+                                         "replayed_chunks": event.replayed, "replay_s": round(event.replay_s, 3),
+                                         "gap_s": round(gap_s, 3)})
 
     async def on_control(self, msg: dict) -> Optional[bool]:
         kind = msg["type"]
@@ -552,7 +582,8 @@ class SglangConnection(Connection):
     async def send_resumed(self, event: Resumed, gap_s: float) -> bool:
         return await self.send_or_stall(sglang.pack({
             "type": "session_resumed", "session_id": self.session_id, "chunk_index": len(self.journal),
-            "replayed_chunks": event.replayed, "replay_ms": sglang.ms(event.replay_s), "gap_ms": sglang.ms(gap_s)}))
+            "restored_chunks": event.restored, "replayed_chunks": event.replayed,
+            "replay_ms": sglang.ms(event.replay_s), "gap_ms": sglang.ms(gap_s)}))
 
     async def on_control(self, msg: dict) -> Optional[bool]:
         try:
@@ -580,6 +611,10 @@ class Ingress:
         self.geometry = preset.geometry
         self.steps = len(preset.sampler.timesteps)
         self.limits = TenantLimits(self.settings.max_sessions_per_key, self.settings.max_starts_per_minute_per_key)
+        self.window = (preset.transformer.sink_chunks, preset.transformer.window_chunks)
+        # the owner of the sessions' snapshots: an actor of this replica's, so they outlive any group
+        self.keeper = ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=16).remote() \
+            if self.settings.snapshots else None
         self.metrics = Metrics()
         self.live = 0
 

@@ -42,3 +42,17 @@ class TenantLimits:
         self.active[tenant] -= 1
         if self.active[tenant] <= 0:
             del self.active[tenant]
+
+
+class SnapshotKeeper:
+    """Owns the sessions' snapshots in the object store, so they survive the group (and the node) that made
+    them: ranks hand each snapshot to `keep`, which puts it and returns the reference (in a list, so that it
+    travels as a reference). An object lives while someone holds its reference: the ingress holds the ones
+    a resume would need and lets the rest go. The ingress creates one per replica; it lives as long."""
+
+    def ready(self) -> bool:
+        return True
+
+    def keep(self, snapshot) -> list:
+        import ray
+        return [ray.put(snapshot)]

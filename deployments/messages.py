@@ -32,6 +32,8 @@ class Resume:
     journal: tuple[ChunkControls, ...]
     planner: Optional[Planner]
     frames_delivered: int          # video frames the client has (the fMP4 stream continues from there)
+    snapshot_index: int = -1       # restore the ranks to after this chunk from snapshots (-1: replay from 0)
+    snapshots: tuple = ()          # per rank: the ObjectRefs of its snapshots (lingbot.runtime.snapshot)
 
     @property
     def next_index(self) -> int:
@@ -44,6 +46,7 @@ class SessionRequest:
     session_id: str
     start: StartRequest
     resume: Optional[Resume] = None
+    keeper: Any = None             # the ingress's actor that owns the session's snapshots (None: no snapshots)
 
 
 # ---- group <-> ranks ------------------------------------------------------------------------------
@@ -76,6 +79,7 @@ class ChunkReply:
     timings: dict[str, float] = field(default_factory=dict)
     engine_s: float = 0.0          # wall time of the chunk inside the rank
     fragment: Any = None           # ray.ObjectRef[Optional[Fragment]]
+    snapshots: tuple = ()          # (chunk index, ObjectRef[ChunkSnapshot]) stored since the last reply
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class ChunkReady:
     batches: tuple[FrameBatch, ...] = ()                    # the second protocol's frames (then data is empty)
     controls: Optional[ChunkControls] = None                # what the chunk applied (the ingress's journal)
     planner: Optional[Planner] = None                       # the interaction state after the chunk
+    snapshots: tuple = ()                                   # (chunk index, rank, ObjectRef) stored meanwhile
 
     @property
     def keys(self) -> Optional[tuple[str, ...]]:
@@ -129,9 +134,11 @@ class ChunkReady:
 
 @dataclass(frozen=True)
 class Resumed:
-    """A resumed session caught up: `replayed` chunks were run again in `replay_s` seconds."""
+    """A resumed session caught up: restored from snapshots to chunk `restored` (0: none), then `replayed`
+    chunks were run again, in `replay_s` seconds."""
     replayed: int
     replay_s: float
+    restored: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch
 
 from lingbot.camera import CameraRig, Controls, Trajectory
 from lingbot.runtime.pipeline import WorldSession
+from lingbot.runtime.snapshot import restore_snapshots, take_snapshot
 
 from .messages import ChunkControls, ChunkReply, DeviceStats, RankInfo
 from .sessions import Tombstones
@@ -63,6 +64,10 @@ class RankWorker:
         self.aborts: dict[str, int] = {}    # session -> index of a chunk to give up (it will be run again)
         self._last_cpu: Optional[tuple[float, float]] = None    # CPU device stats: the previous sample
         self.lock = threading.Lock()        # sessions / stopped
+        # snapshots (resume): each session's keeper (the owner of its snapshots) and the puts not yet reported
+        self.keepers: dict[str, object] = {}
+        self.puts: dict[str, list] = {}
+        self.snapshot_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-snapshots")
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
         self._on_device(torch.set_grad_enabled, False)
 
@@ -152,22 +157,51 @@ class RankWorker:
 
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
-                     flow_shift: Optional[float], trajectory: Optional[Trajectory] = None) -> bool:
-        """Build the session; False (and nothing kept) when it was stopped or closed meanwhile."""
-        return self._on_device(self._open_session, session_id, image, prompt, seed, flow_shift, trajectory)
+                     flow_shift: Optional[float], trajectory: Optional[Trajectory] = None, keeper=None,
+                     snapshots: Optional[tuple] = None) -> Optional[int]:
+        """Build the session; the chunk it continues from (0, or after the newest of `snapshots`, ObjectRefs
+        of this rank's snapshots, when they could all be read); None (nothing kept) when it was stopped or
+        closed meanwhile. With a `keeper`, every committed chunk is snapshotted and put in the object store
+        owned by it."""
+        restored = None
+        if snapshots:
+            try:                                    # a snapshot lost with its node: the session replays instead
+                import ray
+                restored = ray.get(list(snapshots), timeout=60)
+            except Exception as e:
+                log.warning("session %s: snapshots unavailable (%s); it will be replayed", session_id,
+                            type(e).__name__)
+        return self._on_device(self._open_session, session_id, image, prompt, seed, flow_shift, trajectory, keeper,
+                               restored)
 
     def _open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
-                      flow_shift: Optional[float], trajectory: Optional[Trajectory]) -> bool:
+                      flow_shift: Optional[float], trajectory: Optional[Trajectory], keeper,
+                      restored: Optional[list]) -> Optional[int]:
         if self._is_stopped(session_id):
-            return False
+            return None
         preset = self.pipeline.runner.preset
         rig = CameraRig.default(preset.width, preset.height, trajectory)
         session = self.pipeline.new_session(image, prompt, seed, rig=rig, flow_shift=flow_shift)
+        if restored:
+            try:
+                restore_snapshots(session, restored, self.rank, self.world_size)
+            except ValueError as e:                 # another group size, or a gap: replay instead
+                log.warning("session %s: snapshots not restorable (%s); it will be replayed", session_id, e)
+                session.reset()
         with self.lock:
             if session_id in self.stopped:              # closed while we were building it
-                return False
+                return None
             self.sessions[session_id] = session
-        return True
+            if keeper is not None:
+                self.keepers[session_id] = keeper
+                self.puts[session_id] = []
+        return session.chunk_index
+
+    def reset_session(self, session_id: str) -> None:
+        """Back to before its first chunk (a resume whose snapshots only some ranks could restore)."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            self._on_device(session.reset)
 
     def _is_stopped(self, session_id: str) -> bool:
         with self.lock:
@@ -184,6 +218,8 @@ class RankWorker:
             self.stopped.add(session_id)
             self.sessions.pop(session_id, None)
             self.aborts.pop(session_id, None)
+            self.keepers.pop(session_id, None)
+            self.puts.pop(session_id, None)
 
     def abort_chunk(self, session_id: str, index: int) -> None:
         """Give up chunk `index` of the session at its next step before the commit (the group runs it again
@@ -228,4 +264,25 @@ class RankWorker:
         if chunk.frames is not None and muxer is not None:
             frames = chunk.frames.cpu().numpy()                   # the one device -> host copy, uint8
             reply.fragment = muxer.encode.remote(session_id, index, frames, time.perf_counter())
+        self._snapshot(session_id, session, index, reply)
         return reply
+
+    def _snapshot(self, session_id: str, session: WorldSession, index: int, reply: ChunkReply) -> None:
+        """Copy the session's state after this chunk to the host; a thread of its own hands it to the session's
+        keeper, which puts it in the object store as its owner (so it outlives this process and its node).
+        References of the puts done by now go back with the reply."""
+        keeper = self.keepers.get(session_id)
+        puts = self.puts.get(session_id)
+        if keeper is None or puts is None:
+            return
+        t0 = time.perf_counter()
+        snapshot = take_snapshot(session, self.rank, self.world_size)
+        reply.timings["snapshot"] = time.perf_counter() - t0
+
+        def put():
+            import ray
+            return ray.get(keeper.keep.remote(snapshot))[0]
+        puts.append((index, self.snapshot_thread.submit(put)))
+        done = [(i, f) for i, f in puts if f.done()]
+        puts[:] = [(i, f) for i, f in puts if not f.done()]
+        reply.snapshots = tuple((i, f.result()) for i, f in done if f.exception() is None)

@@ -129,6 +129,8 @@ class ScheduledSession:
         self.held: Optional[str] = None              # held keys (None: no key-state event yet, or a script replaced it)
         self.replay: deque[ChunkControls] = deque()  # a resumed session's delivered chunks, to run again first
         self.replay_started: Optional[float] = None
+        self.restored = 0                            # the chunk a resumed session's snapshots put it at
+        self.snapshots: list[tuple] = []             # (chunk, rank, ObjectRef) not yet passed to the ingress
         self.stopped = False
         self.stalls = 0
         self.stall_seconds = 0.0
@@ -282,14 +284,24 @@ class ScheduledSession:
         self.generated(self.geometry.pixel_frames(plan.index))
 
     # ---- resuming on another group ------------------------------------------------------------
-    def resume_from(self, resume: Resume) -> None:
-        """Continue a session another group ran: its delivered chunks are replayed first (replay_chunk),
-        then planning goes on from the interaction state after the last of them."""
-        self.replay = deque(resume.journal)
+    def resume_from(self, resume: Resume, restored: int = 0) -> None:
+        """Continue a session another group ran, its ranks restored to chunk `restored` (from snapshots; 0:
+        none): the delivered chunks after it are replayed first (replayed()), then planning goes on from the
+        interaction state after the last of them."""
+        self.restored = self.next_chunk = restored
+        self.replay = deque(resume.journal[restored:])
         if resume.planner is not None:
             self.events = {eid: replace(p, keys=None if p.keys is None else list(p.keys))
                            for eid, p in resume.planner.events.items()}
             self.held = resume.planner.held
+
+    def take_snapshots(self, replies) -> None:
+        """The snapshot references the ranks reported with a chunk's replies."""
+        self.snapshots += [(index, rank, ref) for rank, reply in enumerate(replies) for index, ref in reply.snapshots]
+
+    def give_snapshots(self) -> tuple:
+        out, self.snapshots = tuple(self.snapshots), []
+        return out
 
     def replayed(self) -> None:
         """The ranks ran the next replay chunk again (nothing is delivered)."""

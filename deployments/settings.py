@@ -55,6 +55,7 @@ class ServeSettings:
     resume_sessions: bool = True             # a session whose group fails goes on on another (or the rebuilt) one
     resume_wait_s: float = 120.0             # how long a failed session waits for a group to resume on
     max_resumes: int = 3                     # resumes per session (a session that breaks every group is ended)
+    snapshots: bool = True                   # each chunk's state to the object store: a resume restores, not replays
     retry_after_s: float = 10.0
     start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting
     stall_timeout_s: float = 60.0            # a send to the client blocked this long (not reading, or gone) ends it

@@ -57,6 +57,35 @@ def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
     return SessionFootprint(kv, text, camera, decoder, condition, history)
 
 
+@dataclass(frozen=True)
+class SnapshotFootprint:
+    """What keeping a session resumable costs on one rank, in host memory (the object store): per chunk a
+    snapshot of its K/V slot and of the session's state after it; `kept` snapshots per session (the chunks
+    a continuation attends)."""
+    kv_slot: int               # one chunk's K/V slot, this rank's heads
+    state: int                 # decoder cache, text embedding, condition latents, RNG (per snapshot)
+    kept: int
+
+    @property
+    def per_chunk(self) -> int:
+        """Bytes copied off the device after every chunk."""
+        return self.kv_slot + self.state
+
+    @property
+    def held(self) -> int:
+        """Bytes held per session at any time."""
+        return self.kept * self.per_chunk
+
+
+def snapshot_footprint(preset: Preset, world_size: int = 1) -> SnapshotFootprint:
+    cfg = preset.transformer
+    esize = torch.empty((), dtype=preset.torch_dtype).element_size()
+    footprint = session_footprint(preset, world_size)
+    slot = footprint.kv_window // cfg.window_chunks
+    state = footprint.decoder_cache + cfg.text_dim * preset.text.max_length * esize + condition_chunk_bytes(preset)
+    return SnapshotFootprint(slot, state, cfg.window_chunks - 1)
+
+
 def condition_chunk_bytes(preset: Preset) -> int:
     """One chunk's condition latents: [16, F, h, w] float32."""
     lh, lw = preset.latent_hw

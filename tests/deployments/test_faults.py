@@ -76,20 +76,62 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
     assert (raw.close_code, raw.close_reason) == (1000, "generation complete")
     assert [c.index for c in raw.chunks] == list(range(8))
     [resumed] = [m for m in raw.messages if m["type"] == "session_resumed"]
-    assert 3 <= resumed["chunk_index"] == resumed["replayed_chunks"] < 8 and resumed["gap_ms"] > 0
+    assert 3 <= resumed["chunk_index"] < 8 and resumed["gap_ms"] > 0
+    # restored from the snapshot of a chunk already delivered, then at most the chunks after it replayed
+    assert resumed["restored_chunks"] + resumed["replayed_chunks"] == resumed["chunk_index"]
+    assert resumed["restored_chunks"] >= 2 and resumed["replayed_chunks"] <= 2, resumed
     for clean, got in zip(clean_raw.chunks, raw.chunks):
         assert np.array_equal(clean.frames, got.frames), got.index            # bitwise, after the fault too
     assert fmp4.error is None and fmp4.done == {"type": "session.done", "chunks": 8, "stopped": False}
     assert [c["generation_chunk_index"] for c in fmp4.chunks] == list(range(8))
     assert [c["transport_chunk_index"] for c in fmp4.chunks] == list(range(8))
     [note] = [m for m in fmp4.messages if m["type"] == "session.resumed"]
-    assert note["replayed_chunks"] == note["generation_chunk_index"] == note["transport_chunk_index"]
+    assert note["generation_chunk_index"] == note["transport_chunk_index"]
+    assert note["restored_chunks"] + note["replayed_chunks"] == note["generation_chunk_index"]
     decoded, clean_decoded = read_frames(fmp4.video), read_frames(clean_fmp4.video)   # one stream, 93 frames
     assert decoded.shape == clean_decoded.shape == (93, H, W, 3)
     cut = 9 + 12 * (note["generation_chunk_index"] - 1)
     assert np.array_equal(decoded[:cut], clean_decoded[:cut])                  # the same bytes up to the fault
     assert np.abs(decoded[cut:].astype(int) - clean_decoded[cut:]).mean() < 3  # re-encoded from the same frames
     assert pid not in rank_pids() and len(rank_pids_of_app()) == 1
+
+
+def test_without_its_snapshots_a_session_is_replayed_from_its_journal(faults_app):
+    """The snapshots' owner is killed (as if their node were lost): the next fault resumes the session by
+    replaying every delivered chunk instead, and its frames are still bitwise those without a fault."""
+    import os
+    import signal
+
+    import numpy as np
+    from ray._private import state
+
+    from tests.deployments.test_sglang_app import png
+    assert wait_for_group() < 120
+    actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+    ingress = {a["Address"]["Port"] for a in actors if a["ActorClassName"] == "ServeReplica:faults:Ingress"}
+    [keeper] = [a["Pid"] for a in actors if a["ActorClassName"] == "SnapshotKeeper"
+                and a["OwnerAddress"]["Port"] in ingress]
+    frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
+    actions = [["w"], ["j"], ["d"]] * 6
+
+    async def one(kill_after=None):
+        [pid] = rank_pids_of_app()
+        async with FramesClient(frames_url, api_key=KEY3) as client:
+            await client.init("a quiet street", png(), 6, 9, actions=actions)
+
+            async def kill(result, chunk):
+                if kill_after is not None and len(result.chunks) == kill_after:
+                    os.kill(keeper, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
+            return await client.receive_session(kill, timeout=300)
+
+    clean = run(one())
+    faulted = run(one(kill_after=4))
+    assert faulted.errors == [] and (faulted.close_code, faulted.close_reason) == (1000, "generation complete")
+    [resumed] = [m for m in faulted.messages if m["type"] == "session_resumed"]
+    assert resumed["restored_chunks"] == 0 and resumed["replayed_chunks"] == resumed["chunk_index"] >= 4
+    assert [c.index for c in faulted.chunks] == list(range(6))
+    assert all(np.array_equal(a.frames, b.frames) for a, b in zip(clean.chunks, faulted.chunks))
 
 
 def test_a_rank_that_dies_without_sessions_is_replaced_at_once(faults_app):

@@ -16,7 +16,7 @@ def test_device_work_runs_on_one_thread():
     assert info.capacity == 2 and (info.width, info.height) == (112, 64)
     seen = set()
     worker.pipeline.runner.model.register_forward_pre_hook(lambda module, args: seen.add(threading.get_ident()))
-    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None)
+    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None) == 0   # from chunk 0
     callers = []
 
     def call(index):
@@ -64,7 +64,7 @@ def test_a_cpu_rank_reports_its_process():
 def test_an_aborted_chunk_changes_nothing_and_runs_again():
     worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
     worker.join(None)
-    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None)
+    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None) == 0   # from chunk 0
     assert not worker.run_chunk("s", 0, ChunkControls(keys=("w", "", "l"))).stopped
     worker.abort_chunk("s", 1)                              # the group gives chunk 1 up (a fresher control came)
     assert worker.run_chunk("s", 1, ChunkControls(keys=("w", "w", "w"))).stopped

@@ -1,0 +1,121 @@
+"""A session's state on one device, copied to the host after each chunk, and put back into a new session.
+
+What a `WorldSession` carries from chunk to chunk: the K/V slab (one slot per chunk), the VAE decoder's
+causal cache, the condition encoder's state, the sampler's RNG, the prompt (and a running transition), the
+camera rig and the chunk counter. A `ChunkSnapshot` holds, for chunk k, that chunk's K/V slot and
+everything else as it stands after chunk k. To continue after chunk k a new session needs the snapshots of
+the chunks chunk k+1 will attend (`chunks_to_restore(k)`: the sink chunks and the recent history up to k),
+with the newest one's full state. Restoring them is bitwise the session that ran (the slab is written
+slot by slot; every other piece is copied back as it was).
+
+On a sequence-parallel group each rank snapshots its own share (its heads of the slab, its width of the
+decoder cache): a snapshot restores the same rank of a group of the same size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import Tensor
+
+from ..camera import CameraState
+from ..models.vae import CausalCache
+from .kv_cache import slot_for_chunk, visible_chunks
+
+
+def _host(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach().to("cpu", copy=True)
+
+
+@dataclass
+class ChunkSnapshot:
+    index: int                                  # the chunk just committed
+    rank: int
+    world_size: int
+    keys: Tensor                                # its K/V slot, [layers, B, heads, chunk_tokens, head_dim]
+    values: Tensor
+    rng: Tensor                                 # the sampler's generator state
+    text: Tensor                                # the text encoder output the current prompt K/V come from
+    transition: Optional[tuple[Tensor, Tensor, int, int]]   # (from, to, chunks, done) embeddings
+    rig: CameraState
+    decoder: dict[str, Tensor]
+    condition: dict = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        tensors = [self.keys, self.values, self.rng, self.text, *self.decoder.values()]
+        tensors += [t for t in self.condition.get("cache", {}).values()]
+        extra = (self.condition.get("fixed_latents"), *(self.condition.get("replay") or ()))
+        tensors += [t for t in extra if t is not None]
+        if self.transition is not None:
+            tensors += list(self.transition[:2])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def chunks_to_restore(index: int, sink_chunks: int, window_chunks: int) -> list[int]:
+    """The chunks whose K/V slots a session continuing after chunk `index` attends (oldest first)."""
+    return visible_chunks(index + 1, sink_chunks, window_chunks)[:-1]
+
+
+def take_snapshot(session, rank: int = 0, world_size: int = 1) -> ChunkSnapshot:
+    """The state of a WorldSession right after its last committed chunk, copied to the host."""
+    dit = session.dit
+    kv = dit.kv
+    index = dit.chunk_index - 1
+    if index < 0 or kv.next_chunk != dit.chunk_index:
+        raise ValueError("take_snapshot needs a session right after a committed chunk")
+    slot = slot_for_chunk(index, kv.sink_chunks, kv.window_chunks)
+    span = slice(slot * kv.chunk_tokens, (slot + 1) * kv.chunk_tokens)
+    transition = None
+    if dit._transition is not None:
+        start, target, total, done = dit._transition
+        transition = (_host(start.embedding), _host(target.embedding), total, done)
+    cond = session.condition
+    condition = {"committed": cond.committed_chunks, "fixed_point_chunk": cond.fixed_point_chunk,
+                 "fixed_latents": _host(cond.fixed_latents),
+                 "cache": {k: _host(v) for k, v in cond.cache.entries.items()},
+                 "replay": tuple(_host(t) for t in cond.replay) if cond.replay is not None else None}
+    return ChunkSnapshot(index, rank, world_size, _host(kv.keys[:, :, :, span]), _host(kv.values[:, :, :, span]),
+                         dit.generator.get_state().clone(), _host(dit.text.embedding), transition, dit.rig.state,
+                         {k: _host(v) for k, v in session.decoder_cache.entries.items()}, condition)
+
+
+def restore_snapshots(session, snapshots: list[ChunkSnapshot], rank: int = 0, world_size: int = 1) -> None:
+    """Put a fresh WorldSession (same image, prompt, seed, camera path and flow shift) where the session the
+    snapshots came from was after the newest of them. `snapshots` must cover chunks_to_restore(newest)."""
+    dit, kv = session.dit, session.dit.kv
+    newest = max(snapshots, key=lambda s: s.index)
+    by_index = {s.index: s for s in snapshots}
+    needed = chunks_to_restore(newest.index, kv.sink_chunks, kv.window_chunks)
+    missing = [c for c in needed if c not in by_index]
+    if missing:
+        raise ValueError(f"snapshots of chunks {missing} are missing to continue after chunk {newest.index}")
+    if any((s.rank, s.world_size) != (rank, world_size) for s in snapshots):
+        raise ValueError(f"snapshots of another rank or group size than rank {rank} of {world_size}")
+    if dit.chunk_index != 0:
+        raise ValueError("restore_snapshots needs a session that has not run a chunk")
+    device, model = kv.keys.device, dit.runner.model
+    kv.reset()
+    for chunk in needed:
+        slot = slot_for_chunk(chunk, kv.sink_chunks, kv.window_chunks)
+        span = slice(slot * kv.chunk_tokens, (slot + 1) * kv.chunk_tokens)
+        kv.keys[:, :, :, span].copy_(by_index[chunk].keys.to(device))
+        kv.values[:, :, :, span].copy_(by_index[chunk].values.to(device))
+        kv.slot_chunk[slot] = chunk
+    kv.next_chunk = newest.index + 1
+    dit.chunk_index = newest.index + 1
+    dit.generator.set_state(newest.rng)
+    dit.text = model.text_kv(newest.text.to(device))
+    if newest.transition is not None:
+        start, target, total, done = newest.transition
+        dit._transition = (model.text_kv(start.to(device)), model.text_kv(target.to(device)), total, done)
+    else:
+        dit._transition = None
+    dit.rig.state = newest.rig
+    session.decoder_cache = CausalCache({k: v.to(device) for k, v in newest.decoder.items()})
+    cond, c = session.condition, newest.condition
+    cond.committed_chunks = c["committed"]
+    cond.fixed_point_chunk = c["fixed_point_chunk"]
+    cond.fixed_latents = None if c["fixed_latents"] is None else c["fixed_latents"].to(cond.image.device)
+    cond.cache = CausalCache({k: v.to(cond.image.device) for k, v in c["cache"].items()})
+    cond.replay = None if c["replay"] is None else tuple(t.to(cond.image.device) for t in c["replay"])
+    cond.history, cond._pending = [], None
