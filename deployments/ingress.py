@@ -94,7 +94,8 @@ class Connection:
         self.unstarted: list[Interaction] = []
         self.resumes = 0
         self.failed_at: Optional[float] = None
-        self.snapshots: dict[int, dict[int, object]] = {}   # chunk -> rank -> ObjectRef of its snapshot
+        self.slots: dict[int, dict[int, object]] = {}    # chunk -> rank -> ObjectRef of its K/V slot snapshot
+        self.states: dict[int, dict[int, object]] = {}   # chunk -> rank -> ObjectRef of the state after it
 
     # ---- the wire (subclasses) ------------------------------------------------------------------
     async def receive_message(self, timeout: float, limit: int) -> dict:
@@ -242,7 +243,7 @@ class Connection:
 
     async def _admitted_session(self, start) -> None:
         s = self.settings
-        first = await self.admit(SessionRequest(self.session_id, start, keeper=self.ingress.keeper),
+        first = await self.admit(SessionRequest(self.session_id, start, keeper=await self.ingress.current_keeper()),
                                  s.admission_wait_s)
         if first is None or (isinstance(first, SessionError) and first.code == "capacity_exhausted"):
             await self.refuse(ProtocolError("capacity_exhausted", "every model group is busy; try again later",
@@ -325,19 +326,22 @@ class Connection:
     def keep_snapshots(self, snapshots) -> None:
         """Hold the references to the snapshots a resume would restore (the chunks the next chunk attends,
         every rank's); older ones are let go, which frees them."""
-        for index, rank, ref in snapshots:
-            self.snapshots.setdefault(index, {})[rank] = ref
+        for index, rank, slot, state in snapshots:
+            self.slots.setdefault(index, {})[rank] = slot
+            self.states.setdefault(index, {})[rank] = state
         newest = self.restorable()
         if newest is not None:
             keep = set(chunks_to_restore(newest, *self.ingress.window))
-            self.snapshots = {i: refs for i, refs in self.snapshots.items() if i in keep or i > newest}
+            self.slots = {i: refs for i, refs in self.slots.items() if i in keep or i > newest}
+            self.states = {i: refs for i, refs in self.states.items() if i >= newest}
 
     def restorable(self) -> Optional[int]:
         """The newest delivered chunk whose continuation every rank can restore from snapshots."""
         sp = self.settings.sp
-        complete = {i for i, refs in self.snapshots.items() if len(refs) == sp and i < len(self.journal)}
-        for index in sorted(complete, reverse=True):
-            if all(c in complete for c in chunks_to_restore(index, *self.ingress.window)):
+        slots = {i for i, refs in self.slots.items() if len(refs) == sp}
+        for index in sorted((i for i, refs in self.states.items() if len(refs) == sp and i < len(self.journal)),
+                            reverse=True):
+            if all(c in slots for c in chunks_to_restore(index, *self.ingress.window)):
                 return index
         return None
 
@@ -353,11 +357,11 @@ class Connection:
         self.mailbox = None                          # controls sent meanwhile wait in self.unstarted
         index = self.restorable()
         refs = () if index is None else tuple(
-            tuple(self.snapshots[c][rank] for c in chunks_to_restore(index, *self.ingress.window))
-            for rank in range(s.sp))
+            (tuple(self.slots[c][rank] for c in chunks_to_restore(index, *self.ingress.window)),
+             self.states[index][rank]) for rank in range(s.sp))
         request = SessionRequest(self.session_id, self.start, Resume(
             tuple(self.journal), self.planner, self.frames_sent, -1 if index is None else index, refs),
-            keeper=self.ingress.keeper)
+            keeper=await self.ingress.current_keeper())
         log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)", self.session_id,
                     len(self.journal), self.resumes, s.max_resumes)
         answer = await self.admit(request, s.resume_wait_s)
@@ -613,10 +617,26 @@ class Ingress:
         self.limits = TenantLimits(self.settings.max_sessions_per_key, self.settings.max_starts_per_minute_per_key)
         self.window = (preset.transformer.sink_chunks, preset.transformer.window_chunks)
         # the owner of the sessions' snapshots: an actor of this replica's, so they outlive any group
-        self.keeper = ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=16).remote() \
-            if self.settings.snapshots else None
+        self.keeper = self._new_keeper() if self.settings.snapshots else None
         self.metrics = Metrics()
         self.live = 0
+
+    @staticmethod
+    def _new_keeper():
+        return ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=16).remote()
+
+    async def current_keeper(self):
+        """The snapshot keeper, started anew if it died (its snapshots are gone: those sessions would replay)."""
+        if self.keeper is None:
+            return None
+        try:
+            await asyncio.wait_for(self.keeper.ready.remote(), 5.0)
+        except asyncio.TimeoutError:
+            pass                                  # busy, not dead
+        except Exception as e:
+            log.warning("the snapshot keeper is gone (%s); starting another", type(e).__name__)
+            self.keeper = self._new_keeper()
+        return self.keeper
 
     # ---- HTTP ---------------------------------------------------------------------------------
     @app.get("/healthz")

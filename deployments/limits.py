@@ -46,13 +46,14 @@ class TenantLimits:
 
 class SnapshotKeeper:
     """Owns the sessions' snapshots in the object store, so they survive the group (and the node) that made
-    them: ranks hand each snapshot to `keep`, which puts it and returns the reference (in a list, so that it
-    travels as a reference). An object lives while someone holds its reference: the ingress holds the ones
-    a resume would need and lets the rest go. The ingress creates one per replica; it lives as long."""
+    them: ranks hand each chunk's snapshot (its K/V slot and the state after it) to `keep`, which puts them
+    and returns their references (in a list, so that they travel as references). An object lives while
+    someone holds its reference: the ingress holds the ones a resume would need and lets the rest go. The
+    ingress creates one per replica (and another if it dies)."""
 
     def ready(self) -> bool:
         return True
 
-    def keep(self, snapshot) -> list:
+    def keep(self, slot, state) -> list:
         import ray
-        return [ray.put(snapshot)]
+        return [ray.put(slot), ray.put(state)]

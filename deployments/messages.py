@@ -33,7 +33,7 @@ class Resume:
     planner: Optional[Planner]
     frames_delivered: int          # video frames the client has (the fMP4 stream continues from there)
     snapshot_index: int = -1       # restore the ranks to after this chunk from snapshots (-1: replay from 0)
-    snapshots: tuple = ()          # per rank: the ObjectRefs of its snapshots (lingbot.runtime.snapshot)
+    snapshots: tuple = ()          # per rank: (its K/V slot refs, its state ref) (lingbot.runtime.snapshot)
 
     @property
     def next_index(self) -> int:
@@ -79,7 +79,7 @@ class ChunkReply:
     timings: dict[str, float] = field(default_factory=dict)
     engine_s: float = 0.0          # wall time of the chunk inside the rank
     fragment: Any = None           # ray.ObjectRef[Optional[Fragment]]
-    snapshots: tuple = ()          # (chunk index, ObjectRef[ChunkSnapshot]) stored since the last reply
+    snapshots: tuple = ()          # (chunk, slot ref, state ref) per snapshot stored since the last reply
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class ChunkReady:
     batches: tuple[FrameBatch, ...] = ()                    # the second protocol's frames (then data is empty)
     controls: Optional[ChunkControls] = None                # what the chunk applied (the ingress's journal)
     planner: Optional[Planner] = None                       # the interaction state after the chunk
-    snapshots: tuple = ()                                   # (chunk index, rank, ObjectRef) stored meanwhile
+    snapshots: tuple = ()                                   # (chunk, rank, slot ref, state ref) stored meanwhile
 
     @property
     def keys(self) -> Optional[tuple[str, ...]]:

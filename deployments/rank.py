@@ -159,15 +159,16 @@ class RankWorker:
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
                      flow_shift: Optional[float], trajectory: Optional[Trajectory] = None, keeper=None,
                      snapshots: Optional[tuple] = None) -> Optional[int]:
-        """Build the session; the chunk it continues from (0, or after the newest of `snapshots`, ObjectRefs
-        of this rank's snapshots, when they could all be read); None (nothing kept) when it was stopped or
-        closed meanwhile. With a `keeper`, every committed chunk is snapshotted and put in the object store
-        owned by it."""
+        """Build the session; the chunk it continues from (0, or after the chunk of `snapshots`, this rank's
+        (K/V slot refs, state ref) of a resumed session, when they could all be read); None (nothing kept)
+        when it was stopped or closed meanwhile. With a `keeper`, every committed chunk is snapshotted and
+        handed to it."""
         restored = None
         if snapshots:
             try:                                    # a snapshot lost with its node: the session replays instead
                 import ray
-                restored = ray.get(list(snapshots), timeout=60)
+                slots, state = snapshots
+                restored = ray.get(list(slots), timeout=60), ray.get(state, timeout=60)
             except Exception as e:
                 log.warning("session %s: snapshots unavailable (%s); it will be replayed", session_id,
                             type(e).__name__)
@@ -184,7 +185,7 @@ class RankWorker:
         session = self.pipeline.new_session(image, prompt, seed, rig=rig, flow_shift=flow_shift)
         if restored:
             try:
-                restore_snapshots(session, restored, self.rank, self.world_size)
+                restore_snapshots(session, *restored, self.rank, self.world_size)
             except ValueError as e:                 # another group size, or a gap: replay instead
                 log.warning("session %s: snapshots not restorable (%s); it will be replayed", session_id, e)
                 session.reset()
@@ -276,13 +277,13 @@ class RankWorker:
         if keeper is None or puts is None:
             return
         t0 = time.perf_counter()
-        snapshot = take_snapshot(session, self.rank, self.world_size)
+        slot, state = take_snapshot(session, self.rank, self.world_size)
         reply.timings["snapshot"] = time.perf_counter() - t0
 
         def put():
             import ray
-            return ray.get(keeper.keep.remote(snapshot))[0]
+            return tuple(ray.get(keeper.keep.remote(slot, state)))
         puts.append((index, self.snapshot_thread.submit(put)))
         done = [(i, f) for i, f in puts if f.done()]
         puts[:] = [(i, f) for i, f in puts if not f.done()]
-        reply.snapshots = tuple((i, f.result()) for i, f in done if f.exception() is None)
+        reply.snapshots = tuple((i, *f.result()) for i, f in done if f.exception() is None)

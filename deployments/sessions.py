@@ -130,7 +130,7 @@ class ScheduledSession:
         self.replay: deque[ChunkControls] = deque()  # a resumed session's delivered chunks, to run again first
         self.replay_started: Optional[float] = None
         self.restored = 0                            # the chunk a resumed session's snapshots put it at
-        self.snapshots: list[tuple] = []             # (chunk, rank, ObjectRef) not yet passed to the ingress
+        self.snapshots: list[tuple] = []             # (chunk, rank, slot ref, state ref) not yet passed on
         self.stopped = False
         self.stalls = 0
         self.stall_seconds = 0.0
@@ -297,7 +297,8 @@ class ScheduledSession:
 
     def take_snapshots(self, replies) -> None:
         """The snapshot references the ranks reported with a chunk's replies."""
-        self.snapshots += [(index, rank, ref) for rank, reply in enumerate(replies) for index, ref in reply.snapshots]
+        self.snapshots += [(index, rank, slot, state) for rank, reply in enumerate(replies)
+                           for index, slot, state in reply.snapshots]
 
     def give_snapshots(self) -> tuple:
         out, self.snapshots = tuple(self.snapshots), []

@@ -1,14 +1,16 @@
 """Fault -> next chunk: how long a viewer waits when the group serving its session fails, on a local Serve app
 of the embedded default (tiny, CPU, SP-2). A session runs flat out (fps 120, so pacing never holds it);
 after chunk N arrives, one rank of its group is killed (SIGKILL); the session resumes on a healthy group,
-which replays its N delivered chunks and goes on. Measured with a spare group (2 groups: the other one
-takes it) and without (1 group: Serve rebuilds it first), at chunk 10 and chunk 100.
+which restores it from the snapshots of its last delivered chunks and replays the few after them (or,
+with snapshots off, replays all N from the journal) and goes on. Measured with a spare group (2 groups:
+the other one takes it) and without (1 group: Serve rebuilds it first), at chunk 10 and chunk 100, for
+both ways of resuming, in one run.
 
     python -m perf.resume [--at 10,100] [--output-json perf/results/resume_tiny_cpu.json]
 
-Columns: the median chunk interval before the fault; fault -> the next chunk at the client; of that, the
-replay the server reports (N chunks run again) and the rest (the group's exit and, without a spare, its
-rebuild, and re-admission).
+Columns: the median chunk interval before the fault; fault -> the next chunk at the client; the chunks
+restored from snapshots and replayed; the time the server reports for restoring and replaying, and the
+rest (the group's exit and, without a spare, its rebuild, re-admission, and the next chunk itself).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import time
 PORT = 18795
 
 
-def start_app(groups: int) -> None:
+def start_app(groups: int, snapshots: bool) -> None:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
@@ -35,7 +37,7 @@ def start_app(groups: int) -> None:
         ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(dict(preset="tiny", device="cpu", sp=2, min_groups=groups, max_groups=groups,
-                             max_sessions_per_group=2, resume_wait_s=300, max_chunks=1000)),
+                             max_sessions_per_group=2, resume_wait_s=300, max_chunks=1000, snapshots=snapshots)),
               name="lingbot", route_prefix="/")
     wait_for_groups(groups)
 
@@ -94,6 +96,7 @@ async def faulted_session(at: int) -> dict:
     fault_to_next = arrivals[at] - out["killed_at"]
     return {"fault_at_chunk": at, "interval_before_s": statistics.median(intervals), "fault_to_next_chunk_s":
             fault_to_next, "replay_s": resumed[0]["replay_s"], "replayed_chunks": resumed[0]["replayed_chunks"],
+            "restored_chunks": resumed[0]["restored_chunks"],
             "gap_s": resumed[0]["gap_s"], "chunks": len(result.chunks),
             "contiguous": [c["transport_chunk_index"] for c in result.chunks] == list(range(at + 3))}
 
@@ -104,21 +107,24 @@ def main(argv=None) -> None:
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     rows = []
-    for groups in (2, 1):
-        start_app(groups)
-        for at in (int(a) for a in args.at.split(",")):
-            print(f"{groups} group(s), fault after chunk {at} ...", file=sys.stderr)
-            row = {"groups": groups, **asyncio.run(faulted_session(at))}
-            row["rebuilt_in_s"] = wait_for_groups(groups)
-            rows.append(row)
+    for snapshots in (True, False):
+        for groups in (2, 1):
+            start_app(groups, snapshots)
+            for at in (int(a) for a in args.at.split(",")):
+                print(f"snapshots {snapshots}, {groups} group(s), fault after chunk {at} ...", file=sys.stderr)
+                row = {"snapshots": snapshots, "groups": groups, **asyncio.run(faulted_session(at))}
+                row["rebuilt_in_s"] = wait_for_groups(groups)
+                rows.append(row)
     from ray import serve
     serve.shutdown()
     print("fault -> next chunk (tiny, CPU, SP-2; a rank of the session's group SIGKILLed)")
-    print(f"  {'groups':<18} {'fault at':>8} {'interval':>9} {'fault->next':>12} {'replay':>8} {'other':>8}")
+    print(f"  {'resume from':<12} {'groups':<16} {'fault at':>8} {'interval':>9} {'fault->next':>12} {'restored':>9} "
+          f"{'replayed':>9} {'replay':>8} {'other':>8}")
     for r in rows:
         name = "2 (spare group)" if r["groups"] == 2 else "1 (rebuilt)"
         wait = r["fault_to_next_chunk_s"]
-        print(f"  {name:<18} {r['fault_at_chunk']:>8} {r['interval_before_s']:>8.2f}s {wait:>11.2f}s "
+        print(f"  {'snapshots' if r['snapshots'] else 'journal':<12} {name:<16} {r['fault_at_chunk']:>8} "
+              f"{r['interval_before_s']:>8.2f}s {wait:>11.2f}s {r['restored_chunks']:>9} {r['replayed_chunks']:>9} "
               f"{r['replay_s']:>7.2f}s {wait - r['replay_s']:>7.2f}s")
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -60,8 +60,8 @@ def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
 @dataclass(frozen=True)
 class SnapshotFootprint:
     """What keeping a session resumable costs on one rank, in host memory (the object store): per chunk a
-    snapshot of its K/V slot and of the session's state after it; `kept` snapshots per session (the chunks
-    a continuation attends)."""
+    snapshot of its K/V slot and of the session's state after it; a session keeps `kept` slots (the chunks
+    a continuation attends) and the newest state."""
     kv_slot: int               # one chunk's K/V slot, this rank's heads
     state: int                 # decoder cache, text embedding, condition latents, RNG (per snapshot)
     kept: int
@@ -73,8 +73,8 @@ class SnapshotFootprint:
 
     @property
     def held(self) -> int:
-        """Bytes held per session at any time."""
-        return self.kept * self.per_chunk
+        """Bytes held per session (one more state while the next chunk's snapshot is on its way)."""
+        return self.kept * self.kv_slot + self.state
 
 
 def snapshot_footprint(preset: Preset, world_size: int = 1) -> SnapshotFootprint:

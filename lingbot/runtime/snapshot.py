@@ -2,10 +2,10 @@
 
 What a `WorldSession` carries from chunk to chunk: the K/V slab (one slot per chunk), the VAE decoder's
 causal cache, the condition encoder's state, the sampler's RNG, the prompt (and a running transition), the
-camera rig and the chunk counter. A `ChunkSnapshot` holds, for chunk k, that chunk's K/V slot and
-everything else as it stands after chunk k. To continue after chunk k a new session needs the snapshots of
-the chunks chunk k+1 will attend (`chunks_to_restore(k)`: the sink chunks and the recent history up to k),
-with the newest one's full state. Restoring them is bitwise the session that ran (the slab is written
+camera rig and the chunk counter. After chunk k, a `SlotSnapshot` holds that chunk's K/V slot and a
+`StateSnapshot` everything else. To continue after chunk k a new session needs the slots of the chunks
+chunk k+1 will attend (`chunks_to_restore(k)`: the sink chunks and the recent history up to k) and the
+state of chunk k: older states are not needed. Restoring them is bitwise the session that ran (the slab is written
 slot by slot; every other piece is copied back as it was).
 
 On a sequence-parallel group each rank snapshots its own share (its heads of the slab, its width of the
@@ -28,12 +28,24 @@ def _host(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 @dataclass
-class ChunkSnapshot:
-    index: int                                  # the chunk just committed
+class SlotSnapshot:
+    """Chunk `index`'s K/V slot on one rank, [layers, B, heads, chunk_tokens, head_dim]."""
+    index: int
     rank: int
     world_size: int
-    keys: Tensor                                # its K/V slot, [layers, B, heads, chunk_tokens, head_dim]
+    keys: Tensor
     values: Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+@dataclass
+class StateSnapshot:
+    """Everything else of the session on one rank, as it stands after chunk `index`."""
+    index: int
+    rank: int
+    world_size: int
     rng: Tensor                                 # the sampler's generator state
     text: Tensor                                # the text encoder output the current prompt K/V come from
     transition: Optional[tuple[Tensor, Tensor, int, int]]   # (from, to, chunks, done) embeddings
@@ -42,8 +54,7 @@ class ChunkSnapshot:
     condition: dict = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        tensors = [self.keys, self.values, self.rng, self.text, *self.decoder.values()]
-        tensors += [t for t in self.condition.get("cache", {}).values()]
+        tensors = [self.rng, self.text, *self.decoder.values(), *self.condition.get("cache", {}).values()]
         extra = (self.condition.get("fixed_latents"), *(self.condition.get("replay") or ()))
         tensors += [t for t in extra if t is not None]
         if self.transition is not None:
@@ -56,8 +67,9 @@ def chunks_to_restore(index: int, sink_chunks: int, window_chunks: int) -> list[
     return visible_chunks(index + 1, sink_chunks, window_chunks)[:-1]
 
 
-def take_snapshot(session, rank: int = 0, world_size: int = 1) -> ChunkSnapshot:
-    """The state of a WorldSession right after its last committed chunk, copied to the host."""
+def take_snapshot(session, rank: int = 0, world_size: int = 1) -> tuple[SlotSnapshot, StateSnapshot]:
+    """A WorldSession right after its last committed chunk, copied to the host: that chunk's K/V slot, and
+    the rest of the state. A continuation needs the slots of chunks_to_restore(k) and the state of k."""
     dit = session.dit
     kv = dit.kv
     index = dit.chunk_index - 1
@@ -74,22 +86,24 @@ def take_snapshot(session, rank: int = 0, world_size: int = 1) -> ChunkSnapshot:
                  "fixed_latents": _host(cond.fixed_latents),
                  "cache": {k: _host(v) for k, v in cond.cache.entries.items()},
                  "replay": tuple(_host(t) for t in cond.replay) if cond.replay is not None else None}
-    return ChunkSnapshot(index, rank, world_size, _host(kv.keys[:, :, :, span]), _host(kv.values[:, :, :, span]),
-                         dit.generator.get_state().clone(), _host(dit.text.embedding), transition, dit.rig.state,
-                         {k: _host(v) for k, v in session.decoder_cache.entries.items()}, condition)
+    slot = SlotSnapshot(index, rank, world_size, _host(kv.keys[:, :, :, span]), _host(kv.values[:, :, :, span]))
+    state = StateSnapshot(index, rank, world_size, dit.generator.get_state().clone(), _host(dit.text.embedding),
+                          transition, dit.rig.state, {k: _host(v) for k, v in session.decoder_cache.entries.items()},
+                          condition)
+    return slot, state
 
 
-def restore_snapshots(session, snapshots: list[ChunkSnapshot], rank: int = 0, world_size: int = 1) -> None:
+def restore_snapshots(session, slots: list[SlotSnapshot], newest: StateSnapshot, rank: int = 0,
+                      world_size: int = 1) -> None:
     """Put a fresh WorldSession (same image, prompt, seed, camera path and flow shift) where the session the
-    snapshots came from was after the newest of them. `snapshots` must cover chunks_to_restore(newest)."""
+    snapshots came from was after chunk `newest.index`. `slots` must cover chunks_to_restore(newest.index)."""
     dit, kv = session.dit, session.dit.kv
-    newest = max(snapshots, key=lambda s: s.index)
-    by_index = {s.index: s for s in snapshots}
+    by_index = {s.index: s for s in slots}
     needed = chunks_to_restore(newest.index, kv.sink_chunks, kv.window_chunks)
     missing = [c for c in needed if c not in by_index]
     if missing:
         raise ValueError(f"snapshots of chunks {missing} are missing to continue after chunk {newest.index}")
-    if any((s.rank, s.world_size) != (rank, world_size) for s in snapshots):
+    if any((s.rank, s.world_size) != (rank, world_size) for s in [*slots, newest]):
         raise ValueError(f"snapshots of another rank or group size than rank {rank} of {world_size}")
     if dit.chunk_index != 0:
         raise ValueError("restore_snapshots needs a session that has not run a chunk")

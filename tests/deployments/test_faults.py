@@ -96,6 +96,38 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
     assert pid not in rank_pids() and len(rank_pids_of_app()) == 1
 
 
+def test_soak_with_chaos_short(faults_app):
+    """A short soak with chaos (the long ones: python -m perf.soak): sessions two at a time for 50 s while
+    a random rank or the muxer is killed every 20 s. Every session completes with every chunk and the raw
+    frames of its inputs without a fault; afterwards no session is left live."""
+    import random
+    import threading
+    import time
+
+    from perf.soak import INPUTS, Sampler, chaos, live_sessions, run_session, soak
+    from tests.deployments.test_sglang_app import png
+    assert wait_for_group() < 120
+    frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
+    image = png()
+    references = {i["seed"]: run(run_session(frames_url, image, i, 6, KEY3)).frames for i in INPUTS}
+    sampler = Sampler(app="faults", period=1.0)
+    sampler.start()
+    stop, kills = threading.Event(), []
+    threading.Thread(target=chaos, args=(stop, 20.0, kills, random.Random(1), "faults"), daemon=True).start()
+    try:
+        report = run(soak(frames_url, image, 50 / 60, 2, 6, references, KEY3))
+    finally:
+        stop.set()
+        sampler.halt.set()
+    assert report["incomplete"] == 0 and report["mismatched"] == 0, report
+    assert report["sessions"] >= 4 and report["chunks"] == 6 * report["sessions"]
+    assert len(kills) >= 2 and report["resumed"] >= 1, (kills, report)
+    time.sleep(1.0)
+    assert live_sessions(f"http://127.0.0.1:{PORT}/faults") == 0
+    roles = {r for _, rss in sampler.samples for r in rss}
+    assert {"ingress", "group", "rank", "muxer", "mailbox", "keeper"} <= roles, roles
+
+
 def test_without_its_snapshots_a_session_is_replayed_from_its_journal(faults_app):
     """The snapshots' owner is killed (as if their node were lost): the next fault resumes the session by
     replaying every delivered chunk instead, and its frames are still bitwise those without a fault."""

@@ -37,11 +37,12 @@ def test_a_restored_session_continues_bitwise(tiny, tiny_pipeline, restore_after
     kv = whole.dit.kv
     needed = chunks_to_restore(restore_after, kv.sink_chunks, kv.window_chunks)
     fresh = tiny_pipeline.new_session(image, "a harbour", seed=7)
-    restore_snapshots(fresh, [snapshots[c] for c in needed])
+    restore_snapshots(fresh, [snapshots[c][0] for c in needed], snapshots[restore_after][1])
     for k in range(restore_after + 1, 13):
         got = fresh.step(controls(k), prompt=prompt(k)).frames
         assert torch.equal(got, frames[k]), k
-    assert snapshots[restore_after].nbytes() > 0
+    slot, state = snapshots[restore_after]
+    assert slot.nbytes() == kv.keys.nbytes * 2 // kv.window_chunks and state.nbytes() > 0
 
 
 def test_restore_refuses_what_cannot_continue(tiny, tiny_pipeline):
@@ -51,14 +52,16 @@ def test_restore_refuses_what_cannot_continue(tiny, tiny_pipeline):
     for _ in range(3):
         whole.step()
         snaps.append(take_snapshot(whole))
+    slots = [s for s, _ in snaps]
     with pytest.raises(ValueError, match=r"chunks \[1\] are missing"):
-        restore_snapshots(tiny_pipeline.new_session(image, "a harbour", seed=7), [snaps[0], snaps[2]])
+        restore_snapshots(tiny_pipeline.new_session(image, "a harbour", seed=7), [slots[0], slots[2]], snaps[2][1])
     with pytest.raises(ValueError, match="another rank or group size"):
-        restore_snapshots(tiny_pipeline.new_session(image, "a harbour", seed=7), snaps, rank=1, world_size=2)
+        restore_snapshots(tiny_pipeline.new_session(image, "a harbour", seed=7), slots, snaps[2][1], rank=1,
+                          world_size=2)
     used = tiny_pipeline.new_session(image, "a harbour", seed=7)
     used.step()
     with pytest.raises(ValueError, match="has not run a chunk"):
-        restore_snapshots(used, snaps)
+        restore_snapshots(used, slots, snaps[2][1])
     with pytest.raises(ValueError, match="right after a committed chunk"):
         take_snapshot(tiny_pipeline.new_session(image, "a harbour", seed=7))
-    assert np.isfinite(snaps[-1].nbytes())
+    assert np.isfinite(snaps[-1][1].nbytes())

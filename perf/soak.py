@@ -1,0 +1,230 @@
+"""Soak and chaos on a local Serve app of the embedded default (tiny, CPU, SP-2, one group of 2 sessions).
+
+Soak: sessions back to back at the group's capacity for `--minutes`, each one of a few fixed inputs (image,
+prompt, seed, key script) over the second protocol (raw frames); the resident memory of every actor
+(ingress, group replica, ranks, muxer, mailbox, snapshot keeper) is sampled every few seconds. Chaos: the
+same load while a random rank or the muxer of the group is killed every `--chaos-interval` seconds; the
+sessions resume on the rebuilt group.
+
+Checked and reported: every session completes with every chunk, in order, and its raw frames are bitwise
+those of the same inputs without a fault (one reference session per input, run first); no session leaks
+(`live_sessions` is 0 after); memory after warm-up is flat (the growth of each actor's resident memory
+between the first and the last third of the run).
+
+    python -m perf.soak [--minutes 10] [--chaos-interval 0] [--plot perf/results/soak.png] [--output-json F]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+
+PORT = 18805
+INPUTS = [dict(seed=1, actions=[["w"], ["w"], ["j"], [], ["d"], ["l"]] * 4),
+          dict(seed=2, actions=[["a"], ["i"], ["s"], ["k"], [], ["w"]] * 4)]
+
+
+def start_app(settings: dict) -> None:
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(settings), name="soak", route_prefix="/")
+
+
+def actor_processes(app: str = "soak") -> dict[str, list[int]]:
+    """Role -> pids of the live actors of Serve app `app` on this machine (its replicas and what they own)."""
+    from ray._private import state
+    actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+    replicas = {f"ServeReplica:{app}:Ingress": "ingress", f"ServeReplica:{app}:WorldGroup": "group"}
+    roles = {"RankWorker": "rank", "Muxer": "muxer", "ControlMailbox": "mailbox", "SnapshotKeeper": "keeper"}
+    owners = {a["Address"]["Port"] for a in actors if a["ActorClassName"] in replicas}
+    out: dict[str, list[int]] = {}
+    for a in actors:
+        role = replicas.get(a["ActorClassName"])
+        if role is None and a["OwnerAddress"]["Port"] in owners:
+            role = roles.get(a["ActorClassName"])
+        if role:
+            out.setdefault(role, []).append(a["Pid"])
+    return out
+
+
+class Sampler(threading.Thread):
+    """Resident memory per actor role (summed over its processes), every `period` seconds."""
+
+    def __init__(self, app: str = "soak", period: float = 2.0):
+        super().__init__(daemon=True)
+        self.app = app
+        self.period = period
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+        t0 = time.monotonic()
+        while not self.halt.wait(self.period):
+            rss = {}
+            for role, pids in actor_processes(self.app).items():
+                total = 0
+                for pid in pids:
+                    try:
+                        total += psutil.Process(pid).memory_info().rss
+                    except psutil.Error:
+                        pass
+                rss[role] = total
+            self.samples.append((time.monotonic() - t0, rss))
+
+
+async def run_session(url: str, image: bytes, inputs: dict, chunks: int, api_key=None):
+    from lingbot.client import FramesClient
+    async with FramesClient(url, api_key=api_key) as client:
+        await client.init("a quiet street", image, chunks, inputs["seed"], actions=inputs["actions"])
+        return await client.receive_session(timeout=600)
+
+
+def chaos(stop: threading.Event, interval: float, kills: list, rng: random.Random, app: str = "soak") -> None:
+    """Every `interval` s, SIGKILL a random rank or the muxer of the group."""
+    while not stop.wait(interval):
+        procs = actor_processes(app)
+        victims = [("rank", p) for p in procs.get("rank", [])] + [("muxer", p) for p in procs.get("muxer", [])]
+        if victims:
+            role, pid = rng.choice(victims)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills.append((time.monotonic(), role))
+            except ProcessLookupError:
+                pass
+
+
+def growth(samples, role: str) -> float:
+    """Resident memory of `role`: mean of the last third of the run minus the mean of the first third
+    after warm-up (the first quarter is warm-up), in MiB."""
+    series = [(t, rss[role]) for t, rss in samples if rss.get(role)]
+    if len(series) < 8:
+        return float("nan")
+    series = series[len(series) // 4:]
+    third = max(1, len(series) // 3)
+    return (statistics.mean(v for _, v in series[-third:]) - statistics.mean(v for _, v in series[:third])) / 2 ** 20
+
+
+async def soak(url: str, image: bytes, minutes: float, capacity: int, chunks: int, references: dict,
+               api_key=None) -> dict:
+    import numpy as np
+    deadline = time.monotonic() + minutes * 60
+    report = {"sessions": 0, "chunks": 0, "incomplete": 0, "mismatched": 0, "resumed": 0, "errors": []}
+
+    async def worker(slot: int) -> None:
+        n = 0
+        while time.monotonic() < deadline:
+            inputs = INPUTS[(slot + n) % len(INPUTS)]
+            n += 1
+            result = await run_session(url, image, inputs, chunks, api_key)
+            report["sessions"] += 1
+            report["chunks"] += len(result.chunks)
+            report["resumed"] += sum(1 for m in result.messages if m["type"] == "session_resumed")
+            if result.errors or result.close_code != 1000 or [c.index for c in result.chunks] != list(range(chunks)):
+                report["incomplete"] += 1
+                report["errors"] += [e.get("code") for e in result.errors] or [f"close {result.close_code}"]
+                continue
+            if not np.array_equal(result.frames, references[inputs["seed"]]):
+                report["mismatched"] += 1
+    await asyncio.gather(*[worker(i) for i in range(capacity)])
+    return report
+
+
+def live_sessions(base: str = f"http://127.0.0.1:{PORT}") -> int:
+    with urllib.request.urlopen(f"{base}/healthz", timeout=10) as r:
+        return json.loads(r.read())["live_sessions"]
+
+
+def plot(samples, kills, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    roles = sorted({r for _, rss in samples for r in rss})
+    for role in roles:
+        ax.plot([t / 60 for t, _ in samples], [rss.get(role, 0) / 2 ** 20 for _, rss in samples], label=role)
+    t0 = time.monotonic() - samples[-1][0] if samples else 0
+    for at, _role in kills:
+        ax.axvline((at - t0) / 60, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("resident memory, MiB (all processes of the role)")
+    ax.set_title("soak: resident memory per actor role" + (" (dotted: a process killed)" if kills else ""))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--chunks", type=int, default=8, help="chunks per session")
+    ap.add_argument("--chaos-interval", type=float, default=0.0, help="seconds between kills (0: no chaos)")
+    ap.add_argument("--seed", type=int, default=0, help="the chaos's choice of victims")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from lingbot.config import get_preset
+    preset = get_preset("tiny")
+    buf = io.BytesIO()
+    pixels = np.random.RandomState(0).randint(0, 255, (preset.height, preset.width, 3), np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG")
+    image = buf.getvalue()
+    capacity = 2
+    start_app(dict(preset="tiny", device="cpu", sp=2, min_groups=1, max_groups=1, max_sessions_per_group=capacity,
+                   resume_wait_s=300, max_resumes=20, fps=48.0))
+    url = f"ws://127.0.0.1:{PORT}/v1/realtime_video/generate"
+    print("reference sessions (no faults) ...", file=sys.stderr)
+    references = {i["seed"]: asyncio.run(run_session(url, image, i, args.chunks)).frames for i in INPUTS}
+    sampler = Sampler()
+    sampler.start()
+    stop, kills = threading.Event(), []
+    if args.chaos_interval > 0:
+        threading.Thread(target=chaos, args=(stop, args.chaos_interval, kills, random.Random(args.seed)),
+                         daemon=True).start()
+    print(f"{'chaos' if args.chaos_interval else 'soak'} for {args.minutes:g} min ...", file=sys.stderr)
+    report = asyncio.run(soak(url, image, args.minutes, capacity, args.chunks, references))
+    stop.set()
+    time.sleep(3)
+    sampler.halt.set()
+    report["live_sessions_after"] = live_sessions()
+    report["kills"] = [role for _, role in kills]
+    report["growth_mib"] = {role: round(growth(sampler.samples, role), 2)
+                            for role in sorted({r for _, rss in sampler.samples for r in rss})}
+    report["samples"] = [(round(t, 1), rss) for t, rss in sampler.samples]
+    if args.plot:
+        plot(sampler.samples, kills, args.plot)
+    from ray import serve
+    serve.shutdown()
+    print(f"{'chaos' if args.chaos_interval else 'soak'}: {args.minutes:g} min, {report['sessions']} sessions, "
+          f"{report['chunks']} chunks, {len(kills)} processes killed, {report['resumed']} resumes")
+    print(f"  incomplete sessions {report['incomplete']}, frames not bitwise the reference {report['mismatched']}, "
+          f"live sessions after {report['live_sessions_after']}")
+    print("  resident memory growth after warm-up (last third - first third), MiB: "
+          + ", ".join(f"{k} {v:+.1f}" for k, v in report["growth_mib"].items()))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
