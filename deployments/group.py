@@ -170,7 +170,8 @@ class WorldGroup:
     # ---- the session lease --------------------------------------------------------------------
     async def session(self, request: SessionRequest):
         """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
-        SessionDone (or SessionError). Cancelling it (client gone, stop) frees the session within one step."""
+        SessionDone (or SessionError); a resumed session (request.resume) yields Resumed once its ranks are
+        where the failed group's were. Cancelling it (client gone, stop) frees the session within one step."""
         self.event_loop = asyncio.get_running_loop()
         if self.broken:
             yield SessionError("group_unavailable", "this group failed and is being replaced; retry")
@@ -208,6 +209,9 @@ class WorldGroup:
             yield Admitted(self.id, self.mailbox, mime, self.capacity)
             if resume is not None and not state.replay:
                 yield Resumed(0, 0.0, state.next_chunk)   # nothing to replay: it continues at once
+            if resume is not None and start.chunks is not None and resume.next_index >= start.chunks:
+                yield SessionDone(start.chunks)           # it had delivered its last chunk already
+                return
             while True:
                 event = await outbox.get()
                 yield event

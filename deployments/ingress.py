@@ -1,11 +1,13 @@
-"""Ingress: the WebSocket endpoint, health checks and the web page (CPU only).
+"""Ingress: the WebSocket endpoints, health checks and the web page (CPU only).
 `WS /v1/realtime/video` speaks the vLLM-Omni realtime video protocol (docs/architecture.md) plus keyboard
 keys in interactions; `WS /v1/realtime_video/generate` speaks SGLang's (MessagePack, raw or image frames),
 on the same groups, admission and limits. Per connection: wait for the start (start_timeout_s), validate
-it, then hold one streaming call to a WorldGroup (the session's lease) and relay its chunks as a JSON
-video.chunk_metadata + one binary fMP4 message each. Client controls go straight to the group's control
-mailbox (not through Serve's routing).
-Every refusal is an `error` with a stable code; the shared process never crashes on client input.
+it, then hold one streaming call to a WorldGroup (the session's lease) and relay its chunks (a JSON
+video.chunk_metadata + one binary fMP4 message each, or frame batches + chunk_stats). Client controls go
+straight to the group's control mailbox (not through Serve's routing). A session whose group fails is
+resumed on another: its journal and snapshot references are kept here (docs/architecture.md, "Sessions
+that survive faults").
+Every refusal is an error with a stable code; the shared process never crashes on client input.
 """
 
 
@@ -25,6 +27,7 @@ from lingbot.config import get_preset
 from lingbot.runtime.snapshot import chunks_to_restore
 
 from . import sglang
+from .fetch import ImageFetcher
 from .limits import SnapshotKeeper, TenantLimits
 from .messages import Admitted, ChunkReady, Resume, Resumed, SessionDone, SessionError, SessionRequest
 from .metrics import Metrics
@@ -94,6 +97,7 @@ class Connection:
         self.unstarted: list[Interaction] = []
         self.resumes = 0
         self.failed_at: Optional[float] = None
+        self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
         self.slots: dict[int, dict[int, object]] = {}    # chunk -> rank -> ObjectRef of its K/V slot snapshot
         self.states: dict[int, dict[int, object]] = {}   # chunk -> rank -> ObjectRef of the state after it
 
@@ -143,7 +147,8 @@ class Connection:
     async def refuse(self, error: ProtocolError) -> None:
         self.ingress.metrics.refusals.inc(tags={"code": error.code})
         if error.close is None:
-            await self.send_error(error)
+            async with self.send_lock:
+                await self.send_error(error)
             return
         self.closed = True
         message, reason = self.error_close(error)
@@ -243,7 +248,7 @@ class Connection:
 
     async def _admitted_session(self, start) -> None:
         s = self.settings
-        first = await self.admit(SessionRequest(self.session_id, start, keeper=await self.ingress.current_keeper()),
+        first = await self.admit(SessionRequest(self.group_sid, start, keeper=await self.ingress.current_keeper()),
                                  s.admission_wait_s)
         if first is None or (isinstance(first, SessionError) and first.code == "capacity_exhausted"):
             await self.refuse(ProtocolError("capacity_exhausted", "every model group is busy; try again later",
@@ -287,18 +292,25 @@ class Connection:
                     if last is not None:
                         self.ingress.metrics.chunk_interval.observe(now - last, tags={"group": "all"})
                     last = now
-                    if not await self.send_chunk(event):
+                    async with self.send_lock:
+                        sent = await self.send_chunk(event)
+                    if not sent:
                         return None
                     self.delivered(event)
                 elif isinstance(event, Resumed):
                     gap = time.monotonic() - (self.failed_at or time.monotonic())
-                    if not await self.send_resumed(event, gap):
+                    async with self.send_lock:
+                        sent = await self.send_resumed(event, gap)
+                    if not sent:
                         return None
                 elif isinstance(event, SessionDone):
                     return False
                 elif isinstance(event, SessionError) and event.event_id is None:
                     log.warning("session %s: %s: %s", self.session_id, event.code, event.message)
-                    if not await self.resume():
+                    resumed = await self.resume(reader)
+                    if resumed is None:
+                        return reader.result()
+                    if not resumed:
                         await self.refuse(ProtocolError(event.code, "the model group failed while generating; "
                                                         "please retry", close=CLOSE_SERVER_ERROR))
                         return None
@@ -311,6 +323,12 @@ class Connection:
                 next_item = asyncio.ensure_future(self.lease.__anext__())
         finally:
             next_item.cancel()
+
+    @property
+    def group_sid(self) -> str:
+        """The session's id at its group: another one per resume, so that a group that hosted it before (and
+        remembers that session as ended) can take it again."""
+        return self.session_id if not self.resumes else f"{self.session_id}.{self.resumes}"
 
     def delivered(self, event: ChunkReady) -> None:
         """A chunk reached the client: it joins the journal; the interactions it started are no longer owed."""
@@ -330,10 +348,13 @@ class Connection:
             self.slots.setdefault(index, {})[rank] = slot
             self.states.setdefault(index, {})[rank] = state
         newest = self.restorable()
-        if newest is not None:
-            keep = set(chunks_to_restore(newest, *self.ingress.window))
-            self.slots = {i: refs for i, refs in self.slots.items() if i in keep or i > newest}
-            self.states = {i: refs for i, refs in self.states.items() if i >= newest}
+        last = len(self.journal) - 1
+        sink, window = self.ingress.window
+        keep = set(chunks_to_restore(newest, sink, window)) if newest is not None else set()
+        # while no set is complete (a rank's snapshot failed), still only the recent ones: memory stays bounded
+        self.slots = {i: refs for i, refs in self.slots.items() if i in keep or i < sink or i > last - window}
+        self.states = {i: refs for i, refs in self.states.items()
+                       if i >= (newest if newest is not None else last - 2)}
 
     def restorable(self) -> Optional[int]:
         """The newest delivered chunk whose continuation every rank can restore from snapshots."""
@@ -345,26 +366,33 @@ class Connection:
                 return index
         return None
 
-    async def resume(self) -> bool:
-        """The session's group failed: continue the session on a healthy group (another, or this one rebuilt)
-        from its journal. True when a group took it; the chunks it replays are not sent again."""
+    async def resume(self, reader: asyncio.Task) -> Optional[bool]:
+        """The session's group failed: continue the session on a healthy group (another, or this one rebuilt),
+        restored from its snapshots and the journal after them (or the whole journal). True when a group
+        took it (the chunks it restores or replays are not sent again); False when none did; None when the
+        client stopped or left meanwhile (`reader` ended)."""
         s = self.settings
         if not s.resume_sessions or self.resumes >= s.max_resumes or self.closed:
             return False
         self.resumes += 1
-        self.failed_at = time.monotonic()
+        self.failed_at = self.last_interaction = time.monotonic()   # the client is not idle while it waits
         self.lease.cancel()
         self.mailbox = None                          # controls sent meanwhile wait in self.unstarted
         index = self.restorable()
         refs = () if index is None else tuple(
             (tuple(self.slots[c][rank] for c in chunks_to_restore(index, *self.ingress.window)),
              self.states[index][rank]) for rank in range(s.sp))
-        request = SessionRequest(self.session_id, self.start, Resume(
+        request = SessionRequest(self.group_sid, self.start, Resume(
             tuple(self.journal), self.planner, self.frames_sent, -1 if index is None else index, refs),
             keeper=await self.ingress.current_keeper())
         log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)", self.session_id,
                     len(self.journal), self.resumes, s.max_resumes)
-        answer = await self.admit(request, s.resume_wait_s)
+        admitting = asyncio.ensure_future(self.admit(request, s.resume_wait_s))
+        await asyncio.wait({admitting, reader}, return_when=asyncio.FIRST_COMPLETED)
+        if not admitting.done():                     # the client left or stopped: no group needed any more
+            admitting.cancel()
+            return None
+        answer = admitting.result()
         if not isinstance(answer, Admitted):
             self.ingress.metrics.resumes.inc(tags={"outcome": "failed"})
             log.error("session %s: no group took it within %g s (%s)", self.session_id, s.resume_wait_s,
@@ -374,7 +402,7 @@ class Connection:
         self.last_interaction = time.monotonic()     # the client was not idle: its session was away
         self.mailbox = answer.mailbox
         for interaction in self.unstarted:          # what the failed group had not started yet, in order
-            self.mailbox.post.remote(self.session_id, interaction)
+            self.mailbox.post.remote(self.group_sid, interaction)
         return True
 
     async def send_or_stall(self, data) -> bool:
@@ -435,7 +463,7 @@ class Connection:
         interaction.seq = self.sequence
         self.unstarted.append(interaction)
         if self.mailbox is not None:                # None while the session resumes on another group
-            self.mailbox.post.remote(self.session_id, interaction)
+            self.mailbox.post.remote(self.group_sid, interaction)
         return True
 
 
@@ -453,7 +481,8 @@ class VllmConnection(Connection):
     async def answered(self, msg: dict) -> bool:
         if msg["type"] != "session.ping":
             return False
-        await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
+        async with self.send_lock:
+            await self.ws.send_json({"type": "session.pong", "t": msg.get("t")})
         return True
 
     def error_close(self, error: ProtocolError):
@@ -467,7 +496,7 @@ class VllmConnection(Connection):
         if kind == "session.start":
             try:
                 return await asyncio.to_thread(parse_start, msg, self.ingress.size, self.ingress.geometry,
-                                               s.default_chunks, s.max_chunks, s.fps)
+                                               s.default_chunks, s.max_chunks, s.fps, self.ingress.fetcher)
             except ProtocolError as e:
                 if e.close is None:
                     e.close = CLOSE_POLICY
@@ -511,7 +540,8 @@ class VllmConnection(Connection):
                 await self.refuse(e)
                 return None
             if await self.post(interaction):
-                await self.ws.send_json({"type": "session.interaction.queued", "event_id": interaction.event_id})
+                async with self.send_lock:
+                    await self.ws.send_json({"type": "session.interaction.queued", "event_id": interaction.event_id})
         elif kind == "session.start":
             await self.refuse(ProtocolError("already_started", "this connection already has a session"))
         else:
@@ -555,7 +585,7 @@ class SglangConnection(Connection):
     async def parse_start(self, msg: dict):
         s = self.settings
         start = await asyncio.to_thread(sglang.parse_init, msg, self.ingress.size, self.ingress.geometry,
-                                        s.max_chunks, s.fps, self.ingress.steps)
+                                        s.max_chunks, s.fps, self.ingress.steps, self.ingress.fetcher)
         self.output = start.output
         return start
 
@@ -616,26 +646,35 @@ class Ingress:
         self.steps = len(preset.sampler.timesteps)
         self.limits = TenantLimits(self.settings.max_sessions_per_key, self.settings.max_starts_per_minute_per_key)
         self.window = (preset.transformer.sink_chunks, preset.transformer.window_chunks)
+        s = self.settings
+        self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,
+                                                  s.image_fetch_max_bytes)
         # the owner of the sessions' snapshots: an actor of this replica's, so they outlive any group
         self.keeper = self._new_keeper() if self.settings.snapshots else None
+        self.keeper_lock = asyncio.Lock()
         self.metrics = Metrics()
         self.live = 0
 
     @staticmethod
     def _new_keeper():
-        return ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=16).remote()
+        """On this replica's node (soft), not on a group's: its snapshots should outlive any group's node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        return ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=16, scheduling_strategy=here).remote()
 
     async def current_keeper(self):
-        """The snapshot keeper, started anew if it died (its snapshots are gone: those sessions would replay)."""
+        """The snapshot keeper, started anew if it died (its snapshots are gone: those sessions replay)."""
         if self.keeper is None:
             return None
-        try:
-            await asyncio.wait_for(self.keeper.ready.remote(), 5.0)
-        except asyncio.TimeoutError:
-            pass                                  # busy, not dead
-        except Exception as e:
-            log.warning("the snapshot keeper is gone (%s); starting another", type(e).__name__)
-            self.keeper = self._new_keeper()
+        async with self.keeper_lock:                 # one restart, however many sessions notice at once
+            keeper = self.keeper
+            try:
+                await asyncio.wait_for(keeper.ready.remote(), 1.0)
+            except asyncio.TimeoutError:
+                pass                                 # busy, not dead
+            except Exception as e:
+                log.warning("the snapshot keeper is gone (%s); starting another", type(e).__name__)
+                self.keeper = self._new_keeper()
         return self.keeper
 
     # ---- HTTP ---------------------------------------------------------------------------------

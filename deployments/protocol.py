@@ -104,9 +104,14 @@ def _require(obj: dict, key: str, kind, where: str):
     return value
 
 
-def decode_image(url: str, width: int, height: int) -> np.ndarray:
+def decode_image(url: str, width: int, height: int, fetcher=None) -> np.ndarray:
     """A data: URL (base64) of an image -> float32 [3, height, width], resized as on every path
-    (lingbot.io.images)."""
+    (lingbot.io.images). An http(s) URL only with a `fetcher` (deployments.fetch: the operator's allow-list)."""
+    if url.startswith(("http://", "https://")) and fetcher is not None:
+        try:
+            return resize_image(open_image(fetcher.fetch(url)), width, height)
+        except ValueError as e:
+            raise ProtocolError("invalid_image", f"image_url: {e}") from None
     if not url.startswith("data:"):
         raise ProtocolError("invalid_image", "image_reference.image_url must be a data: URL (http(s) URLs are not "
                             "fetched by this server)")
@@ -150,7 +155,7 @@ def parse_keys_list(value: Any, where: str) -> list[str]:
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
-                max_chunks: int, default_fps: float) -> StartRequest:
+                max_chunks: int, default_fps: float, fetcher=None) -> StartRequest:
     where = "session.start"
     prompt = _require(msg, "prompt", str, where)
     width = _require(msg, "width", int, where) if "width" in msg else served_size[0]
@@ -216,7 +221,7 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
     profile = extra.get("profile_stages", False)
     if not isinstance(profile, bool):
         raise ProtocolError("invalid_field", "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
-    image = decode_image(url, width, height)
+    image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory)
 

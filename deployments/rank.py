@@ -32,6 +32,9 @@ from .settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
+MAX_SNAPSHOTS_IN_FLIGHT = 2      # per session: snapshots handed to the keeper and not stored yet
+SNAPSHOT_PUT_TIMEOUT_S = 60.0
+
 
 def assigned_device(kind: str, assigned: dict, env: dict) -> str:
     """The torch device of the accelerator Ray assigned to this actor (`get_accelerator_ids()`: GPU or NPU
@@ -276,14 +279,20 @@ class RankWorker:
         puts = self.puts.get(session_id)
         if keeper is None or puts is None:
             return
-        t0 = time.perf_counter()
-        slot, state = take_snapshot(session, self.rank, self.world_size)
-        reply.timings["snapshot"] = time.perf_counter() - t0
-
-        def put():
-            import ray
-            return tuple(ray.get(keeper.keep.remote(slot, state)))
-        puts.append((index, self.snapshot_thread.submit(put)))
         done = [(i, f) for i, f in puts if f.done()]
         puts[:] = [(i, f) for i, f in puts if not f.done()]
         reply.snapshots = tuple((i, *f.result()) for i, f in done if f.exception() is None)
+        if len(puts) >= MAX_SNAPSHOTS_IN_FLIGHT:     # the keeper is behind: skip this one (resume replays more)
+            return
+        try:                                         # best effort: a snapshot never fails the chunk
+            t0 = time.perf_counter()
+            slot, state = take_snapshot(session, self.rank, self.world_size)
+            reply.timings["snapshot"] = time.perf_counter() - t0
+        except Exception as e:
+            log.warning("session %s: no snapshot of chunk %d (%s)", session_id, index, type(e).__name__)
+            return
+
+        def put():
+            import ray
+            return tuple(ray.get(keeper.keep.remote(slot, state), timeout=SNAPSHOT_PUT_TIMEOUT_S))
+        puts.append((index, self.snapshot_thread.submit(put)))

@@ -339,8 +339,12 @@ class Scheduler:
         eligible = [s for s in ready if waits[s.id] <= 0]
         if not eligible:
             return None, min(waits.values())
+
+        def due(s: ScheduledSession) -> float:
+            # a resumed session's replay fills the gaps: never "late", so due chunks of others go first
+            return now + s.pacer.lead_s if s.replay else s.deadline()
         # a session whose player would wait goes first; then one with a control queued (it shows a chunk
         # sooner and never waits behind more than the chunk running now); then earliest deadline first
-        best = min(eligible, key=lambda s: (s.deadline() >= now, not s.pending, s.deadline()))
+        best = min(eligible, key=lambda s: (due(s) >= now, not s.pending, due(s)))
         best.picked_eligible = max(best.deadline() - best.pacer.lead_s, best.ready_since)
         return best, 0.0

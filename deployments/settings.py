@@ -11,6 +11,8 @@ from lingbot.config import PRESETS, ConfigError, get_preset
 from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
+from .fetch import parse_allowlist
+
 ENV_PREFIX = "LINGBOT_"
 # Ray's resource for one accelerator of each device kind (NPUs are their own resource, not GPUs)
 ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
@@ -86,8 +88,15 @@ class ServeSettings:
     max_sessions_per_key: int = 0            # sessions one key (or client address, without keys) may hold; 0: no limit
     max_starts_per_minute_per_key: int = 0   # session starts per key per minute; 0: no limit
     allowed_origins: str = ""                # comma-separated page origins besides the server's own ("*": any)
+    image_url_allowlist: str = ""            # URL prefixes image_url / first_frame may be fetched from ("": none)
+    image_fetch_timeout_s: float = 10.0
+    image_fetch_max_bytes: int = 20 * 2 ** 20
 
     def __post_init__(self):
+        try:
+            parse_allowlist(self.image_url_allowlist)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.preset not in PRESETS:
             raise ConfigError(f"preset {self.preset!r} is not one of {sorted(PRESETS)}")
         if self.device not in ("cpu", "cuda", "npu"):

@@ -71,8 +71,9 @@ def parse_size(value: Any) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def first_frame(value: Any, width: int, height: int):
-    """Image bytes or a data: URL -> float32 [3, H, W] at the served size (http(s) URLs are not fetched)."""
+def first_frame(value: Any, width: int, height: int, fetcher=None):
+    """Image bytes or a data: URL -> float32 [3, H, W] at the served size (http(s) URLs only from the
+    operator's allow-list: `fetcher`, deployments.fetch)."""
     if value is None:
         raise ProtocolError("missing_field", "init needs first_frame (image bytes or a data:image/...;base64 URL)")
     if isinstance(value, (bytes, bytearray)):
@@ -81,10 +82,10 @@ def first_frame(value: Any, width: int, height: int):
         except ValueError as e:
             raise ProtocolError("invalid_image", f"first_frame: {e}") from None
     if isinstance(value, str):
-        if value.startswith(("http://", "https://")):
+        if value.startswith(("http://", "https://")) and fetcher is None:
             raise ProtocolError("invalid_image", "first_frame URLs are not fetched by this server; send the image "
                                 "bytes or a data: URL")
-        return decode_image(value, width, height)
+        return decode_image(value, width, height, fetcher)
     raise ProtocolError("invalid_field", f"first_frame must be bytes or a string, got {type(value).__name__}")
 
 
@@ -104,7 +105,7 @@ def parse_actions_script(value: Any, where: str) -> list[str]:
 
 
 def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
-               default_fps: float, steps: int) -> StartRequest:
+               default_fps: float, steps: int, fetcher=None) -> StartRequest:
     """An `init` map -> StartRequest. Bad input raises ProtocolError (the connection then waits for another)."""
     if msg["type"] != "init":
         raise ProtocolError("not_started", f"the first message must be an init, not {msg['type']!r}")
@@ -140,7 +141,7 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
         script = script_chunks(parse_actions_script(conditions["camera_actions"], "condition_inputs.camera_actions"),
                                geometry.latent_frames)
     output = parse_output(msg)
-    image = first_frame(msg.get("first_frame"), width, height)
+    image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
                         fps, seed, None, script, msg.get("model"), output=output)
 

@@ -6,10 +6,12 @@ prompt, seed, key script) over the second protocol (raw frames); the resident me
 same load while a random rank or the muxer of the group is killed every `--chaos-interval` seconds; the
 sessions resume on the rebuilt group.
 
-Checked and reported: every session completes with every chunk, in order, and its raw frames are bitwise
+A start refused with 1013 (no group free while one is rebuilt) is retried after 2 s, as a client would, and
+counted apart. Checked and reported: every session that started completes with every chunk, in order, and
+its raw frames are bitwise
 those of the same inputs without a fault (one reference session per input, run first); no session leaks
-(`live_sessions` is 0 after); memory after warm-up is flat (the growth of each actor's resident memory
-between the first and the last third of the run).
+(`live_sessions` is 0 after); memory after warm-up is flat (the growth of each actor role's unique resident
+memory, USS, between the first and the last third of the run).
 
     python -m perf.soak [--minutes 10] [--chaos-interval 0] [--plot perf/results/soak.png] [--output-json F]
 """
@@ -62,7 +64,9 @@ def actor_processes(app: str = "soak") -> dict[str, list[int]]:
 
 
 class Sampler(threading.Thread):
-    """Resident memory per actor role (summed over its processes), every `period` seconds."""
+    """Memory per actor role (summed over its processes), every `period` seconds: the unique set size (the
+    resident memory only that process holds: what leaks; resident pages of the shared object store, which
+    every process that wrote to it maps, are left out)."""
 
     def __init__(self, app: str = "soak", period: float = 2.0):
         super().__init__(daemon=True)
@@ -80,7 +84,7 @@ class Sampler(threading.Thread):
                 total = 0
                 for pid in pids:
                     try:
-                        total += psutil.Process(pid).memory_info().rss
+                        total += psutil.Process(pid).memory_full_info().uss
                     except psutil.Error:
                         pass
                 rss[role] = total
@@ -123,7 +127,8 @@ async def soak(url: str, image: bytes, minutes: float, capacity: int, chunks: in
                api_key=None) -> dict:
     import numpy as np
     deadline = time.monotonic() + minutes * 60
-    report = {"sessions": 0, "chunks": 0, "incomplete": 0, "mismatched": 0, "resumed": 0, "errors": []}
+    report = {"sessions": 0, "chunks": 0, "incomplete": 0, "mismatched": 0, "resumed": 0, "errors": [],
+              "refused_at_start": 0}
 
     async def worker(slot: int) -> None:
         n = 0
@@ -131,6 +136,10 @@ async def soak(url: str, image: bytes, minutes: float, capacity: int, chunks: in
             inputs = INPUTS[(slot + n) % len(INPUTS)]
             n += 1
             result = await run_session(url, image, inputs, chunks, api_key)
+            if result.close_code == 1013 and not result.chunks:   # no group free (one is being rebuilt): again
+                report["refused_at_start"] += 1
+                await asyncio.sleep(2.0)
+                continue
             report["sessions"] += 1
             report["chunks"] += len(result.chunks)
             report["resumed"] += sum(1 for m in result.messages if m["type"] == "session_resumed")
@@ -161,8 +170,9 @@ def plot(samples, kills, path: str) -> None:
     for at, _role in kills:
         ax.axvline((at - t0) / 60, color="grey", lw=0.6, ls=":")
     ax.set_xlabel("minutes")
-    ax.set_ylabel("resident memory, MiB (all processes of the role)")
-    ax.set_title("soak: resident memory per actor role" + (" (dotted: a process killed)" if kills else ""))
+    ax.set_ylabel("unique resident memory, MiB (all processes of the role)")
+    ax.set_title(("chaos" if kills else "soak") + ": memory per actor role" + (" (dotted: a process killed)" if kills
+                                                                               else ""))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -217,8 +227,9 @@ def main(argv=None) -> dict:
     print(f"{'chaos' if args.chaos_interval else 'soak'}: {args.minutes:g} min, {report['sessions']} sessions, "
           f"{report['chunks']} chunks, {len(kills)} processes killed, {report['resumed']} resumes")
     print(f"  incomplete sessions {report['incomplete']}, frames not bitwise the reference {report['mismatched']}, "
-          f"live sessions after {report['live_sessions_after']}")
-    print("  resident memory growth after warm-up (last third - first third), MiB: "
+          f"live sessions after {report['live_sessions_after']}, starts refused (1013, retried) "
+          f"{report['refused_at_start']}")
+    print("  unique resident memory growth after warm-up (last third - first third), MiB: "
           + ", ".join(f"{k} {v:+.1f}" for k, v in report["growth_mib"].items()))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -82,7 +82,9 @@ def snapshot_footprint(preset: Preset, world_size: int = 1) -> SnapshotFootprint
     esize = torch.empty((), dtype=preset.torch_dtype).element_size()
     footprint = session_footprint(preset, world_size)
     slot = footprint.kv_window // cfg.window_chunks
-    state = footprint.decoder_cache + cfg.text_dim * preset.text.max_length * esize + condition_chunk_bytes(preset)
+    # the condition: its fixed point, or up to CONDITION_CACHE_CHUNKS replayed chunks of a first frame seen before
+    state = footprint.decoder_cache + cfg.text_dim * preset.text.max_length * esize \
+        + CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
     return SnapshotFootprint(slot, state, cfg.window_chunks - 1)
 
 

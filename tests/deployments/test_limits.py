@@ -14,9 +14,11 @@ from tests.deployments.test_sglang_app import png
 KEY = "test-key-1"
 KEY2 = "test-key-2"                       # the door-limit test's tenant
 KEY3 = "test-key-3"                       # the second protocol's tenant
+IMAGES_PORT = PORT + 30                   # a local image server for the allow-list
 STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=6, max_lifetime_s=12,
               max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3}", stall_timeout_s=60, restart_stale_chunks=True,
-              max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example")
+              max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example",
+              image_url_allowlist=f"http://127.0.0.1:{IMAGES_PORT}/ok/")
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
 
 
@@ -152,6 +154,40 @@ def test_second_protocol_limits_close_normally_with_their_reason(strict_app):
     assert beating.errors == [] and beating.close_code == 1000
     assert beating.close_reason == "session reached its maximum lifetime of 12 s"
     assert len(beating.chunks) > len(quiet.chunks) > 0
+
+
+def test_image_urls_are_fetched_from_the_allowlist_only(strict_app):
+    """With image_url_allowlist set, an http image_url (first protocol) or first_frame (second) under a
+    listed prefix is fetched; any other URL is refused with invalid_image."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from tests.deployments.test_fetch import Images
+    server = ThreadingHTTPServer(("127.0.0.1", IMAGES_PORT), Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{IMAGES_PORT}"
+
+    async def scenario():
+        async with RealtimeClient(URL, api_key=KEY3) as client:
+            await client.start("p", f"{base}/ok/a.png", W, H, 1)
+            fetched = await client.receive_session(timeout=120)
+        async with RealtimeClient(URL, api_key=KEY3) as client:
+            await client.start("p", f"{base}/private/a.png", W, H, 1)
+            outside = await client.receive_session(timeout=30)
+        async with FramesClient(URL.replace("/v1/realtime/video", "/v1/realtime_video/generate"),
+                                api_key=KEY3) as client:
+            await client.init("p", f"{base}/ok/a.png", 1, 0)
+            frames = await client.receive_session(timeout=120)
+        return fetched, outside, frames
+
+    try:
+        fetched, outside, frames = run(scenario())
+    finally:
+        server.shutdown()
+    assert fetched.error is None and fetched.done["chunks"] == 1
+    assert outside.error["code"] == "invalid_image" and "allow-list" in outside.error["message"]
+    assert outside.close_code == 1008
+    assert frames.errors == [] and len(frames.chunks) == 1 and frames.close_code == 1000
 
 
 def test_too_many_controls_refuses_the_excess_and_keeps_the_session(strict_app):

@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from deployments.messages import ChunkControls
 from deployments.protocol import Interaction
 from deployments.sessions import Pacer, ScheduledSession, Scheduler, Tombstones
 from lingbot.camera import CameraEvent
@@ -277,3 +278,20 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
         assert plan.controls == controls[k] and (plan.started, plan.active, plan.completed) == \
             (plans[k].started, plans[k].active, plans[k].completed), k
     assert controls[3].keys == ("k", "", "") and controls[4].keys == ("l", "", "")
+
+
+def test_a_replay_fills_the_gaps_between_the_chunks_others_need():
+    """A resumed session replaying its journal is never 'late': a session whose chunk is due goes first, and
+    the replay runs while the others are ahead of their playback."""
+    from collections import deque
+    sched = Scheduler(pacing_lead_s=0.2)
+    replaying, live = _state("r", chunks=10, now=0.0), _state("l", chunks=10, now=0.0)
+    replaying.replay = deque([ChunkControls()] * 3)
+    sched.add(replaying)
+    sched.add(live)
+    assert sched.pick(now=1.0)[0] is live                      # due (its first chunk): before the replay
+    live.commit_plan(live.plan_next_chunk())
+    live.delivered(9, now=1.2)                                 # 9 frames at 16 fps: the next is due at 1.76 s
+    assert sched.pick(now=1.3)[0] is replaying                 # live is further ahead than its 0.2 s lead
+    replaying.replayed()
+    assert sched.pick(now=1.6)[0] is live                      # within its lead again: before the replay

@@ -1,0 +1,71 @@
+"""Fetching a first frame from an http(s) URL, only where the operator allows it (`image_url_allowlist`).
+
+Off by default: a server that fetches whatever URL a client names can be made to probe its own network.
+With an allow-list, a URL is fetched only when it starts with one of the listed prefixes (each a full
+`scheme://host[:port]/path/`, ending in "/", so that a prefix never matches another host), without
+credentials in it, without following redirects, within a time and a size limit. Every refusal is a
+ProtocolError with code `invalid_image` and says why. Plain Python (no Ray).
+"""
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Optional
+from urllib.parse import urlsplit
+
+from .protocol import ProtocolError
+
+
+def parse_allowlist(text: str) -> tuple[str, ...]:
+    """"https://cdn.example.com/images/, http://10.0.0.5:8080/" -> its prefixes; ValueError for a bad one."""
+    prefixes = tuple(p.strip() for p in text.split(",") if p.strip())
+    for p in prefixes:
+        parts = urlsplit(p)
+        if parts.scheme not in ("http", "https") or not parts.hostname or not p.endswith("/") \
+                or "@" in parts.netloc or parts.query or parts.fragment:
+            raise ValueError(f"image_url_allowlist entry {p!r} must be scheme://host[:port]/path/ (http or https, "
+                             f"ending in '/', no credentials or query)")
+    return prefixes
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise ProtocolError("invalid_image", f"image_url redirects (HTTP {code}); redirects are not followed")
+
+
+@dataclass(frozen=True)
+class ImageFetcher:
+    prefixes: tuple[str, ...]
+    timeout_s: float = 10.0
+    max_bytes: int = 20 * 2 ** 20
+
+    @classmethod
+    def from_settings(cls, allowlist: str, timeout_s: float, max_bytes: int) -> Optional[ImageFetcher]:
+        prefixes = parse_allowlist(allowlist)
+        return cls(prefixes, timeout_s, max_bytes) if prefixes else None
+
+    def allowed(self, url: str) -> bool:
+        parts = urlsplit(url)
+        return parts.scheme in ("http", "https") and "@" not in parts.netloc and \
+            any(url.startswith(p) for p in self.prefixes)
+
+    def fetch(self, url: str) -> bytes:
+        if not self.allowed(url):
+            raise ProtocolError("invalid_image", "this server fetches images only from its allow-list "
+                                "(image_url_allowlist); send the image inline")
+        opener = urllib.request.build_opener(_NoRedirect)
+        try:
+            with opener.open(urllib.request.Request(url, headers={"User-Agent": "lingbot-serve"}),
+                             timeout=self.timeout_s) as response:
+                data = response.read(self.max_bytes + 1)
+        except ProtocolError:
+            raise
+        except urllib.error.HTTPError as e:
+            raise ProtocolError("invalid_image", f"image_url answered HTTP {e.code}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise ProtocolError("invalid_image", f"image_url could not be fetched ({type(reason).__name__})") from None
+        if len(data) > self.max_bytes:
+            raise ProtocolError("invalid_image", f"image_url holds more than {self.max_bytes} bytes")
+        return data

@@ -1,0 +1,85 @@
+"""Fetching a first frame over http(s): only from the operator's allow-list, no redirects, bounded in size.
+A real HTTP server on localhost serves the images."""
+import io
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from deployments.fetch import ImageFetcher, parse_allowlist
+from deployments.protocol import ProtocolError, decode_image
+from deployments.settings import ServeSettings
+from lingbot.config import ConfigError
+
+
+def png(w=40, h=30) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), 200, np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+class Images(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/ok/a.png":
+            body, code = png(), 200
+        elif self.path == "/ok/big.png":
+            body, code = b"\x89PNG" + b"0" * 5000, 200
+        elif self.path == "/ok/moved.png":
+            self.send_response(302)
+            self.send_header("Location", "/private/secret.png")
+            self.end_headers()
+            return
+        else:
+            body, code = b"no", 404
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def refused(fn, match):
+    with pytest.raises(ProtocolError, match=match) as e:
+        fn()
+    assert e.value.code == "invalid_image"
+
+
+def test_allowlist_entries_are_whole_prefixes():
+    assert parse_allowlist(" https://cdn.example.com/img/ , http://10.0.0.5:8080/") == \
+        ("https://cdn.example.com/img/", "http://10.0.0.5:8080/")
+    for bad in ("https://cdn.example.com", "ftp://x/", "https://user:pw@cdn.example.com/", "https://x/?a=1/", "/x/"):
+        with pytest.raises(ValueError, match="must be scheme://host"):
+            parse_allowlist(bad)
+    with pytest.raises(ConfigError, match="image_url_allowlist entry"):
+        ServeSettings(image_url_allowlist="https://cdn.example.com")
+    assert ImageFetcher.from_settings("", 1.0, 10) is None
+    fetcher = ImageFetcher(("https://cdn.example.com/img/",))
+    assert fetcher.allowed("https://cdn.example.com/img/a.png")
+    assert not fetcher.allowed("https://cdn.example.com.evil.org/img/a.png")
+    assert not fetcher.allowed("https://cdn.example.com/other/a.png")
+    assert not fetcher.allowed("https://x@cdn.example.com/img/a.png")
+
+
+def test_fetch_from_the_allowlist_only(server):
+    fetcher = ImageFetcher((f"{server}/ok/",), timeout_s=5.0, max_bytes=4096)
+    image = decode_image(f"{server}/ok/a.png", 112, 64, fetcher)
+    assert image.shape == (3, 64, 112) and abs(float(image.mean()) - (200 / 127.5 - 1)) < 1e-6
+    refused(lambda: decode_image(f"{server}/private/a.png", 112, 64, fetcher), "allow-list")
+    refused(lambda: decode_image(f"{server}/ok/a.png", 112, 64), "not fetched")          # no allow-list: never
+    refused(lambda: decode_image(f"{server}/ok/moved.png", 112, 64, fetcher), "redirects are not followed")
+    refused(lambda: decode_image(f"{server}/ok/big.png", 112, 64, fetcher), "more than 4096 bytes")
+    refused(lambda: decode_image(f"{server}/ok/missing.png", 112, 64, fetcher), "HTTP 404")
+    closed = ImageFetcher(("http://127.0.0.1:9/",), timeout_s=2.0)
+    refused(lambda: decode_image("http://127.0.0.1:9/a.png", 112, 64, closed), "could not be fetched")
