@@ -657,9 +657,11 @@ class Ingress:
 
     @staticmethod
     def _new_keeper():
-        """On this replica's node (soft), not on a group's: its snapshots should outlive any group's node."""
+        """On this replica's node, not on a group's: its snapshots must outlive any group's node (this node's
+        loss ends the sessions anyway: their WebSockets are here). A soft affinity was measured to land on
+        another node."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         return ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=16, scheduling_strategy=here).remote()
 
     async def current_keeper(self):

@@ -178,43 +178,60 @@ def test_every_nodes_proxy_reaches_sessions_on_both_groups(cluster):
             assert sum(c["num_frames"] for c in r.chunks) == 21
 
 
-def test_removing_a_worker_node_ends_only_its_sessions(cluster):
-    """Kill the raylet of the worker node that does not hold the ingress: its group's session ends with
-    internal_error, the other group's session streams on, and new sessions are served."""
+def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):
+    """Kill the raylet of the worker node that does not hold the ingress, while a session streams on each
+    group. The other group's session streams on, untouched. The lost one waits (the other group is full),
+    and once that session stops it resumes there: restored from the snapshots its ranks left in the
+    object store through the ingress's keeper, on the surviving node, so not lost with theirs."""
     ingress_node = state("actors", class_name="ServeReplica:lingbot:Ingress", state="ALIVE")[0]["node_id"]
     (victim,) = [n for n in cluster if n != ingress_node]
     groups = {pg["placement_group_id"]: pg["bundles"][0]["node_id"] for pg in state("placement_groups",
                                                                                     state="CREATED")}
     group_actors = state("actors", class_name="ServeReplica:lingbot:WorldGroup", state="ALIVE")
+    group_nodes = {a["name"].rsplit("#", 1)[-1]: a["node_id"] for a in group_actors}
     tag = next(k for k in cluster[victim]["resources_total"] if k.startswith("worker_"))
     victim_raylet = [p for p in psutil.process_iter(["name", "cmdline"])
                      if p.info["name"] == "raylet" and tag in " ".join(p.info["cmdline"] or [])]
 
     async def scenario():
-        a = (await open_session(HEAD_PROXY, seed=3))[0]                      # endless, one on each group
-        b = (await open_session(HEAD_PROXY, seed=4))[0]
-        for c in (a, b):                                                   # both streaming
-            while not isinstance(await c.ws.recv(), bytes):
-                pass
+        opened = [await open_session(HEAD_PROXY, seed=s) for s in (3, 4)]   # endless, one on each group
+        for c, _ in opened:                   # both streaming, 3 chunks in (their snapshots reach the ingress)
+            chunks = 0
+            while chunks < 3:
+                chunks += isinstance(await c.ws.recv(), bytes)
+        by_node = {group_nodes[start["config"]["group"]]: c for c, start in opened}
+        lost, survivor = by_node[victim], by_node[ingress_node]
         for proc in victim_raylet:
             proc.send_signal(signal.SIGKILL)
-        tasks = {asyncio.create_task(c.receive_session(timeout=300)): c for c in (a, b)}
-        finished, running = await asyncio.wait(tasks, timeout=120, return_when=asyncio.FIRST_COMPLETED)
-        assert len(finished) == 1 and len(running) == 1                    # one ended, the other streams on
-        (survivor,) = running
-        await tasks[survivor].send({"type": "session.stop"})
-        results = [next(iter(finished)).result(), await survivor]
-        for c in (a, b):
+        after = []
+
+        async def stop_two_chunks_after_the_resume(result, meta):
+            if any(m["type"] == "session.resumed" for m in result.messages):
+                after.append(meta)
+                if len(after) == 2:
+                    await lost.send({"type": "session.stop"})
+        waiting = asyncio.create_task(lost.receive_session(stop_two_chunks_after_the_resume, timeout=300))
+        surviving = asyncio.create_task(survivor.receive_session(timeout=300))
+        await asyncio.sleep(8.0)
+        assert not waiting.done() and not surviving.done()                   # one streams, one waits for a group
+        await survivor.send({"type": "session.stop"})
+        survivor_result = await asyncio.wait_for(surviving, 120)
+        lost_result = await asyncio.wait_for(waiting, 240)
+        for c, _ in opened:
             await c.__aexit__()
         fresh = (await open_session(HEAD_PROXY, seed=5, chunks=2))[0]
         fresh_result = await fresh.receive_session(timeout=120)
         await fresh.__aexit__()
-        return results, fresh_result
+        return lost_result, survivor_result, fresh_result
 
     assert len(victim_raylet) == 1 and len(groups) == 2 and len(group_actors) == 2
-    (lost, survivor), fresh = asyncio.run(scenario())
-    assert lost.error["code"] == "internal_error" and lost.close_code == 1011
+    lost, survivor, fresh = asyncio.run(scenario())
     assert survivor.error is None and survivor.done["stopped"] is True and len(survivor.chunks) >= 2
+    [resumed] = [m for m in lost.messages if m["type"] == "session.resumed"]
+    assert lost.error is None and lost.done["stopped"] is True, lost.error
+    assert resumed["restored_chunks"] >= 1 and resumed["replayed_chunks"] <= 2, resumed
+    indices = [c["transport_chunk_index"] for c in lost.chunks]           # 3 were read before the kill
+    assert indices == list(range(3, 3 + len(indices))) and indices[-1] >= resumed["transport_chunk_index"] + 1
     assert fresh.error is None and fresh.done["chunks"] == 2
     with urllib.request.urlopen(f"http://127.0.0.1:{HEAD_PROXY}/healthz", timeout=10) as r:
         assert json.loads(r.read())["status"] == "ok"

@@ -10,7 +10,8 @@ from tests.deployments.conftest import PORT, TEST_SETTINGS
 from tests.deployments.test_app import H, W, png_url, run
 
 KEY3 = "test-key-3"
-FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120)
+FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120,
+              max_resumes=10)
 URL = f"ws://127.0.0.1:{PORT}/faults/v1/realtime/video"
 
 
@@ -97,8 +98,8 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
 
 
 def test_soak_with_chaos_short(faults_app):
-    """A short soak with chaos (the long ones: python -m perf.soak): sessions two at a time for 50 s while
-    a random rank or the muxer is killed every 20 s. Every session completes with every chunk and the raw
+    """A short soak with chaos (the long ones: python -m perf.soak): sessions two at a time for 20 s while
+    a random rank or the muxer is killed every 15 s. Every session completes with every chunk and the raw
     frames of its inputs without a fault; afterwards no session is left live."""
     import random
     import threading
@@ -113,15 +114,15 @@ def test_soak_with_chaos_short(faults_app):
     sampler = Sampler(app="faults", period=1.0)
     sampler.start()
     stop, kills = threading.Event(), []
-    threading.Thread(target=chaos, args=(stop, 20.0, kills, random.Random(1), "faults"), daemon=True).start()
+    threading.Thread(target=chaos, args=(stop, 15.0, kills, random.Random(1), "faults"), daemon=True).start()
     try:
-        report = run(soak(frames_url, image, 50 / 60, 2, 6, references, KEY3))
+        report = run(soak(frames_url, image, 20 / 60, 2, 6, references, KEY3))
     finally:
         stop.set()
         sampler.halt.set()
-    assert report["incomplete"] == 0 and report["mismatched"] == 0, report
-    assert report["sessions"] >= 4 and report["chunks"] == 6 * report["sessions"]
-    assert len(kills) >= 2 and report["resumed"] >= 1, (kills, report)
+    assert report["incomplete"] == 0 and report["mismatched"] == 0, (report["errors"], report)
+    assert report["sessions"] >= 3 and report["chunks"] == 6 * report["sessions"]
+    assert len(kills) >= 1 and report["resumed"] >= 1, (kills, report)
     time.sleep(1.0)
     assert live_sessions(f"http://127.0.0.1:{PORT}/faults") == 0
     roles = {r for _, rss in sampler.samples for r in rss}

@@ -26,7 +26,7 @@ def test_chunks_to_restore_follow_the_window():
     assert chunks_to_restore(9, 3, 6) == [0, 1, 2, 8, 9]          # chunk 10 sees the sink and 8, 9
 
 
-@pytest.mark.parametrize("restore_after", [1, 6, 9])
+@pytest.mark.parametrize("restore_after", [1, 9])          # inside the first window; after evictions
 def test_a_restored_session_continues_bitwise(tiny, tiny_pipeline, restore_after):
     image = random_image(tiny)
     whole = tiny_pipeline.new_session(image, "a harbour", seed=7)
