@@ -306,7 +306,7 @@ class WorldGroup:
                         pass
                     continue
                 await self._run_chunk(state)
-                await self._report_devices()
+                self._maybe_report_devices()
             except Exception as e:                    # a rank or the muxer failed: the group is gone with it
                 self._fail_group(e)
                 return
@@ -422,12 +422,16 @@ class WorldGroup:
                 state.undelivered()
             self.wake.set()                           # the session may start another chunk now
 
-    async def _report_devices(self) -> None:
-        """Every metrics_interval_s: each rank's own device utilisation and memory, tagged by rank."""
+    def _maybe_report_devices(self) -> None:
+        """Every metrics_interval_s, a task of its own (never in the way of the next chunk's dispatch)."""
         now = time.monotonic()
         if now - self.last_metrics < self.settings.metrics_interval_s:
             return
         self.last_metrics = now
+        asyncio.get_running_loop().create_task(self._report_devices(), context=contextvars.Context())
+
+    async def _report_devices(self) -> None:
+        """Each rank's own device utilisation and memory, tagged by rank."""
         try:                                          # metrics never stall or fail the chunk loop
             stats = await asyncio.wait_for(asyncio.gather(*[r.device_stats.remote() for r in self.ranks]), 5.0)
         except Exception as e:

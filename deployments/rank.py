@@ -70,6 +70,7 @@ class RankWorker:
         # snapshots (resume): each session's keeper (the owner of its snapshots) and the puts not yet reported
         self.keepers: dict[str, object] = {}
         self.puts: dict[str, list] = {}
+        self.snapshot_s: dict[str, float] = {}      # the last host copy's time, reported with the next chunk
         self.snapshot_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-snapshots")
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
         self._on_device(torch.set_grad_enabled, False)
@@ -224,6 +225,7 @@ class RankWorker:
             self.aborts.pop(session_id, None)
             self.keepers.pop(session_id, None)
             self.puts.pop(session_id, None)
+            self.snapshot_s.pop(session_id, None)
 
     def abort_chunk(self, session_id: str, index: int) -> None:
         """Give up chunk `index` of the session at its next step before the commit (the group runs it again
@@ -272,9 +274,11 @@ class RankWorker:
         return reply
 
     def _snapshot(self, session_id: str, session: WorldSession, index: int, reply: ChunkReply) -> None:
-        """Copy the session's state after this chunk to the host; a thread of its own hands it to the session's
-        keeper, which puts it in the object store as its owner (so it outlives this process and its node).
-        References of the puts done by now go back with the reply."""
+        """Snapshot the session's state after this chunk: the copy to the host is queued on the device thread
+        right behind this call, so it runs after the reply has gone (before any next chunk of the device);
+        a thread of its own hands it to the session's keeper, which puts it in the object store as its owner
+        (so it outlives this process and its node). References of the puts done by now go back with the
+        reply, and the previous copy's time as its "snapshot" stage."""
         keeper = self.keepers.get(session_id)
         puts = self.puts.get(session_id)
         if keeper is None or puts is None:
@@ -282,17 +286,22 @@ class RankWorker:
         done = [(i, f) for i, f in puts if f.done()]
         puts[:] = [(i, f) for i, f in puts if not f.done()]
         reply.snapshots = tuple((i, *f.result()) for i, f in done if f.exception() is None)
+        if session_id in self.snapshot_s:
+            reply.timings["snapshot"] = self.snapshot_s.pop(session_id)
         if len(puts) >= MAX_SNAPSHOTS_IN_FLIGHT:     # the keeper is behind: skip this one (resume replays more)
             return
-        try:                                         # best effort: a snapshot never fails the chunk
-            t0 = time.perf_counter()
-            slot, state = take_snapshot(session, self.rank, self.world_size)
-            reply.timings["snapshot"] = time.perf_counter() - t0
-        except Exception as e:
-            log.warning("session %s: no snapshot of chunk %d (%s)", session_id, index, type(e).__name__)
-            return
 
-        def put():
+        def put(slot, state):
             import ray
             return tuple(ray.get(keeper.keep.remote(slot, state), timeout=SNAPSHOT_PUT_TIMEOUT_S))
-        puts.append((index, self.snapshot_thread.submit(put)))
+
+        def take():                                  # on the device thread; best effort: never fails a chunk
+            try:
+                t0 = time.perf_counter()
+                slot, state = take_snapshot(session, self.rank, self.world_size)
+                self.snapshot_s[session_id] = time.perf_counter() - t0
+            except Exception as e:
+                log.warning("session %s: no snapshot of chunk %d (%s)", session_id, index, type(e).__name__)
+                return
+            puts.append((index, self.snapshot_thread.submit(put, slot, state)))
+        self.device_thread.submit(take)
