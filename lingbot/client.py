@@ -52,7 +52,11 @@ class SessionResult:
         return b"".join(self.data)
 
 
-class RealtimeClient:
+class _WebSocketClient:
+    """What both protocols' clients share: the connection (API key as a bearer token, no permessage-deflate)
+    and reading a session while a keepalive goes out every so often."""
+    max_size = 2 ** 26                                     # the largest message accepted from the server
+
     def __init__(self, url: str, open_timeout: float = 30.0, api_key: Optional[str] = None):
         self.url = url
         self.open_timeout = open_timeout
@@ -62,13 +66,37 @@ class RealtimeClient:
     async def __aenter__(self):
         import websockets
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        self.ws = await websockets.connect(self.url, compression=None, max_size=2 ** 26,
+        self.ws = await websockets.connect(self.url, compression=None, max_size=self.max_size,
                                            open_timeout=self.open_timeout, additional_headers=headers)
         return self
 
     async def __aexit__(self, *exc):
         await self.ws.close()
 
+    async def keepalive(self) -> None:
+        """The protocol's keepalive message."""
+        raise NotImplementedError
+
+    async def _keepalive_every(self, interval: float) -> None:
+        import websockets
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                await self.keepalive()
+        except websockets.ConnectionClosed:
+            pass
+
+    async def _receive_with_keepalive(self, receive, interval: Optional[float]):
+        """Await `receive` (a coroutine reading the session) while a keepalive goes out every `interval` s."""
+        keepalive = asyncio.create_task(self._keepalive_every(interval)) if interval else None
+        try:
+            return await receive
+        finally:
+            if keepalive is not None:
+                keepalive.cancel()
+
+
+class RealtimeClient(_WebSocketClient):
     async def send(self, message: dict) -> None:
         await self.ws.send(json.dumps(message))
 
@@ -99,27 +127,16 @@ class RealtimeClient:
             body["transition_chunks"] = transition_chunks
         await self.send({"type": "session.interaction", "interaction": body})
 
-    async def _keepalive(self, interval: float) -> None:
-        """session.ping every `interval` seconds, as the protocol asks of clients that only watch."""
-        import websockets
-        try:
-            while True:
-                await asyncio.sleep(interval)
-                await self.send({"type": "session.ping", "t": time.time()})
-        except websockets.ConnectionClosed:
-            pass
+    async def keepalive(self) -> None:
+        """session.ping, as the protocol asks of clients that only watch."""
+        await self.send({"type": "session.ping", "t": time.time()})
 
     async def receive_session(self, on_chunk=None, timeout: float = 600.0,
                               ping_interval: Optional[float] = 20.0) -> SessionResult:
         """Read until session.done, an error that closes, or the close, pinging every `ping_interval` s
         (None: never). on_chunk(result, meta) may be a coroutine function; it runs after each chunk's bytes
         arrived."""
-        keepalive = asyncio.create_task(self._keepalive(ping_interval)) if ping_interval else None
-        try:
-            return await self._receive(on_chunk, timeout)
-        finally:
-            if keepalive is not None:
-                keepalive.cancel()
+        return await self._receive_with_keepalive(self._receive(on_chunk, timeout), ping_interval)
 
     async def _receive(self, on_chunk, timeout: float) -> SessionResult:
         import websockets
@@ -179,26 +196,14 @@ class FramesResult:
         return np.concatenate([c.frames for c in self.chunks]) if self.chunks else None
 
 
-class FramesClient:
+class FramesClient(_WebSocketClient):
     """A client of SGLang's realtime video protocol (`/v1/realtime_video/generate`): MessagePack maps in
     binary messages; frames come back raw, as delta-gzip, WebP or JPEG, and are restored to uint8 arrays."""
+    max_size = 2 ** 28                                     # raw frame batches
 
     def __init__(self, url: str, open_timeout: float = 30.0, api_key: Optional[str] = None):
-        self.url = url
-        self.open_timeout = open_timeout
-        self.api_key = api_key
-        self.ws = None
+        super().__init__(url, open_timeout, api_key)
         self._reference = None                             # the last restored frame (delta-gzip)
-
-    async def __aenter__(self):
-        import websockets
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        self.ws = await websockets.connect(self.url, compression=None, max_size=2 ** 28,
-                                           open_timeout=self.open_timeout, additional_headers=headers)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.ws.close()
 
     async def send(self, message: dict) -> None:
         import msgpack
@@ -233,14 +238,8 @@ class FramesClient:
         await self.event("camera_actions", {"mode": "state", "transitions": [
             {"actions": list(t), "client_ts_ms": now} for t in transitions]}, event_id)
 
-    async def _heartbeat(self, interval: float) -> None:
-        import websockets
-        try:
-            while True:
-                await asyncio.sleep(interval)
-                await self.event("heartbeat")
-        except websockets.ConnectionClosed:
-            pass
+    async def keepalive(self) -> None:
+        await self.event("heartbeat")
 
     def restore(self, header: dict, payload: bytes):
         """A batch's frames as uint8 [F, H, W, 3]."""
@@ -264,12 +263,7 @@ class FramesClient:
                               heartbeat_interval: Optional[float] = 20.0) -> FramesResult:
         """Read until the server closes, sending a heartbeat event every `heartbeat_interval` s (None: never).
         on_chunk(result, chunk) may be a coroutine function; it runs when a chunk's last batch arrived."""
-        keepalive = asyncio.create_task(self._heartbeat(heartbeat_interval)) if heartbeat_interval else None
-        try:
-            return await self._receive(on_chunk, timeout)
-        finally:
-            if keepalive is not None:
-                keepalive.cancel()
+        return await self._receive_with_keepalive(self._receive(on_chunk, timeout), heartbeat_interval)
 
     async def _receive(self, on_chunk, timeout: float) -> FramesResult:
         import msgpack

@@ -12,16 +12,21 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
          "--autoplay-policy=no-user-gesture-required"]
 
 
+async def open_page(playwright):
+    """Headless Chromium on the app's page, once it has loaded the served config."""
+    browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS, ignore_default_args=["--headless"])
+    page = await browser.new_page()
+    await page.goto(f"{HTTP}/")
+    await page.wait_for_function("window.lingbot.config !== null", timeout=30000)
+    return browser, page
+
+
 def test_page_plays_and_sends_keys(serve_app, tmp_path):
     from playwright.async_api import async_playwright
 
     async def scenario():
         async with async_playwright() as p:
-            browser = await p.chromium.launch(executable_path=CHROMIUM, args=FLAGS,
-                                              ignore_default_args=["--headless"])
-            page = await browser.new_page()
-            await page.goto(f"{HTTP}/")
-            await page.wait_for_function("window.lingbot.config !== null", timeout=30000)
+            browser, page = await open_page(p)
             await page.fill("#chunks", "8")
             await page.click("#start")
             await page.wait_for_function("window.lingbot.chunks >= 2", timeout=90000)
@@ -67,11 +72,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
 
     async def scenario():
         async with async_playwright() as p:
-            browser = await p.chromium.launch(executable_path=CHROMIUM, args=FLAGS,
-                                              ignore_default_args=["--headless"])
-            page = await browser.new_page()
-            await page.goto(f"{HTTP}/")
-            await page.wait_for_function("window.lingbot.config !== null", timeout=30000)
+            browser, page = await open_page(p)
             await page.select_option("#transport", "frames")
             await page.fill("#chunks", "3")
             await page.click("#start")
