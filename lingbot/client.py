@@ -73,18 +73,24 @@ class _WebSocketClient:
     async def __aexit__(self, *exc):
         await self.ws.close()
 
+    async def _send(self, data) -> None:
+        """Send one message. A message the server closed the connection before is dropped: the server may
+        refuse a session (a missing key, no capacity) before the client's first message goes out, and the
+        close it sent is what reading the session reports."""
+        import websockets
+        try:
+            await self.ws.send(data)
+        except websockets.ConnectionClosed:
+            pass
+
     async def keepalive(self) -> None:
         """The protocol's keepalive message."""
         raise NotImplementedError
 
     async def _keepalive_every(self, interval: float) -> None:
-        import websockets
-        try:
-            while True:
-                await asyncio.sleep(interval)
-                await self.keepalive()
-        except websockets.ConnectionClosed:
-            pass
+        while True:
+            await asyncio.sleep(interval)
+            await self.keepalive()
 
     async def _receive_with_keepalive(self, receive, interval: Optional[float]):
         """Await `receive` (a coroutine reading the session) while a keepalive goes out every `interval` s."""
@@ -98,7 +104,7 @@ class _WebSocketClient:
 
 class RealtimeClient(_WebSocketClient):
     async def send(self, message: dict) -> None:
-        await self.ws.send(json.dumps(message))
+        await self._send(json.dumps(message))
 
     async def start(self, prompt: str, image_url: str, width: int, height: int, chunks: Optional[int] = None,
                     fps: float = 16.0, seed: int = 0, script: Optional[list] = None, **extra) -> None:
@@ -207,7 +213,7 @@ class FramesClient(_WebSocketClient):
 
     async def send(self, message: dict) -> None:
         import msgpack
-        await self.ws.send(msgpack.packb(message, use_bin_type=True))
+        await self._send(msgpack.packb(message, use_bin_type=True))
 
     async def init(self, prompt: str, first_frame, max_chunks: Optional[int] = None, seed: int = 0,
                    fps: float = 16.0, size: Optional[str] = None, actions: Optional[list] = None,
