@@ -33,4 +33,7 @@ def build_app(args: dict | None = None) -> Application:
     return serve.deployment(
         Ingress, name="Ingress", ray_actor_options={"num_cpus": s.ingress_cpus},
         max_ongoing_requests=s.max_ingress_sessions,
+        # a redeploy replaces the ingress too: the old one keeps its WebSockets (their sessions moving to the
+        # new groups) until they end, for as long as the groups' grace
+        graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
     ).bind(group, settings)

@@ -38,6 +38,7 @@ from .messages import (
     DeviceStats,
     Fragment,
     GroupEvent,
+    Moving,
     RankInfo,
     Resumed,
     SessionDone,
@@ -55,6 +56,8 @@ log = logging.getLogger("ray.serve")
 MAILBOX_POLL_S = 5.0       # a long poll: the mailbox answers at once when a control arrives
 WATCH_S = 1.0              # how often the group checks that its ranks, muxer and mailbox are alive
 EXIT_DELAY_S = 1.0         # a failed group exits this soon after telling its sessions (Serve replaces it)
+DRAIN_MARGIN_S = 15.0      # a stopping group moves its sessions at the latest this long before Serve kills it
+FLUSH_TIMEOUT_S = 30.0     # a draining group waits this long for the snapshots of its sessions' last chunks
 
 
 class SessionFailure(Exception):
@@ -78,6 +81,27 @@ def replica_unique_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:
         return uuid.uuid4().hex[:8]
+
+
+def serve_replica_states() -> dict[str, str]:
+    """The state (RUNNING, STOPPING, ...) of every replica of this replica's deployment by replica id, as the
+    Serve controller reports them (the details `serve status` and the dashboard show). Serve tells a replica
+    nothing while it waits for the replica's requests to end before stopping it: here those requests are
+    the sessions, so a group asks."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    context = serve.get_replica_context()
+    details = _get_global_client().get_serve_details()
+    deployment = details["applications"][context.app_name]["deployments"][context.deployment]
+    return {r["replica_id"]: r["state"] for r in deployment.get("replicas", ())}
+
+
+def drain_due(me: str, states: dict[str, str], stopping_since: float, now: float, grace_s: float) -> bool:
+    """Whether a group Serve is stopping moves its sessions now: as soon as another group of the deployment
+    runs (a scale-down, or a redeploy whose new group is up), else at the latest DRAIN_MARGIN_S before
+    Serve's graceful_shutdown_timeout_s runs out (until then its sessions go on here)."""
+    others = any(state == "RUNNING" for rid, state in states.items() if rid != me)
+    return others or now >= stopping_since + grace_s - DRAIN_MARGIN_S
 
 
 @dataclass
@@ -129,6 +153,8 @@ class WorldGroup:
         self.controls_task: Optional[asyncio.Task] = None
         self.wake: Optional[asyncio.Event] = None
         self.broken: Optional[str] = None
+        self.stopping_since: Optional[float] = None   # when Serve was seen stopping this group
+        self.draining = False                         # its sessions are being moved to other groups
         self.running: Optional[RunningChunk] = None   # the chunk the ranks are on now
         self.last_chunk_s = 0.0                       # how long the last chunk call took
         self.metrics = Metrics()
@@ -146,9 +172,16 @@ class WorldGroup:
     # ---- healing ------------------------------------------------------------------------------
     def _watch(self) -> None:
         """A thread: every WATCH_S, is every rank, the muxer and the mailbox still there? A dead one fails the
-        group at once, with or without sessions (a busy actor is not a dead one)."""
+        group at once, with or without sessions (a busy actor is not a dead one). Every drain_poll_s: is Serve
+        stopping this group (then its sessions move, see _check_stopping)?"""
+        s = self.settings
+        polled = 0.0
         while not self.broken:
             time.sleep(WATCH_S)
+            if s.drain_poll_s > 0 and s.resume_sessions and not self.draining \
+                    and time.monotonic() - polled >= s.drain_poll_s:
+                polled = time.monotonic()
+                self._check_stopping()
             calls = [r.alive.remote() for r in self.ranks] + [self.muxer.ready.remote(), self.mailbox.ready.remote()]
             done, _ = ray.wait(calls, num_returns=len(calls), timeout=WATCH_S * 5)
             for ref in done:
@@ -159,6 +192,52 @@ class WorldGroup:
                         self.event_loop.call_soon_threadsafe(self._fail_group, e)
                         time.sleep(EXIT_DELAY_S * 2)       # _fail_group exits after telling the sessions
                     self._exit(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+    def _check_stopping(self) -> None:
+        """(The watcher's thread.) Once Serve is stopping this group, it takes no new session, and moves its
+        sessions when drain_due says so."""
+        try:
+            states = serve_replica_states()
+        except Exception as e:                        # outside Serve, or the controller busy: ask again later
+            log.debug("group %s: replica states unavailable: %s", self.id, e)
+            return
+        if states.get(self.id) != "STOPPING":
+            return
+        now = time.monotonic()
+        if self.stopping_since is None:
+            self.stopping_since = now
+            log.info("group %s: Serve is stopping it; its sessions will move to another group", self.id)
+        loop = self.event_loop
+        if drain_due(self.id, states, self.stopping_since, now, self.settings.graceful_shutdown_timeout_s) \
+                and loop is not None and not loop.is_closed():
+            self.draining = True
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), context=contextvars.Context()))
+
+    async def _drain(self) -> None:
+        """Move every session to another group: the chunk the ranks are on and the deliveries in flight
+        finish (so nothing computed is lost), then each session gets Moving with the snapshots of its last
+        chunk, and its ingress resumes it elsewhere (restoring that chunk: nothing to replay)."""
+        t0 = time.monotonic()
+        if self.wake is not None:
+            self.wake.set()                           # the chunk loop sees draining and ends after its chunk
+        if self.loop_task is not None:
+            await asyncio.wait({self.loop_task}, timeout=self.settings.chunk_timeout_s)
+        await asyncio.gather(*list(self.deliveries.values()), return_exceptions=True)
+        states = [st for st in self.scheduler.sessions.values() if not st.stopped]
+
+        async def hand_on(state: ScheduledSession) -> None:
+            try:
+                flushed = await asyncio.wait_for(asyncio.gather(
+                    *[r.flush_snapshots.remote(state.id) for r in self.ranks]), FLUSH_TIMEOUT_S)
+            except Exception as e:                    # the next group replays a chunk or two more
+                log.warning("group %s: session %s moves without its last snapshots (%s)", self.id, state.id,
+                            type(e).__name__)
+                flushed = []
+            snapshots = state.give_snapshots() + tuple(
+                (index, rank, slot, st) for rank, refs in enumerate(flushed) for index, slot, st in refs)
+            self._post(state.id, Moving("group_stopping", snapshots))
+        await asyncio.gather(*[hand_on(st) for st in states])
+        log.info("group %s: %d sessions handed on in %.2f s", self.id, len(states), time.monotonic() - t0)
 
     def _exit(self, why: str) -> None:
         """Leave at once so that Serve replaces this replica now, not at its next health check (the ranks,
@@ -175,6 +254,9 @@ class WorldGroup:
         self.event_loop = asyncio.get_running_loop()
         if self.broken:
             yield SessionError("group_unavailable", "this group failed and is being replaced; retry")
+            return
+        if self.stopping_since is not None:
+            yield SessionError("group_unavailable", "this group is being stopped (scale-down or redeploy); retry")
             return
         if self.reserved >= self.capacity:             # checked and taken before any await: no over-admission
             yield SessionError("capacity_exhausted", "group is full")
@@ -201,6 +283,9 @@ class WorldGroup:
                         await asyncio.gather(*[r.reset_session.remote(sid) for r in self.ranks])
                     restored = 0
                 state.resume_from(resume, restored)
+            if self.stopping_since is not None:      # Serve began stopping the group while it opened
+                yield SessionError("group_unavailable", "this group is being stopped (scale-down or redeploy); retry")
+                return
             outbox: asyncio.Queue = asyncio.Queue()
             self.outboxes[sid] = outbox
             self.scheduler.add(state)
@@ -215,7 +300,8 @@ class WorldGroup:
             while True:
                 event = await outbox.get()
                 yield event
-                if isinstance(event, SessionDone) or (isinstance(event, SessionError) and event.event_id is None):
+                if isinstance(event, (SessionDone, Moving)) or (isinstance(event, SessionError)
+                                                                and event.event_id is None):
                     break                              # an error about one interaction leaves the session on
         finally:
             self.reserved -= 1
@@ -294,7 +380,7 @@ class WorldGroup:
         asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._exit, self.broken)
 
     async def _loop(self) -> None:
-        while self.scheduler.sessions and not self.broken:
+        while self.scheduler.sessions and not self.broken and not self.draining:
             try:
                 state, wait = self.scheduler.pick()
                 if state is None:

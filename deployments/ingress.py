@@ -29,7 +29,7 @@ from lingbot.runtime.snapshot import chunks_to_restore
 from . import sglang
 from .fetch import ImageFetcher
 from .limits import SnapshotKeeper, TenantLimits
-from .messages import Admitted, ChunkReady, Resume, Resumed, SessionDone, SessionError, SessionRequest
+from .messages import Admitted, ChunkReady, Moving, Resume, Resumed, SessionDone, SessionError, SessionRequest
 from .metrics import Metrics
 from .protocol import (
     CLOSE_NORMAL,
@@ -95,7 +95,9 @@ class Connection:
         self.planner = None
         self.frames_sent = 0
         self.unstarted: list[Interaction] = []
-        self.resumes = 0
+        self.resumes = 0                        # every resume (each has its own id at its group)
+        self.faults = 0                         # resumes after a fault (at most max_resumes); a drain is not one
+        self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
         self.failed_at: Optional[float] = None
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
         self.slots: dict[int, dict[int, object]] = {}    # chunk -> rank -> ObjectRef of its K/V slot snapshot
@@ -305,13 +307,18 @@ class Connection:
                         return None
                 elif isinstance(event, SessionDone):
                     return False
-                elif isinstance(event, SessionError) and event.event_id is None:
-                    log.warning("session %s: %s: %s", self.session_id, event.code, event.message)
-                    resumed = await self.resume(reader)
+                elif isinstance(event, Moving) or (isinstance(event, SessionError) and event.event_id is None):
+                    drain = isinstance(event, Moving)
+                    if drain:
+                        self.keep_snapshots(event.snapshots)
+                    else:
+                        log.warning("session %s: %s: %s", self.session_id, event.code, event.message)
+                    resumed = await self.resume(reader, drain)
                     if resumed is None:
                         return reader.result()
                     if not resumed:
-                        await self.refuse(ProtocolError(event.code, "the model group failed while generating; "
+                        code = "group_unavailable" if drain else event.code
+                        await self.refuse(ProtocolError(code, "the model group failed while generating; "
                                                         "please retry", close=CLOSE_SERVER_ERROR))
                         return None
                     last = None
@@ -366,15 +373,18 @@ class Connection:
                 return index
         return None
 
-    async def resume(self, reader: asyncio.Task) -> Optional[bool]:
-        """The session's group failed: continue the session on a healthy group (another, or this one rebuilt),
-        restored from its snapshots and the journal after them (or the whole journal). True when a group
-        took it (the chunks it restores or replays are not sent again); False when none did; None when the
-        client stopped or left meanwhile (`reader` ended)."""
+    async def resume(self, reader: asyncio.Task, drain: bool = False) -> Optional[bool]:
+        """The session's group failed (or, with `drain`, is being stopped): continue the session on a healthy
+        group (another, or this one rebuilt), restored from its snapshots and the journal after them (or the
+        whole journal). True when a group took it (the chunks it restores or replays are not sent again);
+        False when none did; None when the client stopped or left meanwhile (`reader` ended). Faults count
+        against max_resumes; drains do not (they are the operator's, not the session's)."""
         s = self.settings
-        if not s.resume_sessions or self.resumes >= s.max_resumes or self.closed:
+        if not s.resume_sessions or self.closed or (not drain and self.faults >= s.max_resumes):
             return False
         self.resumes += 1
+        self.faults += not drain
+        self.resume_reason = "drain" if drain else "fault"
         self.failed_at = self.last_interaction = time.monotonic()   # the client is not idle while it waits
         self.lease.cancel()
         self.mailbox = None                          # controls sent meanwhile wait in self.unstarted
@@ -385,8 +395,12 @@ class Connection:
         request = SessionRequest(self.group_sid, self.start, Resume(
             tuple(self.journal), self.planner, self.frames_sent, -1 if index is None else index, refs),
             keeper=await self.ingress.current_keeper())
-        log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)", self.session_id,
-                    len(self.journal), self.resumes, s.max_resumes)
+        if drain:
+            log.info("session %s: its group is being stopped after %d chunks; moving it", self.session_id,
+                     len(self.journal))
+        else:
+            log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)",
+                        self.session_id, len(self.journal), self.faults, s.max_resumes)
         admitting = asyncio.ensure_future(self.admit(request, s.resume_wait_s))
         await asyncio.wait({admitting, reader}, return_when=asyncio.FIRST_COMPLETED)
         if not admitting.done():                     # the client left or stopped: no group needed any more
@@ -394,11 +408,11 @@ class Connection:
             return None
         answer = admitting.result()
         if not isinstance(answer, Admitted):
-            self.ingress.metrics.resumes.inc(tags={"outcome": "failed"})
+            self.ingress.metrics.resumes.inc(tags={"outcome": "failed", "reason": self.resume_reason})
             log.error("session %s: no group took it within %g s (%s)", self.session_id, s.resume_wait_s,
                       getattr(answer, "code", "no answer"))
             return False
-        self.ingress.metrics.resumes.inc(tags={"outcome": "resumed"})
+        self.ingress.metrics.resumes.inc(tags={"outcome": "resumed", "reason": self.resume_reason})
         self.last_interaction = time.monotonic()     # the client was not idle: its session was away
         self.mailbox = answer.mailbox
         for interaction in self.unstarted:          # what the failed group had not started yet, in order
@@ -527,7 +541,7 @@ class VllmConnection(Connection):
         return await self.send_or_stall({"type": "session.resumed", "generation_chunk_index": len(self.journal),
                                          "transport_chunk_index": self.chunks_sent, "restored_chunks": event.restored,
                                          "replayed_chunks": event.replayed, "replay_s": round(event.replay_s, 3),
-                                         "gap_s": round(gap_s, 3)})
+                                         "gap_s": round(gap_s, 3), "reason": self.resume_reason})
 
     async def on_control(self, msg: dict) -> Optional[bool]:
         kind = msg["type"]
@@ -617,7 +631,7 @@ class SglangConnection(Connection):
         return await self.send_or_stall(sglang.pack({
             "type": "session_resumed", "session_id": self.session_id, "chunk_index": len(self.journal),
             "restored_chunks": event.restored, "replayed_chunks": event.replayed,
-            "replay_ms": sglang.ms(event.replay_s), "gap_ms": sglang.ms(gap_s)}))
+            "replay_ms": sglang.ms(event.replay_s), "gap_ms": sglang.ms(gap_s), "reason": self.resume_reason}))
 
     async def on_control(self, msg: dict) -> Optional[bool]:
         try:

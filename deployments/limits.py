@@ -1,6 +1,7 @@
 """Limits at the door, per tenant (an API key, or the client's address when no keys are configured): how
 many sessions it may hold at once and how many it may start per minute. Plain Python, one per ingress
-replica (with several ingress replicas each enforces its share)."""
+replica: the app runs one; with several (or an old one draining through a redeploy) each enforces the limits
+on its own connections."""
 from __future__ import annotations
 
 from collections import deque

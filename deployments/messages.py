@@ -142,6 +142,15 @@ class Resumed:
 
 
 @dataclass(frozen=True)
+class Moving:
+    """The group is being stopped (a scale-down or a redeploy): the session must go on on another group, by
+    the resume path. The chunks in flight were delivered first; `snapshots` are the ones stored since
+    (chunk, rank, slot ref, state ref), so the next group restores the last delivered chunk."""
+    reason: str
+    snapshots: tuple = ()
+
+
+@dataclass(frozen=True)
 class SessionDone:
     chunks: int
 
@@ -153,4 +162,4 @@ class SessionError:
     event_id: Optional[str] = None   # set when the error concerns one interaction (the session goes on)
 
 
-GroupEvent = Union[Admitted, ChunkReady, Resumed, SessionDone, SessionError]
+GroupEvent = Union[Admitted, ChunkReady, Resumed, Moving, SessionDone, SessionError]

@@ -24,7 +24,8 @@ class Metrics:
         self.refusals = m.Counter("lingbot_refusals_total", "refused requests and messages", tag_keys=("code",))
         self.sessions_total = m.Counter("lingbot_sessions_total", "sessions started", tag_keys=("component",))
         self.resumes = m.Counter("lingbot_session_resumes_total", "sessions continued on another group after a "
-                                 "fault (outcome: resumed, failed)", tag_keys=("outcome",))
+                                 "fault or while their group was stopped (outcome: resumed, failed; reason: fault, "
+                                 "drain)", tag_keys=("outcome", "reason"))
         self.device_util = m.Gauge("lingbot_rank_device_utilization",
                                    "device utilisation per rank, percent (GPU: kernel time; CPU: of one core)",
                                    tag_keys=("group", "rank"))

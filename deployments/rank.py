@@ -16,15 +16,16 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional
 
 import numpy as np
 import torch
 
 from lingbot.camera import CameraRig, Controls, Trajectory
+from lingbot.runtime.kv_cache import slot_for_chunk
 from lingbot.runtime.pipeline import WorldSession
-from lingbot.runtime.snapshot import restore_snapshots, take_snapshot
+from lingbot.runtime.snapshot import HostCopier, restore_snapshots, take_snapshot
 
 from .messages import ChunkControls, ChunkReply, DeviceStats, RankInfo
 from .sessions import Tombstones
@@ -71,6 +72,7 @@ class RankWorker:
         self.keepers: dict[str, object] = {}
         self.puts: dict[str, list] = {}
         self.snapshot_s: dict[str, float] = {}      # the last host copy's time, reported with the next chunk
+        self.copier = HostCopier(self.device)        # on CUDA the copy overlaps the next chunk (a side stream)
         self.snapshot_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-snapshots")
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
         self._on_device(torch.set_grad_enabled, False)
@@ -226,6 +228,7 @@ class RankWorker:
             self.keepers.pop(session_id, None)
             self.puts.pop(session_id, None)
             self.snapshot_s.pop(session_id, None)
+        self.device_thread.submit(self.copier.forget, session_id)
 
     def abort_chunk(self, session_id: str, index: int) -> None:
         """Give up chunk `index` of the session at its next step before the commit (the group runs it again
@@ -261,6 +264,9 @@ class RankWorker:
         if session.chunk_index != index:
             raise RuntimeError(f"session {session_id} is at chunk {session.chunk_index}, asked for {index}")
         t0 = time.perf_counter()
+        if self.copier.asynchronous:                 # a snapshot copy still reading this chunk's K/V slot
+            kv = session.dit.kv
+            self.copier.before_chunk(session_id, slot_for_chunk(index, kv.sink_chunks, kv.window_chunks))
         prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
         chunk = session.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
                              prompt=prompt, profile=controls.profile)
@@ -272,6 +278,18 @@ class RankWorker:
             reply.fragment = muxer.encode.remote(session_id, index, frames, time.perf_counter())
         self._snapshot(session_id, session, index, reply)
         return reply
+
+    def flush_snapshots(self, session_id: str, timeout: float = SNAPSHOT_PUT_TIMEOUT_S) -> tuple:
+        """The snapshots taken and not reported yet, once stored ((chunk, slot ref, state ref) each): a group
+        that hands its sessions on (drain) passes them along, so the next group restores the last chunk."""
+        puts = self.puts.get(session_id)
+        if puts is None:
+            return ()
+        self._on_device(lambda: None)               # the copy queued behind the last chunk has been taken
+        wait([f for _, f in puts], timeout)
+        done = [(i, f) for i, f in puts if f.done()]
+        puts[:] = [(i, f) for i, f in puts if not f.done()]
+        return tuple((i, *f.result()) for i, f in done if f.exception() is None)
 
     def _snapshot(self, session_id: str, session: WorldSession, index: int, reply: ChunkReply) -> None:
         """Snapshot the session's state after this chunk: the copy to the host is queued on the device thread
@@ -291,17 +309,19 @@ class RankWorker:
         if len(puts) >= MAX_SNAPSHOTS_IN_FLIGHT:     # the keeper is behind: skip this one (resume replays more)
             return
 
-        def put(slot, state):
+        def put(slot, state, copied):
             import ray
+            if copied is not None:                   # CUDA: the side stream's copies have landed
+                copied.synchronize()
             return tuple(ray.get(keeper.keep.remote(slot, state), timeout=SNAPSHOT_PUT_TIMEOUT_S))
 
         def take():                                  # on the device thread; best effort: never fails a chunk
             try:
                 t0 = time.perf_counter()
-                slot, state = take_snapshot(session, self.rank, self.world_size)
-                self.snapshot_s[session_id] = time.perf_counter() - t0
+                slot, state = take_snapshot(session, self.rank, self.world_size, self.copier, session_id)
+                self.snapshot_s[session_id] = time.perf_counter() - t0      # on CUDA: the time to queue it
             except Exception as e:
                 log.warning("session %s: no snapshot of chunk %d (%s)", session_id, index, type(e).__name__)
                 return
-            puts.append((index, self.snapshot_thread.submit(put, slot, state)))
+            puts.append((index, self.snapshot_thread.submit(put, slot, state, self.copier.last)))
         self.device_thread.submit(take)

@@ -58,6 +58,8 @@ class ServeSettings:
     resume_wait_s: float = 120.0             # how long a failed session waits for a group to resume on
     max_resumes: int = 3                     # resumes per session (a session that breaks every group is ended)
     snapshots: bool = True                   # each chunk's state to the object store: a resume restores, not replays
+    drain_poll_s: float = 2.0                # how often a group asks Serve whether it is being stopped, to move its
+                                             # sessions (scale-down, redeploy); 0: never (they end with it)
     retry_after_s: float = 10.0
     start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting
     stall_timeout_s: float = 60.0            # a send to the client blocked this long (not reading, or gone) ends it
@@ -135,6 +137,8 @@ class ServeSettings:
         for name in ("fps", "pacing_lead_s", "admission_wait_s", "start_timeout_s", "stall_timeout_s", "resume_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_poll_s < 0:
+            raise ConfigError(f"drain_poll_s must be >= 0 (0 turns draining off), got {self.drain_poll_s}")
 
     @classmethod
     def from_args(cls, args: Optional[dict[str, Any]] = None) -> ServeSettings:

@@ -14,8 +14,11 @@ session measured against the budget model). Checks: compiled and graph latents w
 tolerance of eager (a GPU eager reference: TF32 convolutions and the CUDA RNG make CPU values irrelevant
 here), graph replay bitwise equal to the compiled result, two sessions interleaved leave each other's
 outputs intact, and no host synchronisation on the DiT step path (CUDA:
-torch.cuda.set_sync_debug_mode("error")). Prints a table and writes one JSON. The whole run
-is sized for at most 8 minutes on one H200.
+torch.cuda.set_sync_debug_mode("error")). Then the session snapshot (for resuming after a fault): the
+whole chunk alone, with a synchronous copy of its snapshot to the host, and with the asynchronous one
+(a side stream into pinned memory, overlapping the next chunk), and whether the asynchronous copy, made
+while the next chunk ran, is bitwise the synchronous one. Prints a table and writes one JSON. The whole
+run is sized for at most 8 minutes on one H200.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from lingbot.runtime.attention import choose_for_steady_state
 from lingbot.runtime.budget import session_footprint
 from lingbot.runtime.compile import compile_blocks, uncompile_blocks
 from lingbot.runtime.condition import LatentCondition
+from lingbot.runtime.snapshot import HostCopier, take_snapshot
 from perf.cost_model import matmul_peak, preset_chunk_flops
 
 # compiled vs eager on the first chunk, relative to its largest value: bf16 fused kernels round differently
@@ -122,6 +126,48 @@ def _no_sync_check(pipe, text, latents, warm: int, device) -> str:
         torch.cuda.set_sync_debug_mode(0)
 
 
+def _snapshot_tensors(snapshot) -> list:
+    slot, state = snapshot
+    cond = state.condition
+    tensors = [slot.keys, slot.values, state.rng, state.text, *state.decoder.values(), *cond["cache"].values(),
+               cond["fixed_latents"], *(cond["replay"] or ())]
+    return [t for t in tensors if t is not None]
+
+
+def _snapshot_check(pipe, text, image, steady: int, device) -> dict:
+    """The steady whole chunk (as a rank runs it: frames to the host) with no snapshot, a synchronous one and
+    an asynchronous one after each (median of `steady` each); then one asynchronous snapshot copied while
+    the next chunk runs, against a synchronous snapshot of the same moment."""
+    session = pipe.new_session(image, None, seed=0, text_embedding=text)
+    for _ in range(2):
+        session.step(KEYS)
+    sync_copier, async_copier = HostCopier("cpu"), HostCopier(device)
+
+    def period(after) -> float:
+        times = []
+        for _ in range(steady):
+            t0 = time.perf_counter()
+            session.step(KEYS).frames.cpu()
+            after()
+            times.append(time.perf_counter() - t0)
+        _sync(device)
+        return statistics.median(times)
+
+    alone = period(lambda: None)
+    synchronous = period(lambda: take_snapshot(session, copier=sync_copier))
+    asynchronous = period(lambda: take_snapshot(session, copier=async_copier, key="check"))
+    reference = take_snapshot(session, copier=sync_copier)
+    copied = take_snapshot(session, copier=async_copier, key="check")
+    session.step(KEYS)                                  # the next chunk runs while the copy goes on
+    if async_copier.last is not None:
+        async_copier.last.synchronize()
+    pairs = list(zip(_snapshot_tensors(reference), _snapshot_tensors(copied)))
+    exact = len(pairs) == len(_snapshot_tensors(reference)) and all(torch.equal(a, b) for a, b in pairs)
+    return {"bytes": reference[0].nbytes() + reference[1].nbytes(), "asynchronous": async_copier.asynchronous,
+            "chunk_s": alone, "chunk_sync_snapshot_s": synchronous, "chunk_async_snapshot_s": asynchronous,
+            "async_bitwise": exact}
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     preset = get_preset(args.preset)
@@ -152,6 +198,7 @@ def run(args) -> dict:
     interleaved = _interleaved_check(pipe, text, latents, 3, device)
     peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     no_sync = _no_sync_check(pipe, text, latents, 2, device)
+    snapshot = _snapshot_check(pipe, text, image, steady, device)
 
     flops = preset_chunk_flops(preset, warm).total                   # a steady chunk's DiT FLOPs
     # large matmuls on a GPU: small ones stay far from its peak and would flatter the achieved fraction
@@ -165,6 +212,7 @@ def run(args) -> dict:
         "build_s": build_s, "weights_bytes": weights_bytes, "peak_bytes": peak_bytes,
         "matmul_peak_tflops": peak_flops / 1e12, "dit_chunk_tflop": flops / 1e12,
         "session_bytes_budget_model": budget_session, "no_sync_on_step_path": no_sync, "modes": {},
+        "snapshot": snapshot,
         "attention_kernel": kernel,
         "attention_trials": [{"name": t.name, "ms": None if t.seconds is None else t.seconds * 1e3,
                               "dropped": t.error} for t in trials],
@@ -219,6 +267,12 @@ def print_table(report: dict) -> None:
           + ", ".join(f"{t['name']} {t['ms']:.3f} ms" if t["ms"] is not None else f"{t['name']} dropped"
                       for t in report["attention_trials"]) + ")")
     print(f"  no host sync on the step path: {report['no_sync_on_step_path']}")
+    snap = report["snapshot"]
+    how = "side stream, pinned" if snap["asynchronous"] else "no side stream on this device: a plain copy"
+    print(f"  snapshot {snap['bytes'] / gib:.3f} GiB per chunk: whole chunk {snap['chunk_s'] * 1e3:.1f} ms alone, "
+          f"{snap['chunk_sync_snapshot_s'] * 1e3:.1f} ms with a synchronous copy, "
+          f"{snap['chunk_async_snapshot_s'] * 1e3:.1f} ms with the asynchronous one ({how}); "
+          f"copied during the next chunk, bitwise: {snap['async_bitwise']}")
 
 
 def main(argv=None) -> dict:

@@ -27,6 +27,21 @@ import time
 PORT = 18795
 
 
+def first_frame_png(seed: int = 0) -> bytes:
+    """A random first frame at the tiny preset's size, as PNG bytes (the perf scripts' sessions start from it)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from lingbot.config import get_preset
+    preset = get_preset("tiny")
+    pixels = np.random.RandomState(seed).randint(0, 255, (preset.height, preset.width, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def start_app(groups: int, snapshots: bool) -> None:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
@@ -63,20 +78,12 @@ def rank_pids(group: str) -> list[int]:
 
 
 async def faulted_session(at: int) -> dict:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
     from lingbot.client import RealtimeClient, image_data_url
     from lingbot.config import get_preset
     preset = get_preset("tiny")
-    buf = io.BytesIO()
-    pixels = np.random.RandomState(0).randint(0, 255, (preset.height, preset.width, 3), np.uint8)
-    Image.fromarray(pixels).save(buf, "PNG")
     out: dict = {}
     async with RealtimeClient(f"ws://127.0.0.1:{PORT}/v1/realtime/video") as client:
-        await client.start("a forest path", image_data_url(buf.getvalue()), preset.width, preset.height, at + 3,
+        await client.start("a forest path", image_data_url(first_frame_png()), preset.width, preset.height, at + 3,
                            fps=120.0)
 
         async def on_chunk(result, meta):

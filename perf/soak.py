@@ -187,17 +187,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
-    import io
 
-    import numpy as np
-    from PIL import Image
-
-    from lingbot.config import get_preset
-    preset = get_preset("tiny")
-    buf = io.BytesIO()
-    pixels = np.random.RandomState(0).randint(0, 255, (preset.height, preset.width, 3), np.uint8)
-    Image.fromarray(pixels).save(buf, "PNG")
-    image = buf.getvalue()
+    from perf.resume import first_frame_png
+    image = first_frame_png()
     capacity = 2
     start_app(dict(preset="tiny", device="cpu", sp=2, min_groups=1, max_groups=1, max_sessions_per_group=capacity,
                    resume_wait_s=300, max_resumes=20, fps=48.0))

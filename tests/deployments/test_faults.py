@@ -11,7 +11,7 @@ from tests.deployments.test_app import H, W, png_url, run
 
 KEY3 = "test-key-3"
 FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120,
-              max_resumes=10)
+              max_resumes=10, graceful_shutdown_timeout_s=90)    # a redeploy's old group waits for the new one
 URL = f"ws://127.0.0.1:{PORT}/faults/v1/realtime/video"
 
 
@@ -47,7 +47,7 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
     """SIGKILL of the group's rank (SP-1) while two sessions stream, one per protocol. The group fails, exits,
     and Serve rebuilds it; both sessions resume on the new group without an error or a close: indices
     contiguous, nothing twice, a resumed event with the gap, and the raw frames of every chunk bitwise those
-    of the same session run without a fault. Last in this module: it replaces the group."""
+    of the same session run without a fault. It replaces the group."""
     import os
     import signal
 
@@ -205,3 +205,56 @@ async def one_chunk():
     async with RealtimeClient(URL, api_key=KEY3) as client:
         await client.start("p", png_url(), W, H, 1)
         return await client.receive_session(timeout=60)
+
+
+def test_a_redeploy_moves_a_session_to_the_new_group_with_identical_frames(faults_app):
+    """`serve.run` of a changed config replaces the group and the ingress while a session streams (4 fps, so
+    it outlasts the new group's start). The old group keeps it until the new group runs, finishes its chunks
+    in flight and hands it on with its last snapshots; through the old ingress the session goes on there
+    without an error or a close, restored at its last delivered chunk with nothing replayed, every chunk
+    once, and bitwise the frames of the same session without a redeploy. Last in this module: it redeploys
+    the app."""
+    import threading
+    import time
+
+    import numpy as np
+    from ray import serve
+
+    from deployments.app import build_app
+    from tests.deployments.test_sglang_app import png
+    assert wait_for_group() < 120
+    frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
+    actions = [["w"], ["j"], ["d"], [], ["l"]] * 24
+    old_groups = replica_pids()
+    redeploys = []
+
+    def redeploy():
+        serve.run(build_app(dict(FAULTS, metrics_interval_s=6.0)), name="faults", route_prefix="/faults")
+        redeploys.append(time.monotonic())
+
+    async def one(fps, chunks, move=False):
+        async with FramesClient(frames_url, api_key=KEY3) as client:
+            await client.init("a quiet street", png(), chunks, 5, fps=fps, actions=actions)
+            after = []
+
+            async def on_chunk(result, chunk):
+                if move and len(result.chunks) == 1:
+                    threading.Thread(target=redeploy, daemon=True).start()
+                if any(m["type"] == "session_resumed" for m in result.messages):
+                    after.append(chunk.index)
+                    if len(after) == 2:                  # two chunks from the new group: enough
+                        await client.ws.close()
+            return await client.receive_session(on_chunk, timeout=240)
+
+    moved = run(one(4, 40, move=True))
+    assert moved.errors == [] and moved.close_code == 1000, (moved.errors, moved.close_code)
+    [resumed] = [m for m in moved.messages if m["type"] == "session_resumed"]
+    n = resumed["chunk_index"] + 2
+    assert [c.index for c in moved.chunks] == list(range(n))
+    assert resumed["reason"] == "drain" and resumed["replayed_chunks"] == 0, resumed
+    assert resumed["restored_chunks"] == resumed["chunk_index"] >= 2          # the last delivered chunk
+    clean = run(one(120, n))
+    assert [c.index for c in clean.chunks] == list(range(n))
+    for a, b in zip(clean.chunks, moved.chunks):
+        assert np.array_equal(a.frames, b.frames), b.index
+    assert redeploys and not replica_pids() & old_groups                      # the old group is gone

@@ -80,3 +80,15 @@ def test_sessions_per_group_from_the_budget():
     assert ServeSettings.from_args(gpu).budget_bytes is None                     # measured after warm-up
     assert ServeSettings.from_args(gpu).sessions_per_group() == 3
     assert ServeSettings.from_args({**gpu, "memory_budget_gib": 60}).budget_bytes == 60 * 2 ** 30
+
+
+def test_a_stopping_group_moves_its_sessions_once_another_runs_or_before_its_grace_ends():
+    from deployments.group import DRAIN_MARGIN_S, drain_due
+    grace = 600.0
+    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING"}, 100.0, 100.0, grace)           # a scale-down
+    assert not drain_due("a", {"a": "STOPPING", "b": "STARTING"}, 100.0, 130.0, grace)      # the new one not up yet
+    assert not drain_due("a", {"a": "STOPPING"}, 100.0, 100.0 + grace - DRAIN_MARGIN_S - 0.1, grace)
+    assert drain_due("a", {"a": "STOPPING"}, 100.0, 100.0 + grace - DRAIN_MARGIN_S, grace)   # before the kill
+    assert drain_due("a", {"a": "STOPPING", "b": "STOPPING"}, 100.0, 100.0, 5.0)   # a grace shorter than the margin
+    with pytest.raises(ConfigError, match="drain_poll_s must be >= 0 \\(0 turns draining off\\), got -1"):
+        ServeSettings.from_args({"drain_poll_s": -1})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lingbot.camera import CameraEvent, Controls
-from lingbot.runtime.snapshot import chunks_to_restore, restore_snapshots, take_snapshot
+from lingbot.runtime.snapshot import HostCopier, chunks_to_restore, restore_snapshots, take_snapshot
 from tests.conftest import random_image
 
 
@@ -31,9 +31,11 @@ def test_a_restored_session_continues_bitwise(tiny, tiny_pipeline, restore_after
     image = random_image(tiny)
     whole = tiny_pipeline.new_session(image, "a harbour", seed=7)
     frames, snapshots = [], {}
+    copier = HostCopier("cpu")                             # on CPU a plain copy, done when it returns
     for k in range(13):
         frames.append(whole.step(controls(k), prompt=prompt(k)).frames.clone())
-        snapshots[k] = take_snapshot(whole)
+        snapshots[k] = take_snapshot(whole, copier=copier, key="s") if k % 2 else take_snapshot(whole)
+    assert not copier.asynchronous and copier.last is None and copier.pending == {}
     kv = whole.dit.kv
     needed = chunks_to_restore(restore_after, kv.sink_chunks, kv.window_chunks)
     fresh = tiny_pipeline.new_session(image, "a harbour", seed=7)
