@@ -58,6 +58,7 @@ WATCH_S = 1.0              # how often the group checks that its ranks, muxer an
 EXIT_DELAY_S = 1.0         # a failed group exits this soon after telling its sessions (Serve replaces it)
 DRAIN_MARGIN_S = 15.0      # a stopping group moves its sessions at the latest this long before Serve kills it
 FLUSH_TIMEOUT_S = 30.0     # a draining group waits this long for the snapshots of its sessions' last chunks
+DRAIN_FILL_MAX_S = 10.0    # a draining group runs its sessions ahead (drain_lead_s) for at most this long
 
 
 class SessionFailure(Exception):
@@ -154,7 +155,8 @@ class WorldGroup:
         self.wake: Optional[asyncio.Event] = None
         self.broken: Optional[str] = None
         self.stopping_since: Optional[float] = None   # when Serve was seen stopping this group
-        self.draining = False                         # its sessions are being moved to other groups
+        self.drain_requested = False                  # its sessions are to move to other groups
+        self.draining = False                         # no chunk starts any more: they are being handed on
         self.running: Optional[RunningChunk] = None   # the chunk the ranks are on now
         self.last_chunk_s = 0.0                       # how long the last chunk call took
         self.metrics = Metrics()
@@ -178,7 +180,7 @@ class WorldGroup:
         polled = 0.0
         while not self.broken:
             time.sleep(WATCH_S)
-            if s.drain_poll_s > 0 and s.resume_sessions and not self.draining \
+            if s.drain_poll_s > 0 and s.resume_sessions and not self.drain_requested \
                     and time.monotonic() - polled >= s.drain_poll_s:
                 polled = time.monotonic()
                 self._check_stopping()
@@ -210,14 +212,29 @@ class WorldGroup:
         loop = self.event_loop
         if drain_due(self.id, states, self.stopping_since, now, self.settings.graceful_shutdown_timeout_s) \
                 and loop is not None and not loop.is_closed():
-            self.draining = True
+            self.drain_requested = True
             loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), context=contextvars.Context()))
 
     async def _drain(self) -> None:
-        """Move every session to another group: the chunk the ranks are on and the deliveries in flight
-        finish (so nothing computed is lost), then each session gets Moving with the snapshots of its last
-        chunk, and its ingress resumes it elsewhere (restoring that chunk: nothing to replay)."""
+        """Move every session to another group. First each runs ahead of its playback by drain_lead_s (for at
+        most DRAIN_FILL_MAX_S: a full group has little throughput to spare), so that its viewer plays the move
+        out of the buffer. Then the chunk the ranks are on and the deliveries in flight finish (so nothing
+        computed is lost), each session gets Moving with the snapshots of its last chunk, and its ingress
+        resumes it elsewhere (restoring that chunk: nothing to replay)."""
         t0 = time.monotonic()
+        lead = self.settings.drain_lead_s
+        if lead > 0 and self.wake is not None:
+            for state in self.scheduler.sessions.values():
+                state.pacer.hold_lead(lead)
+            self.wake.set()
+
+            def filling() -> bool:
+                now = time.monotonic()
+                return any(not st.finished and st.deadline() - now < lead for st in self.scheduler.sessions.values())
+            while filling() and time.monotonic() - t0 < DRAIN_FILL_MAX_S and not self.broken:
+                await asyncio.sleep(0.05)
+        filled = time.monotonic() - t0
+        self.draining = True
         if self.wake is not None:
             self.wake.set()                           # the chunk loop sees draining and ends after its chunk
         if self.loop_task is not None:
@@ -237,7 +254,8 @@ class WorldGroup:
                 (index, rank, slot, st) for rank, refs in enumerate(flushed) for index, slot, st in refs)
             self._post(state.id, Moving("group_stopping", snapshots))
         await asyncio.gather(*[hand_on(st) for st in states])
-        log.info("group %s: %d sessions handed on in %.2f s", self.id, len(states), time.monotonic() - t0)
+        log.info("group %s: %d sessions handed on in %.2f s (%.2f s of it running them ahead)", self.id,
+                 len(states), time.monotonic() - t0, filled)
 
     def _exit(self, why: str) -> None:
         """Leave at once so that Serve replaces this replica now, not at its next health check (the ranks,

@@ -99,6 +99,7 @@ class Connection:
         self.faults = 0                         # resumes after a fault (at most max_resumes); a drain is not one
         self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
         self.failed_at: Optional[float] = None
+        self.play_end: Optional[float] = None   # when the client's player runs out of the video sent (monotonic)
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
         self.slots: dict[int, dict[int, object]] = {}    # chunk -> rank -> ObjectRef of its K/V slot snapshot
         self.states: dict[int, dict[int, object]] = {}   # chunk -> rank -> ObjectRef of the state after it
@@ -340,6 +341,8 @@ class Connection:
     def delivered(self, event: ChunkReady) -> None:
         """A chunk reached the client: it joins the journal; the interactions it started are no longer owed."""
         self.chunks_sent += 1
+        now = time.monotonic()                  # the player starts at the first chunk and waits when it runs dry
+        self.play_end = max(self.play_end or now, now) + event.num_frames / self.start.fps
         self.journal.append(event.controls)
         self.planner = event.planner
         self.frames_sent += event.num_frames
@@ -392,9 +395,10 @@ class Connection:
         refs = () if index is None else tuple(
             (tuple(self.slots[c][rank] for c in chunks_to_restore(index, *self.ingress.window)),
              self.states[index][rank]) for rank in range(s.sp))
+        playback_end = None if self.play_end is None else time.time() + (self.play_end - time.monotonic())
         request = SessionRequest(self.group_sid, self.start, Resume(
-            tuple(self.journal), self.planner, self.frames_sent, -1 if index is None else index, refs),
-            keeper=await self.ingress.current_keeper())
+            tuple(self.journal), self.planner, self.frames_sent, -1 if index is None else index, refs,
+            playback_end), keeper=await self.ingress.current_keeper())
         if drain:
             log.info("session %s: its group is being stopped after %d chunks; moving it", self.session_id,
                      len(self.journal))

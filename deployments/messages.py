@@ -34,6 +34,7 @@ class Resume:
     frames_delivered: int          # video frames the client has (the fMP4 stream continues from there)
     snapshot_index: int = -1       # restore the ranks to after this chunk from snapshots (-1: replay from 0)
     snapshots: tuple = ()          # per rank: (its K/V slot refs, its state ref) (lingbot.runtime.snapshot)
+    playback_end: Optional[float] = None   # wall clock (time.time()) when the client's player runs out of video
 
     @property
     def next_index(self) -> int:

@@ -92,6 +92,13 @@ class Pacer:
         self.needs: deque[float] = deque(maxlen=window)
         self.lead_s = max_lead_s                      # until the session has shown what it needs
 
+    def hold_lead(self, lead_s: float) -> None:
+        """From now on exactly `lead_s`, whatever the chunks need (a group that is about to hand the session
+        on fills its viewer's buffer first)."""
+        self.adaptive = False
+        self.max_lead_s = max(self.max_lead_s, lead_s)
+        self.lead_s = lead_s
+
     def observe(self, need_s: float, slack_s: float) -> None:
         """A chunk took `need_s` from eligible to delivered and arrived `slack_s` before it was due
         (negative: the player waited that long)."""
@@ -284,10 +291,17 @@ class ScheduledSession:
         self.generated(self.geometry.pixel_frames(plan.index))
 
     # ---- resuming on another group ------------------------------------------------------------
-    def resume_from(self, resume: Resume, restored: int = 0) -> None:
+    def resume_from(self, resume: Resume, restored: int = 0, now: Optional[float] = None,
+                    wall: Optional[float] = None) -> None:
         """Continue a session another group ran, its ranks restored to chunk `restored` (from snapshots; 0:
         none): the delivered chunks after it are replayed first (replayed()), then planning goes on from the
-        interaction state after the last of them."""
+        interaction state after the last of them. The playback clock goes on where the client's player is
+        (resume.playback_end, a wall-clock time): the next chunk is due when the video the client holds has
+        played out, not at once (so a session moved with a full buffer does not run further ahead)."""
+        if resume.playback_end is not None:
+            now = time.monotonic() if now is None else now
+            wall = time.time() if wall is None else wall
+            self.first_delivery = now + (resume.playback_end - wall)
         self.restored = self.next_chunk = restored
         self.replay = deque(resume.journal[restored:])
         if resume.planner is not None:

@@ -60,6 +60,8 @@ class ServeSettings:
     snapshots: bool = True                   # each chunk's state to the object store: a resume restores, not replays
     drain_poll_s: float = 2.0                # how often a group asks Serve whether it is being stopped, to move its
                                              # sessions (scale-down, redeploy); 0: never (they end with it)
+    drain_lead_s: float = 3.0                # a stopping group first runs each session this far ahead of its
+                                             # playback (for at most 10 s), so the move plays out of the buffer
     retry_after_s: float = 10.0
     start_timeout_s: float = 10.0            # session.start must arrive this soon after connecting
     stall_timeout_s: float = 60.0            # a send to the client blocked this long (not reading, or gone) ends it
@@ -137,6 +139,8 @@ class ServeSettings:
         for name in ("fps", "pacing_lead_s", "admission_wait_s", "start_timeout_s", "stall_timeout_s", "resume_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_lead_s < 0:
+            raise ConfigError(f"drain_lead_s must be >= 0, got {self.drain_lead_s}")
         if self.drain_poll_s < 0:
             raise ConfigError(f"drain_poll_s must be >= 0 (0 turns draining off), got {self.drain_poll_s}")
 

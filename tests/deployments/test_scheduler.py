@@ -295,3 +295,36 @@ def test_a_replay_fills_the_gaps_between_the_chunks_others_need():
     assert sched.pick(now=1.3)[0] is replaying                 # live is further ahead than its 0.2 s lead
     replaying.replayed()
     assert sched.pick(now=1.6)[0] is live                      # within its lead again: before the replay
+
+
+def test_a_resumed_session_keeps_its_viewers_playback_clock():
+    """Resumed with 2 s of video left in the client's player (a wall-clock end), the next chunk is due when it
+    has played out: the session waits until its lead before it, then a chunk delivered late counts as a
+    stall. Without a playback end the first chunk is due at once."""
+    from deployments.messages import Resume
+    sched = Scheduler(pacing_lead_s=0.5)
+    moved = _state("m", chunks=10, now=100.0)
+    moved.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, (), playback_end=1002.0), 4,
+                      now=100.0, wall=1000.0)
+    sched.add(moved)
+    who, wait = sched.pick(now=100.0)
+    assert who is None and wait == pytest.approx(2.0 - 0.5)          # due at 102 s, eligible 0.5 s before
+    assert sched.pick(now=101.5)[0] is moved
+    moved.commit_plan(moved.plan_next_chunk())                       # chunk 4: 12 frames in flight
+    moved.delivered(12, now=102.25)                                  # the player waited 0.25 s for it
+    assert moved.stalls == 1 and moved.stall_seconds == pytest.approx(0.25)
+    assert moved.deadline() == pytest.approx(102.25 + 12 / 16)
+    fresh = _state("f", chunks=10, now=100.0)
+    fresh.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, ()), 4)
+    assert fresh.deadline() == 100.0                                 # unknown: at once
+
+
+def test_a_held_lead_stays_whatever_the_chunks_need():
+    pacer = Pacer(1.5, adaptive=True, margin_s=0.1)
+    for _ in range(8):
+        pacer.observe(0.2, 1.0)
+    assert pacer.lead_s == pytest.approx(0.3)
+    pacer.hold_lead(3.0)                                             # a group about to hand the session on
+    for _ in range(8):
+        pacer.observe(0.2, 1.0)
+    assert pacer.lead_s == 3.0 and pacer.max_lead_s == 3.0

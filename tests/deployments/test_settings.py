@@ -92,3 +92,5 @@ def test_a_stopping_group_moves_its_sessions_once_another_runs_or_before_its_gra
     assert drain_due("a", {"a": "STOPPING", "b": "STOPPING"}, 100.0, 100.0, 5.0)   # a grace shorter than the margin
     with pytest.raises(ConfigError, match="drain_poll_s must be >= 0 \\(0 turns draining off\\), got -1"):
         ServeSettings.from_args({"drain_poll_s": -1})
+    with pytest.raises(ConfigError, match=r"drain_lead_s must be >= 0, got -0\.5"):
+        ServeSettings.from_args({"drain_lead_s": -0.5})
