@@ -56,8 +56,10 @@ log = logging.getLogger("ray.serve")
 MAILBOX_POLL_S = 5.0       # a long poll: the mailbox answers at once when a control arrives
 WATCH_S = 1.0              # how often the group checks that its ranks, muxer and mailbox are alive
 EXIT_DELAY_S = 1.0         # a failed group exits this soon after telling its sessions (Serve replaces it)
-DRAIN_MARGIN_S = 15.0      # a stopping group moves its sessions at the latest this long before Serve kills it
-FLUSH_TIMEOUT_S = 30.0     # a draining group waits this long for the snapshots of its sessions' last chunks
+# a stopping group moves its sessions at the latest this long before Serve kills it: it covers seeing the
+# stop late (a poll, a busy controller), the chunk the ranks are on, and the flush of the last snapshots
+DRAIN_MARGIN_S = 30.0
+FLUSH_TIMEOUT_S = 10.0     # a draining group waits this long for the snapshots of its sessions' last chunks
 DRAIN_FILL_MAX_S = 10.0    # a draining group runs its sessions ahead (drain_lead_s) for at most this long
 
 
@@ -97,12 +99,26 @@ def serve_replica_states() -> dict[str, str]:
     return {r["replica_id"]: r["state"] for r in deployment.get("replicas", ())}
 
 
-def drain_due(me: str, states: dict[str, str], stopping_since: float, now: float, grace_s: float) -> bool:
-    """Whether a group Serve is stopping moves its sessions now: as soon as another group of the deployment
-    runs (a scale-down, or a redeploy whose new group is up), else at the latest DRAIN_MARGIN_S before
-    Serve's graceful_shutdown_timeout_s runs out (until then its sessions go on here)."""
-    others = any(state == "RUNNING" for rid, state in states.items() if rid != me)
-    return others or now >= stopping_since + grace_s - DRAIN_MARGIN_S
+STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
+
+
+def drain_due(me: str, states: dict[str, str], known: set, stopping_since: float, now: float,
+              grace_s: float) -> Optional[str]:
+    """Whether (and why) a group Serve is stopping moves its sessions now; None: not yet, they go on here.
+    - "new group": a group that was not running when the stop was seen runs now (a redeploy's, or a
+      scale-up's: it has room; the old ones still running may be full);
+    - "scale-down": other groups run and none is starting (Serve is only removing this one; the load fell);
+    - "deadline": DRAIN_MARGIN_S before Serve's graceful_shutdown_timeout_s runs out, with or without a
+      group to go to (a cluster with no room for a new group while this one holds its devices).
+    `known`: the replica ids that were RUNNING when the stop was first seen."""
+    running = {rid for rid, state in states.items() if rid != me and state == "RUNNING"}
+    if running - known:
+        return "new group"
+    if running and not any(state in STARTING_STATES for state in states.values()):
+        return "scale-down"
+    if now >= stopping_since + grace_s - DRAIN_MARGIN_S:
+        return "deadline"
+    return None
 
 
 @dataclass
@@ -155,6 +171,8 @@ class WorldGroup:
         self.wake: Optional[asyncio.Event] = None
         self.broken: Optional[str] = None
         self.stopping_since: Optional[float] = None   # when Serve was seen stopping this group
+        self.known_groups: set = set()                # the groups running then
+        self.drain_task: Optional[asyncio.Task] = None
         self.drain_requested = False                  # its sessions are to move to other groups
         self.draining = False                         # no chunk starts any more: they are being handed on
         self.running: Optional[RunningChunk] = None   # the chunk the ranks are on now
@@ -163,6 +181,8 @@ class WorldGroup:
         self.last_metrics = 0.0
         self.event_loop: Optional[asyncio.AbstractEventLoop] = None
         threading.Thread(target=self._watch, name=f"group-{self.id}-watch", daemon=True).start()
+        if s.drain_poll_s > 0 and s.resume_sessions:
+            threading.Thread(target=self._watch_stopping, name=f"group-{self.id}-stopping", daemon=True).start()
         log.info("group %s: %d ranks on %s ready in %.1f s, capacity %d sessions", self.id, s.sp, infos[0].device,
                  time.monotonic() - t0, self.capacity)
 
@@ -174,16 +194,9 @@ class WorldGroup:
     # ---- healing ------------------------------------------------------------------------------
     def _watch(self) -> None:
         """A thread: every WATCH_S, is every rank, the muxer and the mailbox still there? A dead one fails the
-        group at once, with or without sessions (a busy actor is not a dead one). Every drain_poll_s: is Serve
-        stopping this group (then its sessions move, see _check_stopping)?"""
-        s = self.settings
-        polled = 0.0
+        group at once, with or without sessions (a busy actor is not a dead one)."""
         while not self.broken:
             time.sleep(WATCH_S)
-            if s.drain_poll_s > 0 and s.resume_sessions and not self.drain_requested \
-                    and time.monotonic() - polled >= s.drain_poll_s:
-                polled = time.monotonic()
-                self._check_stopping()
             calls = [r.alive.remote() for r in self.ranks] + [self.muxer.ready.remote(), self.mailbox.ready.remote()]
             done, _ = ray.wait(calls, num_returns=len(calls), timeout=WATCH_S * 5)
             for ref in done:
@@ -195,35 +208,44 @@ class WorldGroup:
                         time.sleep(EXIT_DELAY_S * 2)       # _fail_group exits after telling the sessions
                     self._exit(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
-    def _check_stopping(self) -> None:
-        """(The watcher's thread.) Once Serve is stopping this group, it takes no new session, and moves its
-        sessions when drain_due says so."""
-        try:
-            states = serve_replica_states()
-        except Exception as e:                        # outside Serve, or the controller busy: ask again later
-            log.debug("group %s: replica states unavailable: %s", self.id, e)
-            return
-        if states.get(self.id) != "STOPPING":
-            return
-        now = time.monotonic()
-        if self.stopping_since is None:
-            self.stopping_since = now
-            log.info("group %s: Serve is stopping it; its sessions will move to another group", self.id)
-        loop = self.event_loop
-        if drain_due(self.id, states, self.stopping_since, now, self.settings.graceful_shutdown_timeout_s) \
-                and loop is not None and not loop.is_closed():
-            self.drain_requested = True
-            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), context=contextvars.Context()))
+    def _watch_stopping(self) -> None:
+        """A thread of its own (a slow controller never delays noticing a dead rank): every drain_poll_s, is
+        Serve stopping this group? Once it is, the group takes no new session and moves its sessions when
+        drain_due says so."""
+        while not self.broken and not self.drain_requested:
+            time.sleep(self.settings.drain_poll_s)
+            try:
+                states = serve_replica_states()
+            except Exception as e:                    # outside Serve, or the controller busy: ask again later
+                log.debug("group %s: replica states unavailable: %s", self.id, e)
+                continue
+            if states.get(self.id) != "STOPPING":
+                continue
+            now = time.monotonic()
+            if self.stopping_since is None:
+                self.stopping_since = now
+                self.known_groups = {rid for rid, state in states.items() if state == "RUNNING"}
+                log.info("group %s: Serve is stopping it; its sessions will move to another group", self.id)
+            why = drain_due(self.id, states, self.known_groups, self.stopping_since, now,
+                            self.settings.graceful_shutdown_timeout_s)
+            loop = self.event_loop
+            if why is not None and loop is not None and not loop.is_closed():
+                self.drain_requested = True
+                loop.call_soon_threadsafe(self._start_drain, why)
 
-    async def _drain(self) -> None:
-        """Move every session to another group. First each runs ahead of its playback by drain_lead_s (for at
-        most DRAIN_FILL_MAX_S: a full group has little throughput to spare), so that its viewer plays the move
-        out of the buffer. Then the chunk the ranks are on and the deliveries in flight finish (so nothing
-        computed is lost), each session gets Moving with the snapshots of its last chunk, and its ingress
-        resumes it elsewhere (restoring that chunk: nothing to replay)."""
+    def _start_drain(self, why: str) -> None:
+        self.drain_task = asyncio.get_running_loop().create_task(self._drain(why), context=contextvars.Context())
+
+    async def _drain(self, why: str) -> None:
+        """Move every session to another group. First (unless the deadline is near) each runs ahead of its
+        playback by drain_lead_s (for at most DRAIN_FILL_MAX_S: a full group has little throughput to spare),
+        so that its viewer plays the move out of the buffer. Then the chunk the ranks are on and the
+        deliveries in flight finish (so nothing computed is lost), each session gets Moving with the snapshots
+        of its last chunk, and its ingress resumes it elsewhere (restoring that chunk: nothing to replay)."""
         t0 = time.monotonic()
+        log.info("group %s: moving its %d sessions (%s)", self.id, len(self.scheduler.sessions), why)
         lead = self.settings.drain_lead_s
-        if lead > 0 and self.wake is not None:
+        if lead > 0 and self.wake is not None and why != "deadline":     # at the deadline there is no time
             for state in self.scheduler.sessions.values():
                 state.pacer.hold_lead(lead)
             self.wake.set()

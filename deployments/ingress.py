@@ -318,8 +318,10 @@ class Connection:
                     if resumed is None:
                         return reader.result()
                     if not resumed:
-                        code = "group_unavailable" if drain else event.code
-                        await self.refuse(ProtocolError(code, "the model group failed while generating; "
+                        await self.refuse(ProtocolError("group_unavailable", "no model group could take the "
+                                                        "session while its group was stopped; please retry",
+                                                        close=CLOSE_SERVER_ERROR) if drain else
+                                          ProtocolError(event.code, "the model group failed while generating; "
                                                         "please retry", close=CLOSE_SERVER_ERROR))
                         return None
                     last = None

@@ -349,7 +349,8 @@ class Scheduler:
         ready = [s for s in self.sessions.values() if s.ready]
         if not ready:
             return None, math.inf
-        waits = {s.id: s.deadline() - now - s.pacer.lead_s for s in ready}
+        # a resumed session's replay delivers nothing: it catches up at once, whatever its playback clock
+        waits = {s.id: 0.0 if s.replay else s.deadline() - now - s.pacer.lead_s for s in ready}
         eligible = [s for s in ready if waits[s.id] <= 0]
         if not eligible:
             return None, min(waits.values())

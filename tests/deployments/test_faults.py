@@ -226,11 +226,8 @@ def test_a_redeploy_moves_a_session_to_the_new_group_with_identical_frames(fault
     frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
     actions = [["w"], ["j"], ["d"], [], ["l"]] * 24
     old_groups = replica_pids()
-    redeploys = []
-
-    def redeploy():
-        serve.run(build_app(dict(FAULTS, metrics_interval_s=6.0)), name="faults", route_prefix="/faults")
-        redeploys.append(time.monotonic())
+    redeploying = threading.Thread(target=lambda: serve.run(build_app(dict(FAULTS, metrics_interval_s=6.0)),
+                                                            name="faults", route_prefix="/faults"), daemon=True)
 
     async def one(fps, chunks, move=False):
         async with FramesClient(frames_url, api_key=KEY3) as client:
@@ -239,7 +236,7 @@ def test_a_redeploy_moves_a_session_to_the_new_group_with_identical_frames(fault
 
             async def on_chunk(result, chunk):
                 if move and len(result.chunks) == 1:
-                    threading.Thread(target=redeploy, daemon=True).start()
+                    redeploying.start()
                 if any(m["type"] == "session_resumed" for m in result.messages):
                     after.append(chunk.index)
                     if len(after) == 2:                  # two chunks from the new group: enough
@@ -257,4 +254,8 @@ def test_a_redeploy_moves_a_session_to_the_new_group_with_identical_frames(fault
     assert [c.index for c in clean.chunks] == list(range(n))
     for a, b in zip(clean.chunks, moved.chunks):
         assert np.array_equal(a.frames, b.frames), b.index
-    assert redeploys and not replica_pids() & old_groups                      # the old group is gone
+    redeploying.join(120)                  # serve.run returns once the old replicas are gone (the ingress's too)
+    t0 = time.monotonic()
+    while replica_pids() & old_groups and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+    assert not redeploying.is_alive() and not replica_pids() & old_groups     # the old group is gone

@@ -314,6 +314,12 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     moved.delivered(12, now=102.25)                                  # the player waited 0.25 s for it
     assert moved.stalls == 1 and moved.stall_seconds == pytest.approx(0.25)
     assert moved.deadline() == pytest.approx(102.25 + 12 / 16)
+    replaying = _state("r", chunks=10, now=100.0)                    # a replay catches up at once, whatever
+    replaying.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 1, (), playback_end=1002.0), 2,
+                          now=100.0, wall=1000.0)                    # its clock: chunks 2, 3 to replay
+    assert len(replaying.replay) == 2
+    sched.add(replaying)
+    assert sched.pick(now=100.5) == (replaying, 0.0)                 # 1.5 s before its lead; moved's next: 103 s
     fresh = _state("f", chunks=10, now=100.0)
     fresh.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, ()), 4)
     assert fresh.deadline() == 100.0                                 # unknown: at once

@@ -82,14 +82,20 @@ def test_sessions_per_group_from_the_budget():
     assert ServeSettings.from_args({**gpu, "memory_budget_gib": 60}).budget_bytes == 60 * 2 ** 30
 
 
-def test_a_stopping_group_moves_its_sessions_once_another_runs_or_before_its_grace_ends():
+def test_a_stopping_group_moves_its_sessions_to_a_group_with_room_or_before_its_grace_ends():
     from deployments.group import DRAIN_MARGIN_S, drain_due
-    grace = 600.0
-    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING"}, 100.0, 100.0, grace)           # a scale-down
-    assert not drain_due("a", {"a": "STOPPING", "b": "STARTING"}, 100.0, 130.0, grace)      # the new one not up yet
-    assert not drain_due("a", {"a": "STOPPING"}, 100.0, 100.0 + grace - DRAIN_MARGIN_S - 0.1, grace)
-    assert drain_due("a", {"a": "STOPPING"}, 100.0, 100.0 + grace - DRAIN_MARGIN_S, grace)   # before the kill
-    assert drain_due("a", {"a": "STOPPING", "b": "STOPPING"}, 100.0, 100.0, 5.0)   # a grace shorter than the margin
+    grace, t = 600.0, 100.0
+    old = {"b"}                                                         # the groups running when the stop was seen
+    # a redeploy: b is an old group (maybe full), c the new one; move once c runs, not to b
+    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING", "c": "STARTING"}, old, t, t + 30, grace) is None
+    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING", "c": "RUNNING"}, old, t, t + 30, grace) == "new group"
+    # a scale-down: only this one goes, nothing starts: the others take the sessions
+    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING"}, old, t, t, grace) == "scale-down"
+    # no room for a new group (this one holds its devices): the sessions stay until the margin before the kill
+    alone = {"a": "STOPPING", "c": "STARTING"}
+    assert drain_due("a", alone, set(), t, t + grace - DRAIN_MARGIN_S - 0.1, grace) is None
+    assert drain_due("a", alone, set(), t, t + grace - DRAIN_MARGIN_S, grace) == "deadline"
+    assert drain_due("a", {"a": "STOPPING", "b": "STOPPING"}, old, t, t, 5.0) == "deadline"   # grace < margin
     with pytest.raises(ConfigError, match="drain_poll_s must be >= 0 \\(0 turns draining off\\), got -1"):
         ServeSettings.from_args({"drain_poll_s": -1})
     with pytest.raises(ConfigError, match=r"drain_lead_s must be >= 0, got -0\.5"):
