@@ -61,6 +61,7 @@ EXIT_DELAY_S = 1.0         # a failed group exits this soon after telling its se
 DRAIN_MARGIN_S = 30.0
 FLUSH_TIMEOUT_S = 10.0     # a draining group waits this long for the snapshots of its sessions' last chunks
 DRAIN_FILL_MAX_S = 10.0    # a draining group runs its sessions ahead (drain_lead_s) for at most this long
+DRAIN_WAIT_NEW_S = 30.0    # how long a stopping group waits for a new group before going to the old ones
 
 
 class SessionFailure(Exception):
@@ -86,36 +87,43 @@ def replica_unique_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
-def serve_replica_states() -> dict[str, str]:
-    """The state (RUNNING, STOPPING, ...) of every replica of this replica's deployment by replica id, as the
-    Serve controller reports them (the details `serve status` and the dashboard show). Serve tells a replica
-    nothing while it waits for the replica's requests to end before stopping it: here those requests are
-    the sessions, so a group asks."""
+def serve_replica_states() -> dict[str, tuple[str, float]]:
+    """(state: RUNNING, STOPPING, ...; start time, wall clock) of every replica of this replica's deployment
+    by replica id, as the Serve controller reports them (the details `serve status` and the dashboard show).
+    Serve tells a replica nothing while it waits for the replica's requests to end before stopping it: here
+    those requests are the sessions, so a group asks."""
     from ray import serve
     from ray.serve.context import _get_global_client
     context = serve.get_replica_context()
     details = _get_global_client().get_serve_details()
     deployment = details["applications"][context.app_name]["deployments"][context.deployment]
-    return {r["replica_id"]: r["state"] for r in deployment.get("replicas", ())}
+    return {r["replica_id"]: (r["state"], r.get("start_time_s") or 0.0) for r in deployment.get("replicas", ())}
 
 
 STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
+NEW_GROUP_SLACK_S = 10.0   # a group started this long before the first stop was seen still counts as new
 
 
-def drain_due(me: str, states: dict[str, str], known: set, stopping_since: float, now: float,
+def drain_due(me: str, states: dict[str, tuple[str, float]], rollout: float, stopping_since: float, now: float,
               grace_s: float) -> Optional[str]:
     """Whether (and why) a group Serve is stopping moves its sessions now; None: not yet, they go on here.
-    - "new group": a group that was not running when the stop was seen runs now (a redeploy's, or a
-      scale-up's: it has room; the old ones still running may be full);
+    `states`: serve_replica_states(); `rollout`: when (wall clock) a stopping group of the deployment was
+    first seen (this one, or an earlier one of the same redeploy); `stopping_since`, `now`: monotonic.
+    - "new group": a group started since the rollout began runs (a redeploy's, or a scale-up's: it has
+      room; the old ones still running may be full);
     - "scale-down": other groups run and none is starting (Serve is only removing this one; the load fell);
+    - "no new group": other groups run, and the new one has not come up for DRAIN_WAIT_NEW_S (most likely it
+      waits for the devices this one holds): the old ones take the sessions if they have room (else the
+      sessions wait for the new group in resume_wait_s);
     - "deadline": DRAIN_MARGIN_S before Serve's graceful_shutdown_timeout_s runs out, with or without a
-      group to go to (a cluster with no room for a new group while this one holds its devices).
-    `known`: the replica ids that were RUNNING when the stop was first seen."""
-    running = {rid for rid, state in states.items() if rid != me and state == "RUNNING"}
-    if running - known:
+      group to go to (a cluster with no room for a new group while this one holds its devices)."""
+    running = {rid: start for rid, (state, start) in states.items() if rid != me and state == "RUNNING"}
+    if any(start >= rollout - NEW_GROUP_SLACK_S for start in running.values()):
         return "new group"
-    if running and not any(state in STARTING_STATES for state in states.values()):
+    if running and not any(state in STARTING_STATES for state, _ in states.values()):
         return "scale-down"
+    if running and now >= stopping_since + DRAIN_WAIT_NEW_S:
+        return "no new group"
     if now >= stopping_since + grace_s - DRAIN_MARGIN_S:
         return "deadline"
     return None
@@ -171,7 +179,7 @@ class WorldGroup:
         self.wake: Optional[asyncio.Event] = None
         self.broken: Optional[str] = None
         self.stopping_since: Optional[float] = None   # when Serve was seen stopping this group
-        self.known_groups: set = set()                # the groups running then
+        self.rollout: Optional[float] = None          # when a stopping group of the deployment was first seen
         self.drain_task: Optional[asyncio.Task] = None
         self.drain_requested = False                  # its sessions are to move to other groups
         self.draining = False                         # no chunk starts any more: they are being handed on
@@ -219,14 +227,18 @@ class WorldGroup:
             except Exception as e:                    # outside Serve, or the controller busy: ask again later
                 log.debug("group %s: replica states unavailable: %s", self.id, e)
                 continue
-            if states.get(self.id) != "STOPPING":
+            stopping = [rid for rid, (state, _) in states.items() if state == "STOPPING"]
+            if not stopping:
+                self.rollout = None
+            elif self.rollout is None:                # a redeploy (or scale-down) began: groups since are new
+                self.rollout = time.time()
+            if self.id not in stopping:
                 continue
             now = time.monotonic()
             if self.stopping_since is None:
                 self.stopping_since = now
-                self.known_groups = {rid for rid, state in states.items() if state == "RUNNING"}
                 log.info("group %s: Serve is stopping it; its sessions will move to another group", self.id)
-            why = drain_due(self.id, states, self.known_groups, self.stopping_since, now,
+            why = drain_due(self.id, states, self.rollout, self.stopping_since, now,
                             self.settings.graceful_shutdown_timeout_s)
             loop = self.event_loop
             if why is not None and loop is not None and not loop.is_closed():

@@ -83,19 +83,24 @@ def test_sessions_per_group_from_the_budget():
 
 
 def test_a_stopping_group_moves_its_sessions_to_a_group_with_room_or_before_its_grace_ends():
-    from deployments.group import DRAIN_MARGIN_S, drain_due
-    grace, t = 600.0, 100.0
-    old = {"b"}                                                         # the groups running when the stop was seen
-    # a redeploy: b is an old group (maybe full), c the new one; move once c runs, not to b
-    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING", "c": "STARTING"}, old, t, t + 30, grace) is None
-    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING", "c": "RUNNING"}, old, t, t + 30, grace) == "new group"
+    from deployments.group import DRAIN_MARGIN_S, NEW_GROUP_SLACK_S, drain_due
+    grace, t, rollout = 600.0, 100.0, 5000.0          # monotonic now; wall clock of the first stop seen
+    old = ("RUNNING", rollout - 3600.0)                  # started an hour before the redeploy (maybe full)
+    new = ("RUNNING", rollout - NEW_GROUP_SLACK_S + 1)   # started with the redeploy (seen a poll late)
+    stopping = ("STOPPING", rollout - 3600.0)
+    # a redeploy: b is old, c new; move once c runs, not to b
+    assert drain_due("a", {"a": stopping, "b": old, "c": ("STARTING", 0.0)}, rollout, t, t + 29, grace) is None
+    assert drain_due("a", {"a": stopping, "b": old, "c": new}, rollout, t, t, grace) == "new group"
+    # the new one never comes up (it waits for the devices this one holds): after a while, to the old ones
+    assert drain_due("a", {"a": stopping, "b": old, "c": ("STARTING", 0.0)}, rollout, t, t + 30, grace) == \
+        "no new group"
     # a scale-down: only this one goes, nothing starts: the others take the sessions
-    assert drain_due("a", {"a": "STOPPING", "b": "RUNNING"}, old, t, t, grace) == "scale-down"
-    # no room for a new group (this one holds its devices): the sessions stay until the margin before the kill
-    alone = {"a": "STOPPING", "c": "STARTING"}
-    assert drain_due("a", alone, set(), t, t + grace - DRAIN_MARGIN_S - 0.1, grace) is None
-    assert drain_due("a", alone, set(), t, t + grace - DRAIN_MARGIN_S, grace) == "deadline"
-    assert drain_due("a", {"a": "STOPPING", "b": "STOPPING"}, old, t, t, 5.0) == "deadline"   # grace < margin
+    assert drain_due("a", {"a": stopping, "b": old}, rollout, t, t, grace) == "scale-down"
+    # no other group at all: the sessions stay until the margin before the kill
+    alone = {"a": stopping, "c": ("STARTING", 0.0)}
+    assert drain_due("a", alone, rollout, t, t + grace - DRAIN_MARGIN_S - 0.1, grace) is None
+    assert drain_due("a", alone, rollout, t, t + grace - DRAIN_MARGIN_S, grace) == "deadline"
+    assert drain_due("a", {"a": stopping, "b": stopping}, rollout, t, t, 5.0) == "deadline"   # grace < margin
     with pytest.raises(ConfigError, match="drain_poll_s must be >= 0 \\(0 turns draining off\\), got -1"):
         ServeSettings.from_args({"drain_poll_s": -1})
     with pytest.raises(ConfigError, match=r"drain_lead_s must be >= 0, got -0\.5"):
