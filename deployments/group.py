@@ -62,6 +62,7 @@ DRAIN_MARGIN_S = 30.0
 FLUSH_TIMEOUT_S = 10.0     # a draining group waits this long for the snapshots of its sessions' last chunks
 DRAIN_FILL_MAX_S = 10.0    # a draining group runs its sessions ahead (drain_lead_s) for at most this long
 DRAIN_WAIT_NEW_S = 30.0    # how long a stopping group waits for a new group before going to the old ones
+STOPPING = SessionError("group_unavailable", "this group is being stopped (scale-down or redeploy); retry")
 
 
 class SessionFailure(Exception):
@@ -284,9 +285,8 @@ class WorldGroup:
                 log.warning("group %s: session %s moves without its last snapshots (%s)", self.id, state.id,
                             type(e).__name__)
                 flushed = []
-            snapshots = state.give_snapshots() + tuple(
-                (index, rank, slot, st) for rank, refs in enumerate(flushed) for index, slot, st in refs)
-            self._post(state.id, Moving("group_stopping", snapshots))
+            state.take_snapshots(flushed)
+            self._post(state.id, Moving("group_stopping", state.give_snapshots()))
         await asyncio.gather(*[hand_on(st) for st in states])
         log.info("group %s: %d sessions handed on in %.2f s (%.2f s of it running them ahead)", self.id,
                  len(states), time.monotonic() - t0, filled)
@@ -308,7 +308,7 @@ class WorldGroup:
             yield SessionError("group_unavailable", "this group failed and is being replaced; retry")
             return
         if self.stopping_since is not None:
-            yield SessionError("group_unavailable", "this group is being stopped (scale-down or redeploy); retry")
+            yield STOPPING
             return
         if self.reserved >= self.capacity:             # checked and taken before any await: no over-admission
             yield SessionError("capacity_exhausted", "group is full")
@@ -336,7 +336,7 @@ class WorldGroup:
                     restored = 0
                 state.resume_from(resume, restored)
             if self.stopping_since is not None:      # Serve began stopping the group while it opened
-                yield SessionError("group_unavailable", "this group is being stopped (scale-down or redeploy); retry")
+                yield STOPPING
                 return
             outbox: asyncio.Queue = asyncio.Queue()
             self.outboxes[sid] = outbox
@@ -484,7 +484,7 @@ class WorldGroup:
                 return
             break
         state.commit_plan(plan)                       # the ranks advanced the session: the chunk is in flight
-        state.take_snapshots(replies)
+        state.take_snapshots(reply.snapshots for reply in replies)
         previous = self.deliveries.get(state.id)
         self.deliveries[state.id] = asyncio.get_running_loop().create_task(
             self._deliver(state, plan, root, t0, previous), context=contextvars.Context())
@@ -504,7 +504,7 @@ class WorldGroup:
                                f"within {self.settings.chunk_timeout_s:g} s") from None
         if state.stopped or replies[0].stopped:
             return
-        state.take_snapshots(replies)
+        state.take_snapshots(reply.snapshots for reply in replies)
         state.replayed()
         if not state.replay:
             seconds = time.monotonic() - state.replay_started

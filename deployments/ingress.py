@@ -318,11 +318,10 @@ class Connection:
                     if resumed is None:
                         return reader.result()
                     if not resumed:
-                        await self.refuse(ProtocolError("group_unavailable", "no model group could take the "
-                                                        "session while its group was stopped; please retry",
-                                                        close=CLOSE_SERVER_ERROR) if drain else
-                                          ProtocolError(event.code, "the model group failed while generating; "
-                                                        "please retry", close=CLOSE_SERVER_ERROR))
+                        code, text = ("group_unavailable", "no model group could take the session while its "
+                                      "group was stopped") if drain else \
+                            (event.code, "the model group failed while generating")
+                        await self.refuse(ProtocolError(code, f"{text}; please retry", close=CLOSE_SERVER_ERROR))
                         return None
                     last = None
                 elif isinstance(event, SessionError):

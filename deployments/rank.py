@@ -287,6 +287,11 @@ class RankWorker:
             return ()
         self._on_device(lambda: None)               # the copy queued behind the last chunk has been taken
         wait([f for _, f in puts], timeout)
+        return self._stored(puts)
+
+    @staticmethod
+    def _stored(puts: list) -> tuple:
+        """Take the finished puts off `puts`: (chunk, slot ref, state ref) of each that succeeded."""
         done = [(i, f) for i, f in puts if f.done()]
         puts[:] = [(i, f) for i, f in puts if not f.done()]
         return tuple((i, *f.result()) for i, f in done if f.exception() is None)
@@ -301,9 +306,7 @@ class RankWorker:
         puts = self.puts.get(session_id)
         if keeper is None or puts is None:
             return
-        done = [(i, f) for i, f in puts if f.done()]
-        puts[:] = [(i, f) for i, f in puts if not f.done()]
-        reply.snapshots = tuple((i, *f.result()) for i, f in done if f.exception() is None)
+        reply.snapshots = self._stored(puts)
         if session_id in self.snapshot_s:
             reply.timings["snapshot"] = self.snapshot_s.pop(session_id)
         if len(puts) >= MAX_SNAPSHOTS_IN_FLIGHT:     # the keeper is behind: skip this one (resume replays more)

@@ -309,10 +309,11 @@ class ScheduledSession:
                            for eid, p in resume.planner.events.items()}
             self.held = resume.planner.held
 
-    def take_snapshots(self, replies) -> None:
-        """The snapshot references the ranks reported with a chunk's replies."""
-        self.snapshots += [(index, rank, slot, state) for rank, reply in enumerate(replies)
-                           for index, slot, state in reply.snapshots]
+    def take_snapshots(self, per_rank) -> None:
+        """The snapshot references each rank reported ((chunk, slot ref, state ref) each, in rank order): with
+        a chunk's replies, or flushed when the session moves."""
+        self.snapshots += [(index, rank, slot, state) for rank, stored in enumerate(per_rank)
+                           for index, slot, state in stored]
 
     def give_snapshots(self) -> tuple:
         out, self.snapshots = tuple(self.snapshots), []

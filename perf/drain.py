@@ -20,12 +20,12 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import statistics
 import sys
 import threading
 import time
 
+from perf.local import ensure_serve, first_frame_png, wait_for_groups
 from perf.realtime_metrics import simulate_playback
 
 PORT = 18796
@@ -47,21 +47,13 @@ def deploy(groups: int, generation: int) -> None:
 
 
 def start(groups: int) -> None:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from perf.resume import wait_for_groups
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    ensure_serve(PORT)
     deploy(groups, 0)
     wait_for_groups(groups)
 
 
 async def session(chunks: int, fps: float, redeploy=None):
     from lingbot.client import FramesClient
-    from perf.resume import first_frame_png
     actions = [["w"], ["j"], ["d"], [], ["l"]] * (chunks + 1)
     out: dict = {}
     async with FramesClient(f"ws://127.0.0.1:{PORT}/v1/realtime_video/generate") as client:

@@ -24,48 +24,20 @@ import statistics
 import sys
 import time
 
+from perf.local import ensure_serve, first_frame_png, wait_for_groups
+
 PORT = 18795
 
 
-def first_frame_png(seed: int = 0) -> bytes:
-    """A random first frame at the tiny preset's size, as PNG bytes (the perf scripts' sessions start from it)."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    from lingbot.config import get_preset
-    preset = get_preset("tiny")
-    pixels = np.random.RandomState(seed).randint(0, 255, (preset.height, preset.width, 3), np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def start_app(groups: int, snapshots: bool) -> None:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
     from ray import serve
 
     from deployments.app import build_app
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    ensure_serve(PORT)
     serve.run(build_app(dict(preset="tiny", device="cpu", sp=2, min_groups=groups, max_groups=groups,
                              max_sessions_per_group=2, resume_wait_s=300, max_chunks=1000, snapshots=snapshots)),
               name="lingbot", route_prefix="/")
     wait_for_groups(groups)
-
-
-def wait_for_groups(groups: int, timeout: float = 300.0) -> float:
-    from ray import serve
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        status = serve.status().applications["lingbot"].deployments["WorldGroup"]
-        if status.replica_states.get("RUNNING", 0) >= groups and len(status.replica_states) == 1:
-            break
-        time.sleep(0.5)
-    return time.monotonic() - t0
 
 
 def rank_pids(group: str) -> list[int]:

@@ -35,14 +35,11 @@ INPUTS = [dict(seed=1, actions=[["w"], ["w"], ["j"], [], ["d"], ["l"]] * 4),
 
 
 def start_app(settings: dict) -> None:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
     from ray import serve
 
     from deployments.app import build_app
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    from perf.local import ensure_serve
+    ensure_serve(PORT)
     serve.run(build_app(settings), name="soak", route_prefix="/")
 
 
@@ -188,7 +185,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
 
-    from perf.resume import first_frame_png
+    from perf.local import first_frame_png
     image = first_frame_png()
     capacity = 2
     start_app(dict(preset="tiny", device="cpu", sp=2, min_groups=1, max_groups=1, max_sessions_per_group=capacity,

@@ -1,0 +1,44 @@
+"""What the perf scripts that run a local Serve app share: Ray and Serve started once on this machine (2 CPUs,
+a small object store, the proxy on a port of the script's), the groups of app "lingbot" waited for, and a
+first frame to start sessions from."""
+from __future__ import annotations
+
+import os
+import time
+
+
+def ensure_serve(port: int) -> None:
+    """Ray and Serve on this machine, started on the first call (later calls reuse them)."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+
+def wait_for_groups(groups: int, timeout: float = 300.0) -> float:
+    """Seconds until app "lingbot" runs `groups` groups and nothing else (no group starting or stopping)."""
+    from ray import serve
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        status = serve.status().applications["lingbot"].deployments["WorldGroup"]
+        if status.replica_states.get("RUNNING", 0) >= groups and len(status.replica_states) == 1:
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def first_frame_png(seed: int = 0) -> bytes:
+    """A random first frame at the tiny preset's size, as PNG bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from lingbot.config import get_preset
+    preset = get_preset("tiny")
+    pixels = np.random.RandomState(seed).randint(0, 255, (preset.height, preset.width, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
