@@ -1,8 +1,54 @@
 """Serving settings: validation, environment overrides, placement and the resources the app requests."""
-import pytest
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
 
-from deployments.settings import ServeSettings
+import pytest
+import yaml
+
+from deployments import settings as settings_module
+from deployments.settings import (
+    GROUPS,
+    CapacitySettings,
+    ContinuitySettings,
+    DoorSettings,
+    DrainSettings,
+    EncoderSettings,
+    HealthSettings,
+    ModelSettings,
+    PacingSettings,
+    PlacementSettings,
+    ServeSettings,
+    SessionLimits,
+)
 from lingbot.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+# the flat keys and defaults before the settings were grouped by concern: serve_config.yaml, LINGBOT_<KEY>,
+# ServeSettings(**flat), to_dict() and settings.<key> keep every one of them
+FLAT_DEFAULTS = {
+    "preset": "tiny", "model_path": None, "device": "cpu", "sp": 2, "pixel_mode": "root_uint8_p2p",
+    "skip_fixed_point": True, "compile": None, "cuda_graphs": False, "replica_cpus": 0.05, "rank_cpus": 0.3,
+    "rank_devices": 0.0, "muxer_cpus": 0.1, "muxer_gpus": 0.0, "ingress_cpus": 0.05, "max_sessions_per_group": 2,
+    "memory_budget_gib": None, "min_groups": 1, "max_groups": 2, "graceful_shutdown_timeout_s": 600.0,
+    "fps": 16.0, "pacing_lead_s": 1.5, "pacing": "adaptive", "pacing_margin_s": 0.1, "pacing_quantile": 0.9,
+    "restart_stale_chunks": False, "admission_wait_s": 20.0, "resume_sessions": True, "resume_wait_s": 120.0,
+    "max_resumes": 3, "snapshots": True, "drain_poll_s": 2.0, "drain_lead_s": 3.0, "retry_after_s": 10.0,
+    "start_timeout_s": 10.0, "stall_timeout_s": 60.0, "idle_timeout_s": 300.0, "max_lifetime_s": 3600.0,
+    "max_start_bytes": 4194304, "max_control_bytes": 131072, "max_queued_controls": 64,
+    "max_ingress_sessions": 64, "default_chunks": 8, "max_chunks": 100000, "group_start_timeout_s": 1800.0,
+    "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
+    "max_in_flight_chunks": None, "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
+    "api_keys": "", "max_sessions_per_key": 0, "max_starts_per_minute_per_key": 0, "allowed_origins": "",
+    "image_url_allowlist": "", "image_fetch_timeout_s": 10.0, "image_fetch_max_bytes": 20971520,
+}
+# the drain"s constants, settings now (today"s values)
+DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_fill_max_s": 10.0,
+                  "drain_wait_new_s": 30.0, "drain_new_group_slack_s": 10.0}
 
 
 def test_settings_validation(monkeypatch):
@@ -105,3 +151,128 @@ def test_a_stopping_group_moves_its_sessions_to_a_group_with_room_or_before_its_
         ServeSettings.from_args({"drain_poll_s": -1})
     with pytest.raises(ConfigError, match=r"drain_lead_s must be >= 0, got -0\.5"):
         ServeSettings.from_args({"drain_lead_s": -0.5})
+
+
+def test_the_flat_keys_stay_and_round_trip(monkeypatch):
+    for key in [*FLAT_DEFAULTS, *DRAIN_DEFAULTS]:
+        monkeypatch.delenv("LINGBOT_" + key.upper(), raising=False)
+    s = ServeSettings.from_args({})
+    assert s.to_dict() == {**FLAT_DEFAULTS, **DRAIN_DEFAULTS} == ServeSettings().to_dict()
+    assert ServeSettings(**s.to_dict()) == s and ServeSettings.from_args(s.to_dict()) == s
+    for key, value in s.to_dict().items():                       # settings.<key> reads its group's field
+        group, name = next((g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls)
+                           if cls.key_of(f.name) == key)
+        assert getattr(s, key) == getattr(getattr(s, group), name) == value, key
+    custom = ServeSettings.from_args({"sp": 4, "pacing": "fixed", "pacing_lead_s": 2, "drain_margin_s": 45,
+                                      "encoder_preset": "fast", "api_keys": "k"})
+    assert (custom.model.sp, custom.pace.mode, custom.pace.lead_s) == (4, "fixed", 2.0)
+    assert (custom.drain.margin_s, custom.encoding.preset, custom.door.api_keys) == (45.0, "fast", "k")
+    assert ServeSettings(**custom.to_dict()) == custom and custom.to_dict()["pacing_lead_s"] == 2.0
+    assert pickle.loads(pickle.dumps(custom)) == custom and hash(custom) == hash(ServeSettings(**custom.to_dict()))
+    assert dataclasses.replace(custom, sp=2).sp == 2 and dataclasses.replace(custom, sp=2).drain_margin_s == 45.0
+    assert ServeSettings(drain=DrainSettings(lead_s=1.0), drain_poll_s=5.0).drain == DrainSettings(5.0, 1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        custom.sp = 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        custom.drain.lead_s = 2
+    with pytest.raises(TypeError, match="unexpected keyword argument 'spp'"):
+        ServeSettings(spp=2)
+    monkeypatch.setenv("LINGBOT_DRAIN_MARGIN_S", "40")          # a new key is overridden like every other
+    assert ServeSettings.from_args({"drain_margin_s": 45}).drain.margin_s == 40.0
+
+
+def test_each_group_is_a_frozen_dataclass_of_its_concern():
+    s = ServeSettings.from_args({})
+    for group, cls in GROUPS.items():
+        assert type(getattr(s, group)) is cls and cls.__dataclass_params__.frozen, group
+    assert isinstance(s.drain, DrainSettings) and s.drain.lead_s == s.drain_lead_s == 3.0
+    assert (s.drain.margin_s, s.drain.flush_timeout_s, s.drain.fill_max_s, s.drain.wait_new_s,
+            s.drain.new_group_slack_s) == (30.0, 10.0, 10.0, 30.0, 10.0)
+    assert s.h264_settings == s.encoding.h264 and s.h264_settings.preset == "veryfast"
+    door = ServeSettings(api_keys="a, b", allowed_origins="https://x.example/, ,https://y.example").door
+    assert door.api_key_set == {"a", "b"} and door.allowed_origin_set == {"https://x.example", "https://y.example"}
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ModelSettings(sp=0), "sp must be >= 1, got 0"),
+    (lambda: ModelSettings(device="tpu"), "device 'tpu' must be cpu, cuda or npu"),
+    (lambda: ModelSettings(pixel_mode="x"), "pixel_mode 'x' is not one of"),
+    (lambda: ModelSettings(cuda_graphs=True), "cuda_graphs needs device cuda, not cpu"),
+    (lambda: PlacementSettings(rank_cpus=-1), "rank_cpus must be >= 0, got -1"),
+    (lambda: CapacitySettings(min_groups=3), r"need 1 <= min_groups \(3\) <= max_groups \(2\)"),
+    (lambda: CapacitySettings(max_sessions_per_group=0), "max_sessions_per_group must be >= 1"),
+    (lambda: CapacitySettings(admission_wait_s=0), "admission_wait_s must be > 0, got 0"),
+    (lambda: CapacitySettings(memory_budget_gib=0), "memory_budget_gib must be > 0, got 0"),
+    (lambda: PacingSettings(mode="eager"), "pacing 'eager' must be fixed or adaptive"),
+    (lambda: PacingSettings(quantile=1.5), r"pacing_quantile must be in \(0, 1\] and pacing_margin_s >= 0"),
+    (lambda: PacingSettings(lead_s=0), "pacing_lead_s must be > 0, got 0"),
+    (lambda: PacingSettings(fps=-1), "fps must be > 0, got -1"),
+    (lambda: PacingSettings(max_in_flight_chunks=0), "max_in_flight_chunks must be >= 1, got 0"),
+    (lambda: ContinuitySettings(resume_wait_s=0), "resume_wait_s must be > 0, got 0"),
+    (lambda: DrainSettings(poll_s=-1), r"drain_poll_s must be >= 0 \(0 turns draining off\), got -1"),
+    (lambda: DrainSettings(lead_s=-0.5), r"drain_lead_s must be >= 0, got -0\.5"),
+    (lambda: DrainSettings(margin_s=0), "drain_margin_s must be > 0, got 0"),
+    (lambda: DrainSettings(flush_timeout_s=0), "drain_flush_timeout_s must be > 0, got 0"),
+    (lambda: DrainSettings(fill_max_s=-1), "drain_fill_max_s must be > 0, got -1"),
+    (lambda: DrainSettings(wait_new_s=0), "drain_wait_new_s must be > 0, got 0"),
+    (lambda: DrainSettings(new_group_slack_s=-1), "drain_new_group_slack_s must be >= 0, got -1"),
+    (lambda: EncoderSettings(encoder="vp9"), "encoder 'vp9' is not one of"),
+    (lambda: EncoderSettings(threads=-1), "encoder_threads must be >= 0, got -1"),
+    (lambda: DoorSettings(image_url_allowlist="ftp://x/"), "image_url_allowlist entry 'ftp://x/' must be"),
+    (lambda: DoorSettings(max_sessions_per_key=-1), "max_sessions_per_key must be >= 0, got -1"),
+    (lambda: DoorSettings(image_fetch_max_bytes=0), "image_fetch_max_bytes must be > 0, got 0"),
+    (lambda: SessionLimits(stall_timeout_s=0), "stall_timeout_s must be > 0, got 0"),
+    (lambda: SessionLimits(max_queued_controls=0), "max_queued_controls must be >= 1, got 0"),
+    (lambda: SessionLimits(default_chunks=9, max_chunks=8), r"default_chunks \(9\) must be <= max_chunks \(8\)"),
+    (lambda: HealthSettings(chunk_timeout_s=0), "chunk_timeout_s must be > 0, got 0"),
+    # across groups: ServeSettings checks the device against the placement's accelerators
+    (lambda: ServeSettings(muxer_gpus=1), "muxer_gpus is for NVENC on CUDA nodes; set it to 0 for device cpu"),
+    (lambda: ServeSettings(device="cuda"), "device cuda needs rank_devices > 0"),
+    # the flat keys reach the same checks
+    (lambda: ServeSettings.from_args({"drain_wait_new_s": 0}), "drain_wait_new_s must be > 0, got 0.0"),
+    (lambda: ServeSettings.from_args({"pacing": "eager"}), "pacing 'eager' must be fixed or adaptive"),
+])
+def test_each_group_validates_its_own_fields(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_describe_covers_every_setting_with_its_meaning():
+    s = ServeSettings.from_args({"sp": 1, "drain_margin_s": 45})
+    rows = s.describe()
+    assert [r["name"] for r in rows] == list(s.to_dict())
+    defaults = ServeSettings().to_dict()
+    for r in rows:
+        assert r["group"] in GROUPS and r["help"].strip(), r
+        assert r["value"] == getattr(s, r["name"]) and r["default"] == defaults[r["name"]], r
+        group, name = r["attribute"].split(".")
+        assert group == r["group"] and getattr(getattr(s, group), name) == r["value"], r
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["drain_margin_s"] == {
+        "group": "drain", "name": "drain_margin_s", "attribute": "drain.margin_s", "value": 45.0, "default": 30.0,
+        "help": "a stopping group moves its sessions at the latest this long before Serve kills it "
+                "(graceful_shutdown_timeout_s)"}
+
+
+def test_settings_command_prints_every_setting(tmp_path, capsys, monkeypatch):
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["applications"][0]["args"].update(sp=1, drain_margin_s=45)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.delenv("LINGBOT_SP", raising=False)
+    assert settings_module.main(["--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(ServeSettings().to_dict()) <= set(lines)
+    for group in GROUPS:
+        assert f"[{group}]" in out
+    assert lines["drain_margin_s"].split()[1:3] == ["*45.0", "30.0"]     # * where the config changed it
+    assert lines["sp"].split()[1:3] == ["*1", "2"] and lines["fps"].split()[1:3] == ["16.0", "16.0"]
+    path.write_text(yaml.safe_dump({"applications": [{"args": {"sp": 3}}]}))
+    assert settings_module.main(["--config", str(path)]) == 2
+    assert "sp 3 does not divide" in capsys.readouterr().err
+    # the module runs as a command; --json gives describe()'s rows
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LINGBOT_")}
+    done = subprocess.run([sys.executable, "-m", "deployments.settings", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) == ServeSettings().describe()
