@@ -128,10 +128,7 @@ def _no_sync_check(pipe, text, latents, warm: int, device) -> str:
 
 def _snapshot_tensors(snapshot) -> list:
     slot, state = snapshot
-    cond = state.condition
-    tensors = [slot.keys, slot.values, state.rng, state.text, *state.decoder.values(), *cond["cache"].values(),
-               cond["fixed_latents"], *(cond["replay"] or ())]
-    return [t for t in tensors if t is not None]
+    return slot.tensors() + state.tensors()
 
 
 def _snapshot_check(pipe, text, image, steady: int, device) -> dict:

@@ -10,6 +10,7 @@ Latents outside this module are normalised: (z - latents_mean) * (1 / latents_st
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -64,6 +65,16 @@ class CausalCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.entries.values())
+
+    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict[str, Tensor]:
+        """The entries (module path -> its last input frames), each through `copy` (a snapshot's copy to
+        the host; by default a clone on the device)."""
+        return {key: copy(value) for key, value in self.entries.items()}
+
+    def load_state(self, state: dict[str, Tensor], device: torch.device | str | None = None) -> None:
+        """Hold `state` (as `state_dict` gives it), moved to `device`, instead of the current entries. The
+        entries are replaced, not written into: a copy of the old ones still in flight reads them intact."""
+        self.entries = {key: value if device is None else value.to(device) for key, value in state.items()}
 
 
 # ---------------------------------------------------------------------------------------------------

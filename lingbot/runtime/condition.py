@@ -16,11 +16,15 @@ on the stored latents are reused. A reset clears it.
 Across sessions (`ConditionCache`): the conditions depend only on the first frame, so once a session has
 reached the fixed point, its per-chunk latents up to it are kept in a bounded LRU keyed by a hash of the
 resized image; a later session from the same image replays them and never runs the encoder.
+
+A snapshot takes the encoder's state between chunks (`state_dict`) and a new encoder continues from it
+(`load_state`).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Optional, Protocol
 
 import torch
@@ -129,6 +133,29 @@ class CausalConditionEncoder:
         if self.replay is not None:                          # a first frame seen before: no encoder at all
             self.fixed_latents = self.replay[-1]
             self.fixed_point_chunk = len(self.replay) - 1
+
+    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
+        """The encoder's state between chunks: the chunks committed, the fixed point (its chunk and latents
+        [16, 3, h, w]), the causal cache, and the replayed latents of a first frame seen before; tensors
+        through `copy`. Not kept: the latents gathered for the ConditionCache (a continued session does not
+        fill it; the conditions are the same either way) and a pending chunk (there is none between chunks)."""
+        return {"committed": self.committed_chunks,
+                "fixed_point_chunk": self.fixed_point_chunk,
+                "fixed_latents": None if self.fixed_latents is None else copy(self.fixed_latents),
+                "cache": self.cache.state_dict(copy),
+                "replay": None if self.replay is None else tuple(copy(t) for t in self.replay)}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state` (as `state_dict` gave it, from an encoder of the same image and settings),
+        its tensors on any device."""
+        device = self.image.device
+        self.committed_chunks = state["committed"]
+        self.fixed_point_chunk = state["fixed_point_chunk"]
+        self.fixed_latents = None if state["fixed_latents"] is None else state["fixed_latents"].to(device)
+        self.cache = CausalCache()
+        self.cache.load_state(state["cache"], device)
+        self.replay = None if state["replay"] is None else tuple(t.to(device) for t in state["replay"])
+        self.history, self._pending = [], None
 
     def _chunk_video(self, chunk: int) -> Tensor:
         c, h, w = self.image.shape

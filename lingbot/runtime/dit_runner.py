@@ -3,7 +3,8 @@
 A chunk is: condition -> prepare (camera tokens, RoPE, camera modulation) -> `num_steps` probes -> one
 commit forward on the clean x0 at t = 0 (docs/architecture.md, "A chunk"). The `DiTRunner` owns what
 sessions share (weights, text encoder, the prompt -> text K/V LRU, the time embeddings of the fixed
-timesteps); a `DiTSession` owns its K/V window, camera rig, condition source, RNG and chunk counter.
+timesteps); a `DiTSession` owns its K/V window, camera rig, condition source, RNG and chunk counter, and
+gives its state between chunks (besides the window's slots and the condition's) to a snapshot (`state_dict`).
 The whole video pipeline (condition encoder, decode to frames) is one floor up, in pipeline.py.
 """
 from __future__ import annotations
@@ -162,6 +163,40 @@ class DiTSession:
         self.rig.reset()
         self.condition.reset()
         self.chunk_index = 0
+
+    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
+        """What the session carries from its last chunk to the next, besides its K/V window
+        (`KVWindow.slot_state`) and its condition source: the chunk counter, the RNG state, the text encoder
+        output [1, T, text_dim] of the current prompt (None before the first chunk of a session from a
+        prompt), a running prompt transition (from, to, chunks, done; the outputs the K/V are projected
+        from) and the camera rig's state (immutable, kept as is). Tensors go through `copy`. The text K/V
+        are not kept: `load_state` projects them again from the outputs, bitwise as they were made."""
+        if self.kv.next_chunk != self.chunk_index:
+            raise ValueError(f"the K/V window is at chunk {self.kv.next_chunk}, the session at {self.chunk_index}")
+        transition = None
+        if self._transition is not None:
+            start, target, total, done = self._transition
+            transition = (copy(start.embedding), copy(target.embedding), total, done)
+        return {"chunk_index": self.chunk_index,
+                "rng": self.generator.get_state().clone(),          # always a CPU byte tensor
+                "text": None if self.text is None else copy(self.text.embedding),
+                "transition": transition,
+                "rig": self.rig.state}
+
+    @torch.no_grad()
+    def load_state(self, state: dict) -> None:
+        """Continue from `state` (as `state_dict` gave it, from a session of the same runner, prompt, seed and
+        flow shift), its tensors on any device. The K/V window is put back on its own (`KVWindow.load_slots`,
+        up to the same chunk), and the condition source by its owner."""
+        device, model = self.runner.device, self.runner.model
+        self.chunk_index = state["chunk_index"]
+        self.generator.set_state(state["rng"])
+        self.text = None if state["text"] is None else model.text_kv(state["text"].to(device))
+        self._transition = None
+        if state["transition"] is not None:
+            start, target, total, done = state["transition"]
+            self._transition = (model.text_kv(start.to(device)), model.text_kv(target.to(device)), total, done)
+        self.rig.state = state["rig"]
 
     def set_prompt(self, prompt: str, transition_chunks: int = 0) -> None:
         """Switch the prompt from the next chunk on: at once (0), or over `transition_chunks` chunks, where

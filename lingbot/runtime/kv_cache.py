@@ -6,12 +6,15 @@ stored after RoPE at absolute positions and attention has no mask inside the win
 chunks 0..5 fill slots 0..5; chunk k >= 6 takes the slot of chunk k-3, which just left the window.
 Every forward writes the current chunk into its slot and attends one dense prefix of
 min(window, k+1) chunks: no block tables, no gathers, no metadata copies.
+
+A snapshot takes the window one committed chunk at a time (`slot_state`), and a new window is put back
+from such slots (`load_slots`), bitwise the window that held them.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 from torch import Tensor
@@ -92,6 +95,45 @@ class KVWindow:
 
     def held_frames(self, frames_per_chunk: int) -> int:
         return sum(1 for c in self.slot_chunk if c >= 0) * frames_per_chunk
+
+    def slot_of(self, chunk: int) -> int:
+        """The slot chunk `chunk` is (or will be) written to."""
+        return slot_for_chunk(chunk, self.sink_chunks, self.window_chunks)
+
+    def _span(self, slot: int) -> slice:
+        return slice(slot * self.chunk_tokens, (slot + 1) * self.chunk_tokens)
+
+    def slot_state(self, chunk: int, copy: Callable[[Tensor], Tensor] = torch.clone) -> tuple[Tensor, Tensor]:
+        """Committed chunk `chunk`'s keys and values, [layers, B, heads, chunk_tokens, head_dim] each, through
+        `copy`. The slot views are not contiguous (the slot is a span of every layer's window), and the slot is
+        written again once the chunk leaves the window: `copy` must copy, not keep the view."""
+        slot = self.slot_of(chunk)
+        if self.slot_chunk[slot] != chunk:
+            raise ValueError(f"chunk {chunk} is not a committed chunk of this window")
+        span = self._span(slot)
+        return copy(self.keys[:, :, :, span]), copy(self.values[:, :, :, span])
+
+    def load_slots(self, slots: Mapping[int, tuple[Tensor, Tensor]], next_chunk: int) -> None:
+        """Forget every chunk, then hold `slots` (chunk -> its keys and values as `slot_state` gives them, on
+        any device) as committed, with `next_chunk` the next to come: each chunk goes back to its own slot, so
+        the window is bitwise the one they came from. Every chunk must be one that window still held after
+        chunk next_chunk - 1. Nothing changes when `slots` are refused."""
+        held = visible_chunks(next_chunk - 1, self.sink_chunks, self.window_chunks) if next_chunk > 0 else []
+        stale = sorted(c for c in slots if c not in held)
+        if stale:
+            raise ValueError(f"chunks {stale} are not in the window after chunk {next_chunk - 1}")
+        shape = self.keys[:, :, :, self._span(0)].shape             # [layers, B, heads, chunk_tokens, head_dim]
+        for chunk, pair in slots.items():                           # copy_ would broadcast or cast silently
+            if any(t.shape != shape or t.dtype != self.keys.dtype for t in pair):
+                raise ValueError(f"chunk {chunk}: slots of {[(list(t.shape), t.dtype) for t in pair]}, this "
+                                 f"window's are {list(shape)} {self.keys.dtype}")
+        self.reset()
+        for chunk, (keys, values) in slots.items():
+            slot = self.slot_of(chunk)
+            self.keys[:, :, :, self._span(slot)].copy_(keys)
+            self.values[:, :, :, self._span(slot)].copy_(values)
+            self.slot_chunk[slot] = chunk
+        self.next_chunk = next_chunk
 
 
 class LRUCache:

@@ -4,7 +4,8 @@ A `WorldSession` owns a DiT session (its K/V window, camera, RNG), the causal co
 VAE decoder cache. One `step()` = condition encode + 4 probes + commit (the DiT session) + streaming
 decode to uint8 frames on the device (chunk 0 gives 9 frames, every later chunk 12). The pipeline runs
 the same code on one device and on every rank of a sequence-parallel group: parallelism lives in the
-modules it is given (the DiT, the frame decoder), never here.
+modules it is given (the DiT, the frame decoder), never here. A session's state between chunks, all but
+its K/V window's slots, is one `state_dict` (what snapshot.py copies to the host) and `load_state`.
 """
 from __future__ import annotations
 
@@ -82,6 +83,24 @@ class WorldSession:
     def reset(self) -> None:
         self.dit.reset()                      # also resets the condition encoder and the camera
         self.decoder_cache.reset()
+        self.failed = None
+
+    def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
+        """The session's state after its last chunk, but for its K/V window's slots (`dit.kv.slot_state`):
+        the DiT session's, the condition encoder's and the decoder cache's (this rank's share of it), each
+        tensor through `copy`."""
+        if self.failed:
+            raise ValueError(f"session failed ({self.failed}): its DiT and decoder are not at one chunk")
+        return {"dit": self.dit.state_dict(copy), "condition": self.condition.state_dict(copy),
+                "decoder": self.decoder_cache.state_dict(copy)}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state` (as `state_dict` gave it, from a session of the same pipeline, image, prompt,
+        seed and flow shift, on the same rank of a group of the same size), its tensors on any device. The
+        K/V window is put back on its own (`dit.kv.load_slots`, up to the same chunk)."""
+        self.dit.load_state(state["dit"])
+        self.condition.load_state(state["condition"])
+        self.decoder_cache.load_state(state["decoder"], self.pipeline.runner.device)
         self.failed = None
 
     @torch.no_grad()

@@ -2,29 +2,31 @@
 
 What a `WorldSession` carries from chunk to chunk: the K/V slab (one slot per chunk), the VAE decoder's
 causal cache, the condition encoder's state, the sampler's RNG, the prompt (and a running transition), the
-camera rig and the chunk counter. After chunk k, a `SlotSnapshot` holds that chunk's K/V slot and a
-`StateSnapshot` everything else. To continue after chunk k a new session needs the slots of the chunks
+camera rig and the chunk counter. Each owner gives its own part and takes it back: the K/V window one
+committed chunk's slot at a time (`KVWindow.slot_state` / `load_slots`), the session everything else
+(`WorldSession.state_dict` / `load_state`, which ask the DiT session, the condition encoder and the decoder
+cache for theirs). This module only composes them: after chunk k a `SlotSnapshot` holds that chunk's K/V
+slot and a `StateSnapshot` the rest. To continue after chunk k a new session needs the slots of the chunks
 chunk k+1 will attend (`chunks_to_restore(k)`: the sink chunks and the recent history up to k) and the
-state of chunk k: older states are not needed. Restoring them is bitwise the session that ran (the slab is written
-slot by slot; every other piece is copied back as it was).
+state of chunk k: older states are not needed. Restoring them is bitwise the session that ran (the slab is
+written slot by slot; every other piece is copied back as it was).
 
 On a sequence-parallel group each rank snapshots its own share (its heads of the slab, its width of the
 decoder cache): a snapshot restores the same rank of a group of the same size.
 
 The copy to the host (`HostCopier`) is plain on CPU; on CUDA it is queued on a side stream into pinned
-memory and overlaps the session's next chunk.
+memory and overlaps the session's next chunk. The owners copy each tensor through the copier's `copy`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..camera import CameraState
-from ..models.vae import CausalCache
-from .kv_cache import slot_for_chunk, visible_chunks
+from .kv_cache import visible_chunks
 
 
 def _host(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -97,6 +99,19 @@ class HostCopier:
         self.pending.pop(session, None)
 
 
+def _tensors(state) -> Iterator[Tensor]:
+    """The tensors in a state (nested dicts, tuples and lists; anything else, e.g. the camera state, is not
+    a tensor the snapshot copied)."""
+    if isinstance(state, Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (tuple, list)):
+        for value in state:
+            yield from _tensors(value)
+
+
 @dataclass
 class SlotSnapshot:
     """Chunk `index`'s K/V slot on one rank, [layers, B, heads, chunk_tokens, head_dim]."""
@@ -106,30 +121,28 @@ class SlotSnapshot:
     keys: Tensor
     values: Tensor
 
+    def tensors(self) -> list[Tensor]:
+        return [self.keys, self.values]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 @dataclass
 class StateSnapshot:
-    """Everything else of the session on one rank, as it stands after chunk `index`."""
+    """Everything else of the session on one rank, as it stands after chunk `index`: `state` is
+    `WorldSession.state_dict()` ({"dit", "condition", "decoder"}: each owner's own)."""
     index: int
     rank: int
     world_size: int
-    rng: Tensor                                 # the sampler's generator state
-    text: Tensor                                # the text encoder output the current prompt K/V come from
-    transition: Optional[tuple[Tensor, Tensor, int, int]]   # (from, to, chunks, done) embeddings
-    rig: CameraState
-    decoder: dict[str, Tensor]
-    condition: dict = field(default_factory=dict)
+    state: dict
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the state, in a fixed order (two snapshots of one moment list theirs alike)."""
+        return list(_tensors(self.state))
 
     def nbytes(self) -> int:
-        tensors = [self.rng, self.text, *self.decoder.values(), *self.condition.get("cache", {}).values()]
-        extra = (self.condition.get("fixed_latents"), *(self.condition.get("replay") or ()))
-        tensors += [t for t in extra if t is not None]
-        if self.transition is not None:
-            tensors += list(self.transition[:2])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def chunks_to_restore(index: int, sink_chunks: int, window_chunks: int) -> list[int]:
@@ -143,39 +156,26 @@ def take_snapshot(session, rank: int = 0, world_size: int = 1, copier: Optional[
     the rest of the state. A continuation needs the slots of chunks_to_restore(k) and the state of k. With
     an asynchronous `copier` (CUDA) the tensors are valid once `copier.last` completed; `key` names the
     session to its `before_chunk`."""
-    dit = session.dit
-    kv = dit.kv
-    index = dit.chunk_index - 1
-    if index < 0 or kv.next_chunk != dit.chunk_index:
+    index = session.chunk_index - 1
+    if index < 0:
         raise ValueError("take_snapshot needs a session right after a committed chunk")
+    kv = session.dit.kv
     copier = copier or HostCopier()
-    host = copier.copy
-    slot_index = slot_for_chunk(index, kv.sink_chunks, kv.window_chunks)
-    span = slice(slot_index * kv.chunk_tokens, (slot_index + 1) * kv.chunk_tokens)
     copier.begin()
-    transition = None
-    if dit._transition is not None:
-        start, target, total, done = dit._transition
-        transition = (host(start.embedding), host(target.embedding), total, done)
-    cond = session.condition
-    condition = {"committed": cond.committed_chunks, "fixed_point_chunk": cond.fixed_point_chunk,
-                 "fixed_latents": host(cond.fixed_latents),
-                 "cache": {k: host(v) for k, v in cond.cache.entries.items()},
-                 "replay": tuple(host(t) for t in cond.replay) if cond.replay is not None else None}
-    slot = SlotSnapshot(index, rank, world_size, host(kv.keys[:, :, :, span], by_first_dim=True),
-                        host(kv.values[:, :, :, span], by_first_dim=True))
-    state = StateSnapshot(index, rank, world_size, dit.generator.get_state().clone(), host(dit.text.embedding),
-                          transition, dit.rig.state, {k: host(v) for k, v in session.decoder_cache.entries.items()},
-                          condition)
-    copier.end(key, slot_index)
-    return slot, state
+    try:
+        state = session.state_dict(copy=copier.copy)       # refuses a session not at one chunk, before copying
+        # the slot's views are strided over the whole slab: made contiguous one layer at a time
+        keys, values = kv.slot_state(index, copy=lambda t: copier.copy(t, by_first_dim=True))
+    finally:
+        copier.end(key, kv.slot_of(index))                 # the next chunk writing that slot waits for the copy
+    return SlotSnapshot(index, rank, world_size, keys, values), StateSnapshot(index, rank, world_size, state)
 
 
 def restore_snapshots(session, slots: list[SlotSnapshot], newest: StateSnapshot, rank: int = 0,
                       world_size: int = 1) -> None:
     """Put a fresh WorldSession (same image, prompt, seed, camera path and flow shift) where the session the
     snapshots came from was after chunk `newest.index`. `slots` must cover chunks_to_restore(newest.index)."""
-    dit, kv = session.dit, session.dit.kv
+    kv = session.dit.kv
     by_index = {s.index: s for s in slots}
     needed = chunks_to_restore(newest.index, kv.sink_chunks, kv.window_chunks)
     missing = [c for c in needed if c not in by_index]
@@ -183,31 +183,9 @@ def restore_snapshots(session, slots: list[SlotSnapshot], newest: StateSnapshot,
         raise ValueError(f"snapshots of chunks {missing} are missing to continue after chunk {newest.index}")
     if any((s.rank, s.world_size) != (rank, world_size) for s in [*slots, newest]):
         raise ValueError(f"snapshots of another rank or group size than rank {rank} of {world_size}")
-    if dit.chunk_index != 0:
+    if session.chunk_index != 0:
         raise ValueError("restore_snapshots needs a session that has not run a chunk")
-    device, model = kv.keys.device, dit.runner.model
-    kv.reset()
-    for chunk in needed:
-        slot = slot_for_chunk(chunk, kv.sink_chunks, kv.window_chunks)
-        span = slice(slot * kv.chunk_tokens, (slot + 1) * kv.chunk_tokens)
-        kv.keys[:, :, :, span].copy_(by_index[chunk].keys.to(device))
-        kv.values[:, :, :, span].copy_(by_index[chunk].values.to(device))
-        kv.slot_chunk[slot] = chunk
-    kv.next_chunk = newest.index + 1
-    dit.chunk_index = newest.index + 1
-    dit.generator.set_state(newest.rng)
-    dit.text = model.text_kv(newest.text.to(device))
-    if newest.transition is not None:
-        start, target, total, done = newest.transition
-        dit._transition = (model.text_kv(start.to(device)), model.text_kv(target.to(device)), total, done)
-    else:
-        dit._transition = None
-    dit.rig.state = newest.rig
-    session.decoder_cache = CausalCache({k: v.to(device) for k, v in newest.decoder.items()})
-    cond, c = session.condition, newest.condition
-    cond.committed_chunks = c["committed"]
-    cond.fixed_point_chunk = c["fixed_point_chunk"]
-    cond.fixed_latents = None if c["fixed_latents"] is None else c["fixed_latents"].to(cond.image.device)
-    cond.cache = CausalCache({k: v.to(cond.image.device) for k, v in c["cache"].items()})
-    cond.replay = None if c["replay"] is None else tuple(t.to(cond.image.device) for t in c["replay"])
-    cond.history, cond._pending = [], None
+    if not isinstance(getattr(newest, "state", None), dict):    # unpickled from a version with other fields
+        raise ValueError("a state snapshot of another version of this module")
+    kv.load_slots({c: (by_index[c].keys, by_index[c].values) for c in needed}, next_chunk=newest.index + 1)
+    session.load_state(newest.state)

@@ -106,3 +106,23 @@ def test_uint8_pixels_equal_diffusers_video_processor(dtype):
     got = frames_to_uint8(video)
     assert got.dtype == torch.uint8 and got.shape == (5, 16, 24, 3)
     assert np.array_equal(got.numpy(), expected)
+
+
+def test_causal_cache_state_round_trip_continues_the_decode_bitwise(vae_pair):
+    ours, _ = vae_pair
+    latents = torch.randn(1, 16, 5, 4, 6, generator=torch.Generator().manual_seed(4))
+    copied = []
+
+    def host(t):                                  # a snapshot's copy to the host, counted
+        copied.append(t.to("cpu", copy=True))
+        return copied[-1]
+    with torch.no_grad():
+        cache = CausalCache()
+        ours.decode(latents[:, :, :3], cache)
+        state = cache.state_dict(copy=host)
+        assert state.keys() == cache.entries.keys() and len(copied) == len(state) > 0
+        assert all(state[k] is not v and torch.equal(state[k], v) for k, v in cache.entries.items())
+        restored = CausalCache()
+        restored.load_state(state, "cpu")
+        assert restored.bitwise_equal(cache) and restored.state_dict().keys() == state.keys()
+        assert torch.equal(ours.decode(latents[:, :, 3:], restored), ours.decode(latents[:, :, 3:], cache))

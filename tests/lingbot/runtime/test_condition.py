@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from lingbot.models.vae import CausalCache
-from lingbot.runtime.condition import CausalConditionEncoder
+from lingbot.runtime.condition import CausalConditionEncoder, ConditionCache
 from tests.conftest import random_image
+from tests.lingbot.runtime.states import assert_same_state, host
 
 FIXED_POINT_CHUNK_TINY = 10     # measured: the tiny VAE's encoder state stops changing at chunk 10
 
@@ -115,3 +116,39 @@ def test_a_first_frame_seen_before_replays_its_conditions_bitwise(tiny, tiny_run
     assert replayed == cold.condition.fixed_point_chunk + 1 <= pipeline.condition_cache.max_chunks
     off = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True, condition_cache=False)
     assert off.new_session(image, "a harbour", seed=3).condition.replay is None
+
+
+def _round_trip(encoder, new, chunks_after=2):
+    """`encoder`'s state into `new` (same image and settings): the same state, and the same next conditions."""
+    state = encoder.state_dict(copy=host)
+    new.load_state(state)
+    assert_same_state(new.state_dict(copy=host), state)
+    k = encoder.committed_chunks
+    for chunk in range(k, k + chunks_after):
+        assert torch.equal(encoder.chunk_condition(chunk), new.chunk_condition(chunk)), chunk
+        encoder.commit()
+        new.commit()
+    return state
+
+
+def test_encoder_state_round_trip_while_encoding(tiny, tiny_vae):
+    image = random_image(tiny)
+    encoder = CausalConditionEncoder(tiny_vae, image, skip_fixed_point=True)
+    _run(encoder, 3)
+    state = _round_trip(encoder, CausalConditionEncoder(tiny_vae, image, skip_fixed_point=True))
+    assert state["committed"] == 3 and state["fixed_latents"] is None and state["cache"]     # the causal state
+
+
+def test_encoder_state_round_trip_at_the_fixed_point_and_in_a_replay(tiny, tiny_vae):
+    image, shared = random_image(tiny, seed=3), ConditionCache()
+
+    def new():
+        return CausalConditionEncoder(tiny_vae, image, skip_fixed_point=True, shared=shared)
+    encoder = new()
+    _run(encoder, FIXED_POINT_CHUNK_TINY + 1)
+    state = _round_trip(encoder, new())
+    assert state["fixed_point_chunk"] == FIXED_POINT_CHUNK_TINY and not state["cache"]   # the cache was freed
+    replaying = new()                                   # the first frame's latents are in `shared` now
+    _run(replaying, 2)
+    state = _round_trip(replaying, new(), chunks_after=FIXED_POINT_CHUNK_TINY)
+    assert len(state["replay"]) == FIXED_POINT_CHUNK_TINY + 1 and replaying.encoded_chunks == 0

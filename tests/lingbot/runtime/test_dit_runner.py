@@ -1,11 +1,13 @@
 """The in-process session API: shapes, stage split, switches that must be bit-identical, no host reads."""
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lingbot.camera import Controls
+from lingbot.camera import CameraEvent, Controls
 from lingbot.runtime.condition import LatentCondition
 from lingbot.runtime.dit_runner import DiTRunner
 from tests.conftest import random_condition
+from tests.lingbot.runtime.states import assert_same_state, host
 
 
 def test_generate_shape_and_stage_split(tiny, tiny_runner):
@@ -96,3 +98,35 @@ def test_a_prompt_transition_blends_the_encoder_outputs_then_projects(tiny, tiny
     assert (s.text.keys[0] - kv_midpoint).abs().max() > 1e-4          # blending K/V would be another thing
     s.run_chunk()
     assert s.text is b
+
+
+def test_session_state_round_trip_continues_bitwise(tiny, tiny_runner):
+    """A DiT session's state (RNG, text and a running prompt transition, camera rig with a move running,
+    chunk counter) and its window's slots, put into a new session, give the same state and the same chunks."""
+    cond = random_condition(tiny)
+    move = CameraEvent("target", (0.1, 0.0, 0.4), (0.0, 0.0, 0.0, 1.0), 3)
+
+    def new():
+        return tiny_runner.new_session(LatentCondition(cond), prompt="a canyon", seed=3)
+    a = new()
+    assert a.state_dict()["text"] is None                    # the prompt is encoded at the first chunk
+    for k in range(3):
+        a.run_chunk(Controls(keys=("w", "d", ""), camera=move if k == 1 else None),
+                    prompt=("a glacier", 3) if k == 1 else None)
+    state = a.state_dict(copy=host)
+    assert state["chunk_index"] == 3 and state["transition"][2:] == (3, 2) and state["rig"].motion is move
+    b = new()
+    b.kv.load_slots({c: a.kv.slot_state(c, copy=host) for c in range(3)}, next_chunk=3)
+    b.load_state(state)
+    assert_same_state(b.state_dict(copy=host), state)
+    for _ in range(2):
+        assert torch.equal(a.run_chunk(Controls(keys=("a", "", "l"))).latents,
+                           b.run_chunk(Controls(keys=("a", "", "l"))).latents)
+
+
+def test_session_state_refuses_a_window_at_another_chunk(tiny, tiny_runner):
+    s = tiny_runner.new_session(LatentCondition(random_condition(tiny)), prompt="a canyon", seed=3)
+    s.kv.begin_chunk(0)
+    s.kv.commit()
+    with pytest.raises(ValueError, match="K/V window is at chunk 1, the session at 0"):
+        s.state_dict()

@@ -6,6 +6,7 @@ from lingbot.camera import Controls
 from lingbot.runtime.condition import LatentCondition
 from lingbot.runtime.kv_cache import KVWindow, LRUCache, slot_for_chunk, visible_chunks
 from tests.conftest import random_condition
+from tests.lingbot.runtime.states import host
 
 NUM_CHUNKS = 11
 
@@ -144,6 +145,64 @@ def test_probes_never_modify_committed_slots(tiny, tiny_runner, k):
     for c in range(k):
         clean.run_chunk(_controls(c))
     assert torch.equal(again, clean.run_chunk(_controls(k)).latents)
+
+
+def _fill(kv: KVWindow, chunks: int, seed: int = 0) -> None:
+    """Commit `chunks` chunks of random K/V (every layer), as the forwards of a session would."""
+    g = torch.Generator().manual_seed(seed)
+    layers, batch, heads, _, dim = kv.keys.shape
+    for k in range(chunks):
+        kv.begin_chunk(k)
+        for layer in range(layers):
+            kv.update(layer, *torch.randn(2, batch, heads, kv.chunk_tokens, dim, generator=g))
+        kv.commit()
+
+
+@pytest.mark.parametrize("chunks", [2, 9])                 # inside the first window; after evictions
+def test_slots_round_trip_into_a_fresh_window(tiny, chunks):
+    cfg = tiny.transformer
+    kv, fresh = KVWindow(cfg, tokens_per_frame=2), KVWindow(cfg, tokens_per_frame=2)
+    _fill(kv, chunks)
+    _fill(fresh, 4, seed=1)                                  # what a window held before is forgotten
+    needed = visible_chunks(chunks, cfg.sink_chunks, cfg.window_chunks)[:-1]
+    slots = {c: kv.slot_state(c, copy=host) for c in needed}
+    assert all(t.shape == (cfg.num_layers, 1, cfg.num_attention_heads, kv.chunk_tokens, cfg.attention_head_dim)
+               and t.is_contiguous() for pair in slots.values() for t in pair)
+    fresh.load_slots(slots, next_chunk=chunks)
+    assert fresh.next_chunk == chunks
+    assert sorted(c for c in fresh.slot_chunk if c >= 0) == needed
+    for c in needed:
+        assert all(torch.equal(x, y) for x, y in zip(fresh.slot_state(c), slots[c]))
+    # the next chunk attends the same K/V in both windows, bitwise
+    new = torch.randn(2, 1, cfg.num_attention_heads, kv.chunk_tokens, cfg.attention_head_dim,
+                      generator=torch.Generator().manual_seed(2))
+    for window in (kv, fresh):
+        window.begin_chunk(chunks)
+    for layer in range(cfg.num_layers):
+        seen, seen_fresh = kv.update(layer, *new), fresh.update(layer, *new)
+        assert torch.equal(seen[0], seen_fresh[0]) and torch.equal(seen[1], seen_fresh[1])
+
+
+def test_slots_refuse_what_the_window_does_not_hold(tiny):
+    cfg = tiny.transformer
+    kv = KVWindow(cfg, tokens_per_frame=2)
+    _fill(kv, 8)
+    with pytest.raises(ValueError, match="chunk 4 is not a committed chunk"):     # evicted by chunk 7
+        kv.slot_state(4)
+    with pytest.raises(ValueError, match="chunk 8 is not a committed chunk"):     # not run yet
+        kv.slot_state(8)
+    slot = kv.slot_state(7)
+    fresh = KVWindow(cfg, tokens_per_frame=2)
+    _fill(fresh, 3, seed=1)
+    before = fresh.keys.clone(), fresh.values.clone(), list(fresh.slot_chunk)
+    with pytest.raises(ValueError, match=r"chunks \[4\] are not in the window after chunk 7"):
+        fresh.load_slots({4: slot, 7: slot}, next_chunk=8)
+    with pytest.raises(ValueError, match="chunk 7: slots of"):
+        fresh.load_slots({7: (slot[0][:, :, :1], slot[1][:, :, :1])}, next_chunk=8)    # another head count
+    with pytest.raises(ValueError, match="chunk 7: slots of"):
+        fresh.load_slots({7: (slot[0].double(), slot[1].double())}, next_chunk=8)
+    assert torch.equal(fresh.keys, before[0]) and torch.equal(fresh.values, before[1])
+    assert fresh.slot_chunk == before[2] and fresh.next_chunk == 3
 
 
 def test_kv_window_budget_matches_design(tiny):

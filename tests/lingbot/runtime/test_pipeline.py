@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from lingbot.camera import Controls
+from lingbot.runtime.snapshot import StateSnapshot
 from tests.conftest import random_image
+from tests.lingbot.runtime.states import assert_same_state, host
 
 
 def test_chunks_give_9_then_12_uint8_frames(tiny, tiny_pipeline):
@@ -152,3 +154,35 @@ def test_a_chunk_restarted_with_a_new_control_is_the_chunk_run_with_it(tiny, tin
     assert a.index == b.index == 1 and torch.equal(a.frames, b.frames)
     a, b = restarted.step(old), direct.step(old)     # and the chunks after it
     assert torch.equal(a.frames, b.frames)
+
+
+def test_session_state_goes_through_copy_and_round_trips(tiny, tiny_pipeline):
+    """Every tensor of a session's state is copied by the copy function given (a snapshot's copy to the host)
+    but the RNG state (a host tensor already); a new session given it and the window's slots is the same."""
+    image = random_image(tiny)
+    a = tiny_pipeline.new_session(image, "a harbour", seed=4)
+    for _ in range(2):
+        a.step(Controls(keys=("w", "", "d")))
+    copied = []
+
+    def counted(t):
+        copied.append(host(t))
+        return copied[-1]
+    state = a.state_dict(copy=counted)
+    assert state.keys() == {"dit", "condition", "decoder"} and state["decoder"]
+    tensors = StateSnapshot(1, 0, 1, state).tensors()
+    assert [t for t in tensors if not any(t is c for c in copied)] == [state["dit"]["rng"]]
+    b = tiny_pipeline.new_session(image, "a harbour", seed=4)
+    b.dit.kv.load_slots({c: a.dit.kv.slot_state(c, copy=host) for c in range(2)}, next_chunk=2)
+    b.load_state(state)
+    assert_same_state(b.state_dict(copy=host), state)
+    assert b.chunk_index == 2
+    assert torch.equal(a.step(Controls(keys=("s", "a", ""))).frames, b.step(Controls(keys=("s", "a", ""))).frames)
+
+
+def test_a_failed_session_gives_no_state(tiny, tiny_pipeline):
+    session = tiny_pipeline.new_session(random_image(tiny), "a harbour", seed=1)
+    session.step()
+    session.failed = "RuntimeError while decoding chunk 1"            # as step() marks a failed decode
+    with pytest.raises(ValueError, match="session failed"):
+        session.state_dict()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lingbot.camera import CameraEvent, Controls
-from lingbot.runtime.snapshot import HostCopier, chunks_to_restore, restore_snapshots, take_snapshot
+from lingbot.runtime.snapshot import HostCopier, StateSnapshot, chunks_to_restore, restore_snapshots, take_snapshot
 from tests.conftest import random_image
 
 
@@ -64,6 +64,10 @@ def test_restore_refuses_what_cannot_continue(tiny, tiny_pipeline):
     used.step()
     with pytest.raises(ValueError, match="has not run a chunk"):
         restore_snapshots(used, slots, snaps[2][1])
+    older = StateSnapshot.__new__(StateSnapshot)          # as a snapshot of the fields before `state` unpickles
+    older.__dict__.update(index=2, rank=0, world_size=1, rng=snaps[2][1].state["dit"]["rng"])
+    with pytest.raises(ValueError, match="another version"):
+        restore_snapshots(tiny_pipeline.new_session(image, "a harbour", seed=7), slots, older)
     with pytest.raises(ValueError, match="right after a committed chunk"):
         take_snapshot(tiny_pipeline.new_session(image, "a harbour", seed=7))
     assert np.isfinite(snaps[-1][1].nbytes())
