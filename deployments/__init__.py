@@ -1,4 +1,6 @@
-"""The Ray Serve application: the only package that knows Ray (docs/architecture.md).
+"""The Ray Serve application: the only package that knows Ray (docs/architecture.md, "The layers").
 
-ingress.py (WebSocket sessions) -> group.py (one replica = one SP group: rank actors + muxer) ->
-rank.py (the engine on one rank) and muxer.py (fMP4 per session, control mailbox). app.py builds it."""
+session/ a session's life, ledger, scheduling and events (plain Python: no Ray, no Starlette) ·
+ingress/ the HTTP app, one file per wire dialect, the door, the snapshot keeper ·
+group/ one replica = one SP group: its phase, the rank executor, the chunk loop, the drain, the rank worker,
+muxer and mailbox · settings.py, metrics.py, app.py (the builder)."""

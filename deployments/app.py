@@ -7,8 +7,8 @@ from ray.serve import Application
 
 from lingbot.config import ConfigError
 
-from .group import WorldGroup
-from .ingress import Ingress
+from .group.replica import WorldGroup
+from .ingress.app import Ingress
 from .settings import ServeSettings
 
 

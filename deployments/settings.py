@@ -457,14 +457,9 @@ del _key, _group, _f
 
 
 def _parse_allowlist(text: str) -> tuple[str, ...]:
-    """The door's own parser of image_url_allowlist, imported when needed (the ingress imports this module):
-    deployments/ingress/fetch.py, or deployments/fetch.py before the ingress became a package."""
-    try:
-        from .ingress.fetch import parse_allowlist
-    except ModuleNotFoundError as e:
-        if e.name not in (f"{__package__}.ingress", f"{__package__}.ingress.fetch"):
-            raise
-        from .fetch import parse_allowlist
+    """The door's own parser of image_url_allowlist (deployments/ingress/fetch.py), imported when needed: the
+    ingress imports this module."""
+    from .ingress.fetch import parse_allowlist
     return parse_allowlist(text)
 
 

@@ -23,7 +23,7 @@ URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
 
 
 def test_tenant_limits_by_hand():
-    from deployments.limits import TenantLimits
+    from deployments.ingress.door import TenantLimits
     limits = TenantLimits(max_sessions=2, max_starts_per_minute=3)
     assert limits.admit("a", 0.0) is None and limits.admit("a", 1.0) is None
     busy = limits.admit("a", 2.0)                                # a third at once
@@ -41,7 +41,7 @@ def test_tenant_limits_by_hand():
 
 
 def test_origins_and_keys_by_hand():
-    from deployments.protocol import origin_allowed, presented_key
+    from deployments.ingress.door import origin_allowed, presented_key
     own = {"host": "127.0.0.1:8000"}
     assert origin_allowed(own, frozenset())                                          # programs: no Origin
     assert origin_allowed({**own, "origin": "http://127.0.0.1:8000"}, frozenset())   # the page's own

@@ -92,20 +92,6 @@ def test_accelerators_are_requested_by_kind():
         ServeSettings.from_args({"rank_devices": 1})
 
 
-def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
-    """Each rank measures its own device (whatever index the node gives it); the group tags by rank, and a
-    rank without an accelerator (CPU) reports nothing."""
-    from deployments.group import device_metric_tags
-    from deployments.messages import DeviceStats
-    from deployments.rank import RankWorker
-    rank0, rank1 = DeviceStats(90.0, 5 << 30), DeviceStats(40.0, 7 << 30)
-    assert device_metric_tags("g1", [rank0, rank1]) == [(rank0, {"group": "g1", "rank": "0"}),
-                                                     (rank1, {"group": "g1", "rank": "1"})]
-    assert device_metric_tags("g1", [None, rank1]) == [(rank1, {"group": "g1", "rank": "1"})]
-    worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
-    assert worker.device.type == "cpu" and worker.device_stats().memory_used > 0       # CPU: the rank's process
-
-
 def test_in_flight_chunks_default_by_device():
     assert ServeSettings.from_args({}).in_flight_chunks == 1
     assert ServeSettings.from_args({"max_in_flight_chunks": 3}).in_flight_chunks == 3
@@ -128,25 +114,7 @@ def test_sessions_per_group_from_the_budget():
     assert ServeSettings.from_args({**gpu, "memory_budget_gib": 60}).budget_bytes == 60 * 2 ** 30
 
 
-def test_a_stopping_group_moves_its_sessions_to_a_group_with_room_or_before_its_grace_ends():
-    from deployments.group import DRAIN_MARGIN_S, NEW_GROUP_SLACK_S, drain_due
-    grace, t, rollout = 600.0, 100.0, 5000.0          # monotonic now; wall clock of the first stop seen
-    old = ("RUNNING", rollout - 3600.0)                  # started an hour before the redeploy (maybe full)
-    new = ("RUNNING", rollout - NEW_GROUP_SLACK_S + 1)   # started with the redeploy (seen a poll late)
-    stopping = ("STOPPING", rollout - 3600.0)
-    # a redeploy: b is old, c new; move once c runs, not to b
-    assert drain_due("a", {"a": stopping, "b": old, "c": ("STARTING", 0.0)}, rollout, t, t + 29, grace) is None
-    assert drain_due("a", {"a": stopping, "b": old, "c": new}, rollout, t, t, grace) == "new group"
-    # the new one never comes up (it waits for the devices this one holds): after a while, to the old ones
-    assert drain_due("a", {"a": stopping, "b": old, "c": ("STARTING", 0.0)}, rollout, t, t + 30, grace) == \
-        "no new group"
-    # a scale-down: only this one goes, nothing starts: the others take the sessions
-    assert drain_due("a", {"a": stopping, "b": old}, rollout, t, t, grace) == "scale-down"
-    # no other group at all: the sessions stay until the margin before the kill
-    alone = {"a": stopping, "c": ("STARTING", 0.0)}
-    assert drain_due("a", alone, rollout, t, t + grace - DRAIN_MARGIN_S - 0.1, grace) is None
-    assert drain_due("a", alone, rollout, t, t + grace - DRAIN_MARGIN_S, grace) == "deadline"
-    assert drain_due("a", {"a": stopping, "b": stopping}, rollout, t, t, 5.0) == "deadline"   # grace < margin
+def test_drain_settings_are_validated():
     with pytest.raises(ConfigError, match="drain_poll_s must be >= 0 \\(0 turns draining off\\), got -1"):
         ServeSettings.from_args({"drain_poll_s": -1})
     with pytest.raises(ConfigError, match=r"drain_lead_s must be >= 0, got -0\.5"):

@@ -2,13 +2,15 @@
 protocol"). Every message is a MessagePack map in a binary WebSocket frame; frames come back raw (RGB24),
 as XOR deltas under gzip, or as WebP/JPEG images, in batches.
 
-Plain Python (no Ray): parsing and validation of `init` and `event` messages into the same typed requests
-as the first protocol (protocol.StartRequest / Interaction), and the server's messages. The ingress runs
-the sessions; tests check every refusal without a server.
+Its parser (plain functions: `init` and `event` maps into the same typed requests as the first protocol,
+session.requests.StartRequest / Interaction; tests check every refusal without a server), the server's
+messages, and its connection (the wire of a session's life).
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from typing import Any, Optional
 
 import msgpack
@@ -17,7 +19,12 @@ from lingbot.config import ChunkGeometry
 from lingbot.io.frames import DEFAULT_QUALITY, FrameBatch, FrameFormat
 from lingbot.io.images import open_image, resize_image
 
-from .protocol import CLOSE_TOO_BIG, Interaction, ProtocolError, StartRequest, decode_image, parse_keys_list
+from ..session.codes import CLOSE_NORMAL, CLOSE_TOO_BIG, ErrorCode, ProtocolError
+from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
+from ..session.ports import ACTIVITY
+from ..session.requests import Interaction, StartRequest
+from .parsing import decode_image, parse_keys_list
+from .wire import WebSocketWire, close_quietly
 
 ROUTE = "/v1/realtime_video/generate"
 SPLIT_BYTES = 64 * 2 ** 10          # a payload this big or bigger follows its header as a binary frame of its own
@@ -271,3 +278,81 @@ def batch_messages(request_id: str, chunk_index: int, event_id: Optional[int], f
 
 def ms(seconds: float) -> int:
     return max(0, int(seconds * 1000 + 0.5))
+
+
+# ---- the connection -------------------------------------------------------------------------------
+class SglangWire(WebSocketWire):
+    """MessagePack maps in binary messages; frames raw, delta-gzip, WebP or JPEG in batches, then a chunk_stats
+    map per chunk. A bad init or event gets an error and the connection goes on; the end of the session is the
+    close (1000 "generation complete")."""
+
+    def __init__(self, ws, settings, fetcher=None):
+        super().__init__(ws, settings, fetcher)
+        self.output: Optional[FrameFormat] = None
+        self.size: tuple[int, int] = (0, 0)
+        self.session_id = ""
+        self.event_id: Optional[int] = None      # the last client event applied, echoed with every chunk
+
+    async def receive(self, timeout: float, limit: int) -> dict:
+        message = await self.receive_raw(timeout)
+        if message.get("bytes") is None:
+            raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "send MessagePack maps as binary messages, not text")
+        return unpack(message["bytes"], limit)
+
+    def error_close(self, error: ProtocolError):
+        if error.close == CLOSE_NORMAL:          # the session's own limits end it normally, with their reason
+            return None, error.message
+        return error_message(error), error.message
+
+    async def send_error(self, error: ProtocolError) -> None:
+        await self.ws.send_bytes(error_message(error))
+
+    def limit_error(self, code: ErrorCode, text: str) -> ProtocolError:
+        return ProtocolError(code, text, close=CLOSE_NORMAL)
+
+    async def parse_start(self, msg: dict, facts: ModelFacts) -> StartRequest:
+        s = self.settings
+        start = await asyncio.to_thread(parse_init, msg, facts.size, facts.geometry, s.max_chunks, s.fps, facts.steps,
+                                        self.fetcher)
+        self.output, self.size = start.output, facts.size
+        return start
+
+    def control(self, msg: dict, seq: int):
+        interaction = parse_event(msg, seq)
+        return ACTIVITY if interaction is None else interaction      # a heartbeat: the client is here
+
+    async def send_admitted(self, admitted: Admitted, start: StartRequest, session_id: str) -> None:
+        self.session_id = session_id             # SGLang's protocol has no start message: chunks name the session
+
+    async def send_chunk(self, event: ChunkReady, transport_index: int, send) -> bool:
+        t0 = time.monotonic()
+        started = [int(e) for e in event.started if not e.startswith("~")]
+        if started:
+            self.event_id = started[-1]
+        width, height = self.size
+        messages = batch_messages(self.session_id, event.index, self.event_id, self.output, width, height,
+                                  event.batches)
+        for message in messages:
+            if not await send(message):
+                return False
+        sent = time.monotonic()
+        stats = {"type": "chunk_stats", "session_id": self.session_id, "request_id": self.session_id,
+                 "chunk_index": event.index, "event_id": self.event_id,
+                 "request_prepare_ms": ms(event.timings.get("prepare_next_chunk", 0.0)),
+                 "scheduler_forward_ms": ms(event.wall_s),
+                 "raw_payload_build_ms": ms(event.timings.get("encode", 0.0)),
+                 "ws_write_ms": ms(sent - t0), "chunk_total_ms": ms(event.wall_s + sent - t0),
+                 "num_batches": len(messages), "num_frames": event.num_frames,
+                 "raw_bytes": sum(b.raw_size for b in event.batches),
+                 "ws_payload_bytes": sum(len(m) for m in messages), "content_type": self.output.content_type,
+                 "actions": None if event.keys is None else [list(k) for k in event.keys]}
+        return await send(pack(stats))
+
+    async def send_resumed(self, event: Resumed, chunk_index: int, transport_index: int, gap_s: float, reason: str,
+                           send) -> bool:
+        return await send(pack({"type": "session_resumed", "session_id": self.session_id, "chunk_index": chunk_index,
+                                "restored_chunks": event.restored, "replayed_chunks": event.replayed,
+                                "replay_ms": ms(event.replay_s), "gap_ms": ms(gap_s), "reason": reason}))
+
+    async def finish(self, stopped: bool, chunks: int) -> None:
+        await close_quietly(self.ws, None, CLOSE_NORMAL, "generation complete")

@@ -1,13 +1,15 @@
-"""Limits at the door, per tenant (an API key, or the client's address when no keys are configured): how
+"""The door: what a connection must pass before its session may start. Who may connect (an API key, the page's
+origin) and limits per tenant (an API key, or the client's address when no keys are configured): how
 many sessions it may hold at once and how many it may start per minute. Plain Python, one per ingress
 replica: the app runs one; with several (or an old one draining through a redeploy) each enforces the limits
 on its own connections."""
 from __future__ import annotations
 
+import hmac
 from collections import deque
 from typing import Optional
 
-from .protocol import CLOSE_TRY_AGAIN, ProtocolError
+from ..session.codes import CLOSE_TRY_AGAIN, ProtocolError
 
 WINDOW_S = 60.0
 
@@ -45,16 +47,28 @@ class TenantLimits:
             del self.active[tenant]
 
 
-class SnapshotKeeper:
-    """Owns the sessions' snapshots in the object store, so they survive the group (and the node) that made
-    them: ranks hand each chunk's snapshot (its K/V slot and the state after it) to `keep`, which puts them
-    and returns their references (in a list, so that they travel as references). An object lives while
-    someone holds its reference: the ingress holds the ones a resume would need and lets the rest go. The
-    ingress creates one per replica (and another if it dies)."""
+def presented_key(headers: dict, query: dict, keys: frozenset) -> Optional[str]:
+    """The configured key the client presents: `Authorization: Bearer KEY` (or `X-API-Key: KEY`) for
+    programs, `?api_key=KEY` for pages (browsers cannot set WebSocket headers). None if it presents none of
+    them; "" when no keys are configured (everyone is let in)."""
+    if not keys:
+        return ""
+    auth = headers.get("authorization", "")
+    presented = {auth[7:].strip() if auth.lower().startswith("bearer ") else "", headers.get("x-api-key", ""),
+                 query.get("api_key", "")}
+    return next((k for k in sorted(keys) for p in presented if p and hmac.compare_digest(k, p)), None)
 
-    def ready(self) -> bool:
+
+def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
+    """True when no keys are configured, or the client presents one (see presented_key)."""
+    return presented_key(headers, query, keys) is not None
+
+
+def origin_allowed(headers: dict, allowed: frozenset) -> bool:
+    """A WebSocket handshake's Origin: absent (programs send none), the page's own (the same host and port
+    as the request), listed in `allowed`, or anything when `allowed` holds "*"."""
+    origin = headers.get("origin")
+    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
         return True
-
-    def keep(self, slot, state) -> list:
-        import ray
-        return [ray.put(slot), ray.put(state)]
+    from urllib.parse import urlsplit
+    return urlsplit(origin).netloc.lower() == headers.get("host", "").lower()

@@ -1,8 +1,8 @@
 """The control mailbox without Ray: order, wake-up on arrival, closed sessions."""
 import asyncio
 
-from deployments.mailbox import ControlMailbox
-from deployments.protocol import Interaction
+from deployments.group.mailbox import ControlMailbox
+from deployments.session.requests import Interaction
 
 
 def _interaction(event_id: str, seq: int) -> Interaction:

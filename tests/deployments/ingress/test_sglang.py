@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deployments import sglang
-from deployments.protocol import CLOSE_TOO_BIG, ProtocolError
+from deployments.ingress import sglang
+from deployments.session.codes import CLOSE_TOO_BIG, ProtocolError
 from lingbot.io.frames import FrameBatcher, FrameFormat
-from tests.deployments.test_protocol import GEOMETRY, data_url
+from tests.deployments.ingress.test_vllm import GEOMETRY, data_url
 
 SIZE = (112, 64)
 
@@ -153,8 +153,8 @@ def test_unpack_refuses_what_is_not_one_map():
     refused(lambda: sglang.unpack(msgpack.packb([1, 2]), 100), "invalid_msgpack", "a MessagePack map")
     refused(lambda: sglang.unpack(msgpack.packb({"kind": "x"}), 100), "missing_field")
     refused(lambda: sglang.unpack(b"\xa2\xff\xfe", 100), "invalid_msgpack")          # not UTF-8
-    assert msgpack.unpackb(sglang.error_message(ProtocolError("c", "m", event_id=3))) == \
-        {"type": "error", "content": "m", "code": "c", "event_id": 3}
+    assert msgpack.unpackb(sglang.error_message(ProtocolError("invalid_field", "m", event_id=3))) == \
+        {"type": "error", "content": "m", "code": "invalid_field", "event_id": 3}
 
 
 def test_frame_messages_split_at_64_kib_and_carry_the_header_fields():

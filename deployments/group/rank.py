@@ -27,9 +27,10 @@ from lingbot.runtime.kv_cache import slot_for_chunk
 from lingbot.runtime.pipeline import WorldSession
 from lingbot.runtime.snapshot import HostCopier, restore_snapshots, take_snapshot
 
-from .messages import ChunkControls, ChunkReply, DeviceStats, RankInfo
-from .sessions import Tombstones
-from .settings import ServeSettings
+from ..session.events import ChunkControls, ModelFacts, RankRestore, SnapshotRef
+from ..settings import ServeSettings
+from .messages import ChunkReply, DeviceStats, RankInfo
+from .tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +115,11 @@ class RankWorker:
         warmup = life.warm_up()
         life.measure()
         capacity = life.capacity(s.max_sessions_per_group, s.budget_bytes)
-        preset = self.pipeline.preset
+        preset = self.pipeline.preset                # after any checkpoint config.json: what this rank runs
         log.info("rank %d/%d ready on %s in %.1f s (warm-up %.1f s); %d sessions fit", self.rank, self.world_size,
                  self.device, time.monotonic() - t0, warmup.seconds, capacity)
-        return RankInfo(capacity, session_footprint(preset, self.world_size).total, str(self.device), preset.width,
-                        preset.height, preset.transformer.num_frames_per_block, warmup.seconds)
+        return RankInfo(capacity, session_footprint(preset, self.world_size).total, str(self.device),
+                        ModelFacts.of(preset), warmup.seconds)
 
     def _device(self) -> torch.device:
         kind = self.settings.device
@@ -164,17 +165,15 @@ class RankWorker:
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
                      flow_shift: Optional[float], trajectory: Optional[Trajectory] = None, keeper=None,
-                     snapshots: Optional[tuple] = None) -> Optional[int]:
-        """Build the session; the chunk it continues from (0, or after the chunk of `snapshots`, this rank's
-        (K/V slot refs, state ref) of a resumed session, when they could all be read); None (nothing kept)
-        when it was stopped or closed meanwhile. With a `keeper`, every committed chunk is snapshotted and
-        handed to it."""
+                     restore: Optional[RankRestore] = None) -> Optional[int]:
+        """Build the session; the chunk it continues from (0, or after the chunk of `restore`, this rank's share
+        of a resumed session's snapshots, when they could all be read); None (nothing kept) when it was
+        stopped or closed meanwhile. With a `keeper`, every committed chunk is snapshotted and handed to it."""
         restored = None
-        if snapshots:
+        if restore is not None:
             try:                                    # a snapshot lost with its node: the session replays instead
                 import ray
-                slots, state = snapshots
-                restored = ray.get(list(slots), timeout=60), ray.get(state, timeout=60)
+                restored = ray.get(list(restore.slots), timeout=60), ray.get(restore.state, timeout=60)
             except Exception as e:
                 log.warning("session %s: snapshots unavailable (%s); it will be replayed", session_id,
                             type(e).__name__)
@@ -279,8 +278,8 @@ class RankWorker:
         self._snapshot(session_id, session, index, reply)
         return reply
 
-    def flush_snapshots(self, session_id: str, timeout: float = SNAPSHOT_PUT_TIMEOUT_S) -> tuple:
-        """The snapshots taken and not reported yet, once stored ((chunk, slot ref, state ref) each): a group
+    def flush_snapshots(self, session_id: str, timeout: float = SNAPSHOT_PUT_TIMEOUT_S) -> tuple[SnapshotRef, ...]:
+        """The snapshots taken and not reported yet, once stored: a group
         that hands its sessions on (drain) passes them along, so the next group restores the last chunk."""
         puts = self.puts.get(session_id)
         if puts is None:
@@ -289,12 +288,11 @@ class RankWorker:
         wait([f for _, f in puts], timeout)
         return self._stored(puts)
 
-    @staticmethod
-    def _stored(puts: list) -> tuple:
-        """Take the finished puts off `puts`: (chunk, slot ref, state ref) of each that succeeded."""
+    def _stored(self, puts: list) -> tuple[SnapshotRef, ...]:
+        """Take the finished puts off `puts`: the references of each that succeeded."""
         done = [(i, f) for i, f in puts if f.done()]
         puts[:] = [(i, f) for i, f in puts if not f.done()]
-        return tuple((i, *f.result()) for i, f in done if f.exception() is None)
+        return tuple(SnapshotRef(i, self.rank, *f.result()) for i, f in done if f.exception() is None)
 
     def _snapshot(self, session_id: str, session: WorldSession, index: int, reply: ChunkReply) -> None:
         """Snapshot the session's state after this chunk: the copy to the host is queued on the device thread

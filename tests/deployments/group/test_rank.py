@@ -5,15 +5,17 @@ import threading
 
 import numpy as np
 
-from deployments.messages import ChunkControls
-from deployments.rank import RankWorker
+from deployments.group.messages import DeviceStats
+from deployments.group.rank import RankWorker
+from deployments.group.replica import device_metric_tags
+from deployments.session.events import ChunkControls
 from deployments.settings import ServeSettings
 
 
 def test_device_work_runs_on_one_thread():
     worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
     info = worker.join(None)
-    assert info.capacity == 2 and (info.width, info.height) == (112, 64)
+    assert info.capacity == 2 and (info.facts.width, info.facts.height) == (112, 64)
     seen = set()
     worker.pipeline.runner.model.register_forward_pre_hook(lambda module, args: seen.add(threading.get_ident()))
     assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None) == 0   # from chunk 0
@@ -37,7 +39,7 @@ def test_device_work_runs_on_one_thread():
 def test_the_rank_device_is_the_one_ray_assigned():
     import pytest
 
-    from deployments.rank import assigned_device
+    from deployments.group.rank import assigned_device
     # Ray narrowed the visible devices to the assignment: torch sees it as device 0
     assert assigned_device("cuda", {"GPU": ["3"]}, {"CUDA_VISIBLE_DEVICES": "3"}) == "cuda:0"
     # a process that sees several devices: the assigned id's position among them
@@ -75,3 +77,14 @@ def test_an_aborted_chunk_changes_nothing_and_runs_again():
     assert not worker.run_chunk("s", 2, ChunkControls()).stopped
     worker.close_session("s")
     assert worker.aborts == {}
+
+
+def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
+    """Each rank measures its own device (whatever index the node gives it); the group tags by rank, and a
+    rank without an accelerator (CPU) reports nothing."""
+    rank0, rank1 = DeviceStats(90.0, 5 << 30), DeviceStats(40.0, 7 << 30)
+    assert device_metric_tags("g1", [rank0, rank1]) == [(rank0, {"group": "g1", "rank": "0"}),
+                                                     (rank1, {"group": "g1", "rank": "1"})]
+    assert device_metric_tags("g1", [None, rank1]) == [(rank1, {"group": "g1", "rank": "1"})]
+    worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
+    assert worker.device.type == "cpu" and worker.device_stats().memory_used > 0       # CPU: the rank's process

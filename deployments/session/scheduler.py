@@ -1,7 +1,7 @@
 """A group's sessions: interaction lifecycle, per-chunk controls, earliest-deadline-first pacing.
 
 Plain Python (no Ray): the WorldGroup replica owns one `Scheduler` of `ScheduledSession`s; tests drive it
-directly. `Tombstones` remembers ended sessions for the actors whose calls may arrive out of order.
+directly.
 
 Playback clock: a session's player starts when its first chunk is delivered; chunk k (k >= 1) is due
 when the video before it has played out: deadline = first_delivery + frames before it / fps. The
@@ -27,32 +27,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from lingbot.config import LINGBOT_GEOMETRY, ChunkGeometry
-from lingbot.stats import percentile
 
-from .messages import ChunkControls, Planner, Resume
-from .protocol import Interaction, StartRequest
-
-
-class Tombstones:
-    """Ids of sessions that ended, newest kept (bounded). Calls to a threaded or async actor run in any order:
-    a close can overtake its open, a stop can land before, during or after the chunk it is meant for."""
-
-    def __init__(self, capacity: int = 10000):
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def add(self, session_id: str) -> None:
-        self._ids[session_id] = None
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._ids
+from .events import ChunkControls, InteractionState, Resume, SnapshotRef
+from .pacer import Pacer
+from .requests import Interaction, StartRequest
 
 
 @dataclass
@@ -75,42 +59,7 @@ class ChunkPlan:
     active: list[str]
     completed: list[str]
     restarted: bool = False                     # run again once, with a control that arrived in its probes
-    planner: Optional[Planner] = None           # the interaction state once the chunk is committed
-
-
-class Pacer:
-    """How far ahead of its playback a session may generate (seconds): fixed, or learned from how long its
-    recent chunks took from eligible to delivered (module docstring)."""
-
-    def __init__(self, max_lead_s: float, adaptive: bool = False, margin_s: float = 0.1, q: float = 0.9,
-                 window: int = 8, min_samples: int = 4):
-        self.max_lead_s = max_lead_s
-        self.adaptive = adaptive
-        self.margin_s = min(margin_s, max_lead_s)
-        self.q = q
-        self.min_samples = min_samples
-        self.needs: deque[float] = deque(maxlen=window)
-        self.lead_s = max_lead_s                      # until the session has shown what it needs
-
-    def hold_lead(self, lead_s: float) -> None:
-        """From now on exactly `lead_s`, whatever the chunks need (a group that is about to hand the session
-        on fills its viewer's buffer first)."""
-        self.adaptive = False
-        self.max_lead_s = max(self.max_lead_s, lead_s)
-        self.lead_s = lead_s
-
-    def observe(self, need_s: float, slack_s: float) -> None:
-        """A chunk took `need_s` from eligible to delivered and arrived `slack_s` before it was due
-        (negative: the player waited that long)."""
-        self.needs.append(need_s)
-        if not self.adaptive:
-            return
-        wanted = self.lead_s
-        if len(self.needs) >= self.min_samples:
-            wanted = percentile(self.needs, self.q) + self.margin_s
-        if slack_s < 0:                               # a stall: more lead at once, by the wait it caused
-            wanted = max(wanted, self.lead_s - slack_s)
-        self.lead_s = min(self.max_lead_s, max(self.margin_s, wanted))
+    interactions: Optional[InteractionState] = None   # the interaction state once the chunk is committed
 
 
 class ScheduledSession:
@@ -137,7 +86,7 @@ class ScheduledSession:
         self.replay: deque[ChunkControls] = deque()  # a resumed session's delivered chunks, to run again first
         self.replay_started: Optional[float] = None
         self.restored = 0                            # the chunk a resumed session's snapshots put it at
-        self.snapshots: list[tuple] = []             # (chunk, rank, slot ref, state ref) not yet passed on
+        self.snapshots: list[SnapshotRef] = []       # stored by the ranks, not yet passed on to the ingress
         self.stopped = False
         self.stalls = 0
         self.stall_seconds = 0.0
@@ -146,6 +95,9 @@ class ScheduledSession:
         self.ready_since = self.created             # since when the in-flight bound allows another chunk
         self.picked_eligible: Optional[float] = None    # set by Scheduler.pick for the chunk it hands out
         self.eligible_times: deque[float] = deque()     # per chunk in flight: when it became eligible
+        # plan_next_chunk's outcome, taken over by commit_plan once the ranks ran the chunk
+        self._planned: dict[str, _Progress] = {}
+        self._planned_held: Optional[str] = None
 
     # ---- pacing ---------------------------------------------------------------------------------
     @property
@@ -285,7 +237,7 @@ class ScheduledSession:
             self.pending.popleft()
         self.events = self._planned
         self.held = self._planned_held
-        plan.planner = Planner({eid: replace(p, keys=None if p.keys is None else list(p.keys))
+        plan.interactions = InteractionState({eid: replace(p, keys=None if p.keys is None else list(p.keys))
                                 for eid, p in self.events.items()}, self.held)
         self.next_chunk = plan.index + 1
         self.generated(self.geometry.pixel_frames(plan.index))
@@ -304,16 +256,15 @@ class ScheduledSession:
             self.first_delivery = now + (resume.playback_end - wall)
         self.restored = self.next_chunk = restored
         self.replay = deque(resume.journal[restored:])
-        if resume.planner is not None:
+        if resume.interactions is not None:
             self.events = {eid: replace(p, keys=None if p.keys is None else list(p.keys))
-                           for eid, p in resume.planner.events.items()}
-            self.held = resume.planner.held
+                           for eid, p in resume.interactions.events.items()}
+            self.held = resume.interactions.held
 
-    def take_snapshots(self, per_rank) -> None:
-        """The snapshot references each rank reported ((chunk, slot ref, state ref) each, in rank order): with
-        a chunk's replies, or flushed when the session moves."""
-        self.snapshots += [(index, rank, slot, state) for rank, stored in enumerate(per_rank)
-                           for index, slot, state in stored]
+    def take_snapshots(self, per_rank: Iterable[Iterable[SnapshotRef]]) -> None:
+        """The snapshot references the ranks reported: with a chunk's replies, or flushed when the session
+        moves."""
+        self.snapshots += [ref for stored in per_rank for ref in stored]
 
     def give_snapshots(self) -> tuple:
         out, self.snapshots = tuple(self.snapshots), []

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deployments.fetch import ImageFetcher, parse_allowlist
-from deployments.protocol import ProtocolError, decode_image
+from deployments.ingress.fetch import ImageFetcher, parse_allowlist
+from deployments.ingress.parsing import decode_image
+from deployments.session.codes import ProtocolError
 from deployments.settings import ServeSettings
 from lingbot.config import ConfigError
 

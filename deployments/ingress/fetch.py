@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
 
-from .protocol import ProtocolError
+from ..session.codes import ProtocolError
 
 
 def parse_allowlist(text: str) -> tuple[str, ...]:

@@ -3,11 +3,13 @@ import math
 
 import pytest
 
-from deployments.messages import ChunkControls
-from deployments.protocol import Interaction
-from deployments.sessions import Pacer, ScheduledSession, Scheduler, Tombstones
+from deployments.group.tombstones import Tombstones
+from deployments.session.events import ChunkControls
+from deployments.session.pacer import Pacer
+from deployments.session.requests import Interaction
+from deployments.session.scheduler import ScheduledSession, Scheduler
 from lingbot.camera import CameraEvent
-from tests.deployments.test_protocol import frames_for_chunks, start
+from tests.deployments.ingress.test_vllm import frames_for_chunks, start
 
 
 def _state(sid, chunks=None, fps=16.0, now=0.0, script=()):
@@ -244,10 +246,10 @@ def test_a_key_script_replaces_held_keys_and_the_other_way_round():
 
 def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
     """Chunks 0-2 delivered, then the group fails: a new ScheduledSession given the journal (controls of the
-    delivered chunks) and the planner state after chunk 2 replays 3 chunks and then plans chunks 3-5 exactly
+    delivered chunks) and the interaction state after chunk 2 replays 3 chunks and then plans chunks 3-5 exactly
     as the session that never failed (a keys event and a target move running across the fault, held keys,
     an interaction that arrives after it)."""
-    from deployments.messages import Resume
+    from deployments.session.events import Resume
 
     def feed(s, k):
         if k == 1:
@@ -265,7 +267,7 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
         controls.append(plan.controls)
         plans.append(plan)
     resumed = _state("a", chunks=6)
-    resumed.resume_from(Resume(tuple(controls[:3]), plans[2].planner, 9 + 12 * 2))
+    resumed.resume_from(Resume(tuple(controls[:3]), plans[2].interactions, 9 + 12 * 2))
     assert [p for p in resumed.events] == ["k", "c"] and resumed.events["k"].keys == ["k"]
     for k in range(3):
         assert resumed.replay[0] == controls[k]
@@ -301,7 +303,7 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     """Resumed with 2 s of video left in the client's player (a wall-clock end), the next chunk is due when it
     has played out: the session waits until its lead before it, then a chunk delivered late counts as a
     stall. Without a playback end the first chunk is due at once."""
-    from deployments.messages import Resume
+    from deployments.session.events import Resume
     sched = Scheduler(pacing_lead_s=0.5)
     moved = _state("m", chunks=10, now=100.0)
     moved.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, (), playback_end=1002.0), 4,

@@ -19,7 +19,7 @@ from lingbot.io.frames import FMP4, FrameBatcher, FrameFormat
 from lingbot.io.video import FragmentedMp4Encoder, H264Settings, pick_h264_encoder
 
 from .messages import Fragment
-from .sessions import Tombstones
+from .tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from deployments.muxer import Muxer
+from deployments.group.muxer import Muxer
 from lingbot.io.video import read_frames
 
 W, H = 832, 480

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from .protocol import Interaction
-from .sessions import Tombstones
+from ..session.requests import Interaction
+from .tombstones import Tombstones
 
 
 class ControlMailbox:

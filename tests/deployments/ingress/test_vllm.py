@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deployments.protocol import ProtocolError, authorized, parse_interaction, parse_json, parse_start
+from deployments.ingress.door import authorized
+from deployments.ingress.vllm import parse_interaction, parse_json, parse_start
+from deployments.session.codes import ProtocolError
 from lingbot.config import LINGBOT_GEOMETRY, get_preset
 
 GEOMETRY = get_preset("tiny").geometry

@@ -1,0 +1,265 @@
+"""WorldGroup: one Serve replica = one sequence-parallel group (docs/architecture.md, "The layers").
+
+The replica owns a placement group [replica] + one bundle per rank + [muxer] (STRICT_PACK, bundles from
+ServeSettings.placement_bundles), starts the rank actors pinned to their bundles, joins them in one
+process group (their join replies say what they run: ModelFacts), and starts the muxer (H.264) and the
+control mailbox (client controls). Each session is one long-lived streaming call (`session`): the lease
+that Serve counts for routing and autoscaling. What runs the sessions is the chunk loop (engine.py); the
+group's own life (serving, stopping, draining, failed) is its GroupState (phase.py), moved by the liveness
+watcher here and the stop watcher in drain.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Optional
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..metrics import Metrics
+from ..session.codes import ErrorCode
+from ..session.events import (
+    FINAL_EVENTS,
+    Admitted,
+    ModelFacts,
+    Resumed,
+    SessionDone,
+    SessionFailed,
+    SessionRequest,
+)
+from ..session.scheduler import ScheduledSession
+from ..settings import ServeSettings
+from .drain import DrainTimes, StopWatcher, drain
+from .engine import ChunkLoop, fresh_task
+from .executor import RankExecutor
+from .mailbox import ControlMailbox
+from .messages import DeviceStats, RankInfo
+from .muxer import Muxer
+from .phase import GroupPhase, GroupState
+from .rank import RankWorker
+
+log = logging.getLogger("ray.serve")
+
+WATCH_S = 1.0              # how often the group checks that its ranks, muxer and mailbox are alive
+EXIT_DELAY_S = 1.0         # a failed group exits this soon after telling its sessions (Serve replaces it)
+DEVICE_STATS_TIMEOUT_S = 5.0
+
+
+def device_metric_tags(group: str, stats: list[Optional[DeviceStats]]) -> list[tuple[DeviceStats, dict]]:
+    """(stats, tags) of every rank that reported its device, tagged with the rank that measured it."""
+    return [(st, {"group": group, "rank": str(rank)}) for rank, st in enumerate(stats) if st is not None]
+
+
+def replica_unique_id() -> str:
+    """The Serve replica's id (as the dashboard and the replica's actor name show it), or a fresh one when
+    the group runs outside Serve. Sessions, metrics and logs name the group by it."""
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return uuid.uuid4().hex[:8]
+
+
+def agreed_facts(infos: list[RankInfo]) -> ModelFacts:
+    """The model every rank runs (they load the same settings: a rank that disagrees is a broken deployment)."""
+    facts = infos[0].facts
+    others = [i for i, info in enumerate(infos) if info.facts != facts]
+    if others:
+        raise RuntimeError(f"ranks {others} run another model than rank 0 ({facts})")
+    return facts
+
+
+class WorldGroup:
+    def __init__(self, settings: dict):
+        s = self.settings = ServeSettings(**settings)
+        self.id = replica_unique_id()
+        pg = get_current_placement_group()
+
+        def pinned(bundle: int):
+            if pg is None:
+                return None
+            return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+
+        t0 = time.monotonic()
+        rank_actor = ray.remote(RankWorker)
+        self.ranks = RankExecutor([rank_actor.options(**s.rank_actor_options(), max_concurrency=4,
+                                                      scheduling_strategy=pinned(s.rank_bundle(r))
+                                                      ).remote(settings, r, s.sp) for r in range(s.sp)],
+                                  s.chunk_timeout_s)
+        init_method = ray.get(self.ranks.ranks[0].address.remote(), timeout=s.group_start_timeout_s)
+        infos: list[RankInfo] = self.ranks.call_blocking("join", init_method, timeout_s=s.group_start_timeout_s)
+        self.capacity = min(i.capacity for i in infos)
+        if self.capacity < 1:
+            raise RuntimeError(f"no session fits: one needs {infos[0].session_bytes / 2 ** 30:.2f} GiB per rank, "
+                               f"more than is left after the weights and warm-up (memory_budget_gib: "
+                               f"{s.memory_budget_gib})")
+        self.model = agreed_facts(infos)
+        self.muxer = ray.remote(Muxer).options(num_cpus=s.muxer_cpus, num_gpus=s.muxer_gpus, max_concurrency=8,
+                                               scheduling_strategy=pinned(s.muxer_bundle)
+                                               ).remote(*self.model.size, s.h264_settings)
+        # the mailbox only relays small messages: it takes no CPU of its own and lives in the replica's bundle
+        self.mailbox = ray.remote(ControlMailbox).options(num_cpus=0,
+                                                          scheduling_strategy=pinned(s.replica_bundle)).remote()
+        ray.get([self.muxer.ready.remote(), self.mailbox.ready.remote()], timeout=s.group_start_timeout_s)
+        self.state = GroupState()
+        self.metrics = Metrics()
+        self.chunks = ChunkLoop(self.id, s, self.state, self.ranks, self.muxer, self.mailbox, self.metrics,
+                                self._fail_group, self._maybe_report_devices)
+        self.reserved = 0                              # sessions admitted or being admitted
+        self.last_metrics = 0.0
+        self.event_loop: Optional[asyncio.AbstractEventLoop] = None
+        self.drain_task: Optional[asyncio.Task] = None
+        threading.Thread(target=self._watch, name=f"group-{self.id}-watch", daemon=True).start()
+        if s.drain_poll_s > 0 and s.resume_sessions:
+            StopWatcher(self.id, self.state, s.drain_poll_s, DrainTimes.of(s), lambda: self.event_loop,
+                        self._start_drain).start()
+        log.info("group %s: %d ranks on %s ready in %.1f s, capacity %d sessions (%s, %dx%d, %s)", self.id, s.sp,
+                 infos[0].device, time.monotonic() - t0, self.capacity, self.model.preset, self.model.width,
+                 self.model.height, self.model.dtype)
+
+    # ---- Serve hooks and queries --------------------------------------------------------------
+    def check_health(self) -> None:
+        if self.state.failed:
+            raise RuntimeError(f"group {self.id} is broken: {self.state.failure}")
+
+    def facts(self) -> ModelFacts:
+        """What this group's ranks run (the ingress checks starts against it)."""
+        return self.model
+
+    # ---- healing ------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """A thread: every WATCH_S, is every rank, the muxer and the mailbox still there? A dead one fails the
+        group at once, with or without sessions (a busy actor is not a dead one)."""
+        while not self.state.failed:
+            time.sleep(WATCH_S)
+            calls = [r.alive.remote() for r in self.ranks.ranks] + [self.muxer.ready.remote(),
+                                                                     self.mailbox.ready.remote()]
+            done, _ = ray.wait(calls, num_returns=len(calls), timeout=WATCH_S * 5)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    if self.event_loop is not None and not self.event_loop.is_closed():
+                        self.event_loop.call_soon_threadsafe(self._fail_group, e)
+                        time.sleep(EXIT_DELAY_S * 2)       # _fail_group exits after telling the sessions
+                    self._exit(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+    def _fail_group(self, error: Exception) -> None:
+        """A rank, the muxer or the mailbox failed: tell every session (their ingresses resume them elsewhere),
+        then exit so that Serve replaces the group at once."""
+        why = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        if not self.state.move(GroupPhase.FAILED, why):
+            return
+        log.error("group %s: failing its sessions: %s", self.id, why)
+        for sid in list(self.chunks.outboxes):
+            self.chunks.post(sid, SessionFailed(ErrorCode.INTERNAL_ERROR, "the model group failed while generating"))
+        self.chunks.poke()
+        asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._exit, why)
+
+    def _exit(self, why: str) -> None:
+        """Leave at once so that Serve replaces this replica now, not at its next health check (the ranks,
+        muxer and mailbox go with it: this process owns them)."""
+        log.error("group %s exits (%s); Serve starts a new one", self.id, why)
+        logging.shutdown()
+        os._exit(1)
+
+    def _start_drain(self, why: str) -> None:
+        self.drain_task = fresh_task(drain(self.id, why, self.state, self.chunks, self.ranks,
+                                           self.settings.drain_lead_s, DrainTimes.of(self.settings)))
+
+    # ---- the session lease --------------------------------------------------------------------
+    def _refusal(self) -> Optional[SessionFailed]:
+        """Why this group takes no new session now (None: it takes one)."""
+        if self.state.failed:
+            return SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "this group failed and is being replaced; retry")
+        if not self.state.takes_sessions:
+            return SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "this group is being stopped (scale-down or "
+                                 "redeploy); retry")
+        if self.reserved >= self.capacity:
+            return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full")
+        return None
+
+    async def session(self, request: SessionRequest):
+        """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
+        SessionDone (or SessionFailed, or Moving); a resumed session (request.resume) yields Resumed once its
+        ranks are where the failed group's were. Cancelling it (client gone, stop) frees the session within
+        one step."""
+        self.event_loop = asyncio.get_running_loop()
+        refusal = self._refusal()
+        if refusal is not None:                        # checked and taken before any await: no over-admission
+            yield refusal
+            return
+        self.reserved += 1
+        sid, start, resume = request.session_id, request.start, request.resume
+        session = ScheduledSession(sid, start, self.model.geometry, self.settings.max_queued_controls,
+                                   max_in_flight=self.settings.in_flight_chunks)
+        try:
+            first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
+            mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
+            restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
+                else [None] * len(self.ranks)
+            opening = [(sid, start.image, start.prompt, start.seed, start.flow_shift, start.trajectory, request.keeper,
+                        share) for share in restore]
+            opened = await self.ranks.call("open_session", per_rank=opening, timeout_s=0)
+            if any(o is None for o in opened):
+                return                                 # cancelled while opening: the finally cleans up
+            if resume is not None:
+                restored = resume.snapshot_index + 1
+                if any(o != restored for o in opened):  # a snapshot was lost, or another group size: replay all
+                    if any(o != 0 for o in opened):
+                        await self.ranks.call("reset_session", sid, timeout_s=0)
+                    restored = 0
+                session.resume_from(resume, restored)
+            refusal = self._refusal()
+            if refusal is not None and refusal.code != ErrorCode.CAPACITY_EXHAUSTED:
+                yield refusal                          # Serve began stopping the group while it opened
+                return
+            outbox = self.chunks.add(session)
+            self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})
+            yield Admitted(self.id, self.mailbox, mime, self.capacity, self.model)
+            if resume is not None and not session.replay:
+                yield Resumed(0, 0.0, session.next_chunk)   # nothing to replay: it continues at once
+            if resume is not None and start.chunks is not None and resume.next_index >= start.chunks:
+                yield SessionDone(start.chunks)           # it had delivered its last chunk already
+                return
+            while True:
+                event = await outbox.get()
+                yield event
+                if isinstance(event, FINAL_EVENTS):
+                    break                              # an InteractionRefused leaves the session on
+        finally:
+            self.reserved -= 1
+            session.stopped = True
+            self.ranks.tell("stop", sid)              # a running chunk ends at its next step, on every rank
+            self.chunks.remove(sid)
+            self.ranks.tell("close_session", sid)
+            self.muxer.close.remote(sid)
+            self.mailbox.close.remote(sid)
+            self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})
+
+    # ---- device metrics -----------------------------------------------------------------------
+    def _maybe_report_devices(self) -> None:
+        """Every metrics_interval_s, a task of its own (never in the way of the next chunk's dispatch)."""
+        now = time.monotonic()
+        if now - self.last_metrics < self.settings.metrics_interval_s:
+            return
+        self.last_metrics = now
+        fresh_task(self._report_devices())
+
+    async def _report_devices(self) -> None:
+        """Each rank's own device utilisation and memory, tagged by rank."""
+        try:                                          # metrics never stall or fail the chunk loop
+            stats = await self.ranks.call("device_stats", timeout_s=DEVICE_STATS_TIMEOUT_S)
+        except Exception as e:
+            log.warning("group %s: device stats unavailable: %s", self.id, type(e).__name__)
+            return
+        for st, tags in device_metric_tags(self.id, stats):
+            if st.utilization == st.utilization:          # NaN: no sample yet (or NVML absent)
+                self.metrics.device_util.set(st.utilization, tags=tags)
+            self.metrics.device_memory.set(st.memory_used, tags=tags)

@@ -1,0 +1,184 @@
+"""Ingress: the HTTP app (health, readiness, config, the web page) and the two WebSocket endpoints (CPU only).
+
+`WS /v1/realtime/video` speaks the vLLM-Omni realtime video protocol (vllm.py) plus keyboard keys in
+interactions; `WS /v1/realtime_video/generate` speaks SGLang's (sglang.py), on the same groups, admission
+and limits. Per connection: the door's checks (door.py), then the session's life (deployments/session/
+life.py) over the dialect's wire and a `ServeGroups` link: Serve's handle to the WorldGroup deployment (the
+lease), the group's control mailbox (client controls, off Serve's routing) and the snapshot keeper.
+Every refusal is an error with a stable code; the shared process never crashes on client input.
+"""
+# no `from __future__ import annotations` here: FastAPI reads the routes' annotations (a string `WebSocket` is
+# taken for a query parameter under Serve's ingress, and the handshake is refused)
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Optional
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi.responses import FileResponse, JSONResponse
+from ray import serve
+
+from ..metrics import Metrics
+from ..session.codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
+from ..session.events import ModelFacts, SessionRequest
+from ..session.life import SessionLife
+from ..session.ports import ClientGone
+from ..session.requests import Interaction
+from ..settings import ServeSettings
+from . import sglang
+from .door import TenantLimits, origin_allowed, presented_key
+from .fetch import ImageFetcher
+from .keeper import KeeperSupervisor
+from .vllm import VllmWire
+
+log = logging.getLogger("ray.serve")
+STATIC = Path(__file__).parent / "static"
+
+app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None)
+
+
+class ServeGroups:
+    """The session layer's GroupLink over Ray Serve: leases through the WorldGroup handle, controls to the
+    group's mailbox actor, the model facts as the groups' ranks reported them (asked once, then kept)."""
+
+    def __init__(self, group, settings: ServeSettings):
+        self.group = group
+        self.settings = settings
+        self.keepers = KeeperSupervisor() if settings.snapshots else None
+        self._facts: Optional[ModelFacts] = None
+        self._facts_lock = asyncio.Lock()
+
+    async def facts(self, wait_s: Optional[float] = None) -> ModelFacts:
+        """What the groups run; the first call waits (at most admission_wait_s) for a group to answer."""
+        if self._facts is not None:
+            return self._facts
+        wait_s = self.settings.admission_wait_s if wait_s is None else wait_s
+        async with self._facts_lock:
+            if self._facts is None:
+                try:
+                    self._facts = await asyncio.wait_for(self.group.facts.remote(), wait_s)
+                except Exception as e:
+                    raise ProtocolError(ErrorCode.GROUP_UNAVAILABLE, f"no model group answered within {wait_s:g} s "
+                                        f"({type(e).__name__}); retry", close=CLOSE_TRY_AGAIN,
+                                        retry_after_s=self.settings.retry_after_s) from None
+        return self._facts
+
+    def lease(self, request: SessionRequest):
+        return self.group.options(stream=True).session.remote(request)
+
+    def post(self, mailbox, session_id: str, interaction: Interaction) -> None:
+        mailbox.post.remote(session_id, interaction)
+
+    async def keeper(self):
+        return None if self.keepers is None else await self.keepers.current()
+
+
+class IngressMetrics:
+    """The session layer's SessionMetrics on Ray's metrics."""
+
+    def __init__(self):
+        self.m = Metrics()
+
+    def refused(self, code: str) -> None:
+        self.m.refusals.inc(tags={"code": str(code)})
+
+    def admitted(self) -> None:
+        self.m.sessions_total.inc(tags={"component": "ingress"})
+
+    def chunk_interval(self, seconds: float) -> None:
+        self.m.chunk_interval.observe(seconds, tags={"group": "all"})
+
+    def resumed(self, outcome: str, reason: str) -> None:
+        self.m.resumes.inc(tags={"outcome": outcome, "reason": reason})
+
+
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, group, settings: dict):
+        s = self.settings = ServeSettings(**settings)
+        self.groups = ServeGroups(group, s)
+        self.limits = TenantLimits(s.max_sessions_per_key, s.max_starts_per_minute_per_key)
+        self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,
+                                                  s.image_fetch_max_bytes)
+        self.metrics = IngressMetrics()
+        self.live = 0
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+    @app.get("/healthz")
+    def healthz(self):
+        return {"status": "ok", "live_sessions": self.live}
+
+    @app.get("/readyz")
+    def readyz(self):
+        try:
+            status = serve.status()
+            groups = [d for a in status.applications.values() for name, d in a.deployments.items()
+                      if name == "WorldGroup"]
+            running = sum(d.replica_states.get("RUNNING", 0) for d in groups)
+        except Exception as e:
+            return JSONResponse({"ready": False, "reason": f"{type(e).__name__}"}, status_code=503)
+        if running < 1:
+            return JSONResponse({"ready": False, "reason": "no model group is running yet"}, status_code=503)
+        return {"ready": True, "groups": running}
+
+    @app.get("/")
+    def index(self):
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/static/{name}")
+    def static(self, name: str):
+        path = (STATIC / name).resolve()
+        if path.parent != STATIC.resolve() or not path.is_file():
+            return JSONResponse({"error": "not found"}, status_code=404)
+        return FileResponse(path)
+
+    @app.get("/v1/config")
+    async def config(self):
+        s = self.settings
+        try:
+            facts = await self.groups.facts(wait_s=10.0)
+        except ProtocolError as e:
+            return JSONResponse({"error": e.code.value, "message": e.message}, status_code=503)
+        return {"preset": facts.preset, "width": facts.width, "height": facts.height, "fps": s.fps, "sp": s.sp,
+                "default_chunks": s.default_chunks, "dtype": facts.dtype}
+
+    # ---- WebSocket ----------------------------------------------------------------------------
+    @app.websocket("/v1/realtime/video")
+    async def realtime(self, ws: WebSocket):
+        await self._serve(VllmWire(ws, self.settings, self.fetcher))
+
+    @app.websocket(sglang.ROUTE)
+    async def realtime_sglang(self, ws: WebSocket):
+        await self._serve(sglang.SglangWire(ws, self.settings, self.fetcher))
+
+    def _door(self, ws: WebSocket) -> tuple[Optional[ProtocolError], str]:
+        """(the refusal at the door, or None; the tenant: the presented key, else the client's address)."""
+        headers = dict(ws.headers)
+        if not origin_allowed(headers, self.settings.allowed_origin_set):
+            return ProtocolError(ErrorCode.ORIGIN_NOT_ALLOWED, f"pages from {headers.get('origin')} may not open "
+                                 "sessions here (allowed_origins)", close=CLOSE_POLICY), ""
+        key = presented_key(headers, dict(ws.query_params), self.settings.api_key_set)
+        if key is None:
+            return ProtocolError(ErrorCode.UNAUTHORIZED, "a valid API key is required", close=CLOSE_POLICY), ""
+        return None, f"key:{key}" if key else f"addr:{ws.client.host if ws.client else '?'}"
+
+    async def _serve(self, wire) -> None:
+        ws = wire.ws
+        await ws.accept()
+        self.live += 1
+        try:
+            life = SessionLife(wire, self.groups, self.settings, self.metrics)
+            refusal, tenant = self._door(ws)
+            if refusal is not None:
+                await life.refuse(refusal)
+            else:
+                await life.run(tenant, self.limits)
+        except (ClientGone, WebSocketDisconnect):      # the client left (while reading, or while we sent)
+            pass
+        except Exception:                       # never a trace to the client, never a dead ingress
+            log.exception("session failed")
+            await wire.close_with(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal server error",
+                                                close=CLOSE_SERVER_ERROR))
+        finally:
+            self.live -= 1

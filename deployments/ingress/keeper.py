@@ -1,0 +1,57 @@
+"""The snapshot keeper: the owner of the sessions' snapshots in the object store, one actor per ingress
+replica, on the ingress's node (a session's snapshots must outlive any group, and its node). The ingress
+makes it with `start_keeper()` and replaces it when it dies (`KeeperSupervisor`)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger("ray.serve")
+
+
+class SnapshotKeeper:
+    """Owns the sessions' snapshots in the object store, so they survive the group (and the node) that made
+    them: ranks hand each chunk's snapshot (its K/V slot and the state after it) to `keep`, which puts them
+    and returns their references (in a list, so that they travel as references). An object lives while
+    someone holds its reference: the ingress holds the ones a resume would need and lets the rest go. The
+    ingress creates one per replica (and another if it dies)."""
+
+    def ready(self) -> bool:
+        return True
+
+    def keep(self, slot, state) -> list:
+        import ray
+        return [ray.put(slot), ray.put(state)]
+
+
+def start_keeper():
+    """A new keeper on this process's node, not on a group's: its snapshots must outlive any group's node (this
+    node's loss ends the sessions anyway: their WebSockets are here). A soft affinity was measured to land on
+    another node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=16, scheduling_strategy=here).remote()
+
+
+class KeeperSupervisor:
+    """Hands out the live keeper, starting another when the one it had died (its snapshots are gone: those
+    sessions replay their journals instead). `start` makes a keeper (start_keeper; tests pass their own)."""
+
+    def __init__(self, start=start_keeper, ping_s: float = 1.0):
+        self.start = start
+        self.ping_s = ping_s
+        self.keeper = start()
+        self.lock = asyncio.Lock()
+
+    async def current(self):
+        async with self.lock:                        # one restart, however many sessions notice at once
+            keeper = self.keeper
+            try:
+                await asyncio.wait_for(keeper.ready.remote(), self.ping_s)
+            except asyncio.TimeoutError:
+                pass                                 # busy, not dead
+            except Exception as e:
+                log.warning("the snapshot keeper is gone (%s); starting another", type(e).__name__)
+                self.keeper = self.start()
+        return self.keeper

@@ -1,0 +1,238 @@
+"""The first wire dialect, vLLM-Omni's realtime video protocol (`WS /v1/realtime/video`, docs/architecture.md
+"The protocol"): JSON text messages in, a JSON header and one binary fMP4 message per chunk out. Its parser
+(plain functions, tested without a server) and its connection (the wire of a session's life).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Optional
+
+from lingbot.camera import CameraError, CameraEvent
+from lingbot.config import ChunkGeometry
+
+from ..session.codes import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, ErrorCode, ProtocolError
+from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
+from ..session.ports import STOP
+from ..session.requests import Interaction, StartRequest
+from .parsing import decode_image, finite, parse_keys_list, parse_trajectory, require
+from .wire import WebSocketWire, close_quietly
+
+
+# ---- the parser -----------------------------------------------------------------------------------
+def _reject_constant(name: str):
+    raise ProtocolError("invalid_json", f"{name} is not a number JSON allows")
+
+
+def parse_json(text: str, limit: int) -> dict:
+    if len(text.encode()) > limit:
+        raise ProtocolError("message_too_large", f"message of {len(text.encode())} bytes exceeds the limit of "
+                            f"{limit} bytes", close=CLOSE_TOO_BIG)
+    try:
+        msg = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError("invalid_json", f"message is not valid JSON: {e.msg} at position {e.pos}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("invalid_json", "message must be a JSON object")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError("missing_field", "message has no string field 'type'")
+    return msg
+
+
+def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
+                max_chunks: int, default_fps: float, fetcher=None) -> StartRequest:
+    where = "session.start"
+    prompt = require(msg, "prompt", str, where)
+    width = require(msg, "width", int, where) if "width" in msg else served_size[0]
+    height = require(msg, "height", int, where) if "height" in msg else served_size[1]
+    if width <= 0 or height <= 0 or width % 16 or height % 16:
+        raise ProtocolError("invalid_size", f"width and height must be positive multiples of 16, got {width}x{height}",
+                            close=CLOSE_POLICY)
+    if (width, height) != tuple(served_size):
+        raise ProtocolError("unsupported_size", f"this deployment serves {served_size[0]}x{served_size[1]}, "
+                            f"not {width}x{height}", close=CLOSE_POLICY)
+    ref = require(msg, "image_reference", dict, where)
+    url = require(ref, "image_url", str, "session.start.image_reference")
+    extra = msg.get("extra_params") or {}
+    if not isinstance(extra, dict):
+        raise ProtocolError("invalid_field", "session.start field 'extra_params' must be an object")
+    endless = extra.get("endless") is True
+    num_frames = None
+    if endless:
+        chunks = None
+    elif msg.get("num_frames") is None:
+        chunks = default_chunks
+        num_frames = geometry.video_frames(chunks)
+    else:
+        num_frames = require(msg, "num_frames", int, where)
+        chunks = geometry.chunks_for(num_frames)
+        if chunks is None:
+            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is not of the form "
+                                f"{geometry.describe()}", close=CLOSE_POLICY)
+        if chunks > max_chunks:
+            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is more than {max_chunks} chunks",
+                                close=CLOSE_POLICY)
+    fps = float(require(msg, "fps", float, where)) if msg.get("fps") is not None else default_fps
+    if not (math.isfinite(fps) and 1 <= fps <= 120):
+        raise ProtocolError("invalid_field", f"fps must be between 1 and 120, got {fps}", close=CLOSE_POLICY)
+    seed = require(msg, "seed", int, where) if msg.get("seed") is not None else 0
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise ProtocolError("invalid_field", f"seed must fit in 64 bits, got {seed}", close=CLOSE_POLICY)
+    shift = extra.get("flow_shift")
+    if shift is not None and (not isinstance(shift, (int, float)) or isinstance(shift, bool)
+                              or not 0 < finite(shift) <= 100):
+        raise ProtocolError("invalid_field", f"extra_params.flow_shift must be a number in (0, 100], got {shift!r}",
+                            close=CLOSE_POLICY)
+    script = []
+    if extra.get("camera_action_script") is not None:
+        chunks_script = extra["camera_action_script"]
+        if not isinstance(chunks_script, list):
+            raise ProtocolError("invalid_field", f"extra_params.camera_action_script must be "
+                                f"[chunk][{geometry.latent_frames}][keys]",
+                                close=CLOSE_POLICY)
+        for i, chunk in enumerate(chunks_script):
+            frames = parse_keys_list(chunk, f"camera_action_script[{i}]")
+            if len(frames) != geometry.latent_frames:
+                raise ProtocolError("invalid_field", f"camera_action_script[{i}] has {len(frames)} key sets; each "
+                                    f"chunk has {geometry.latent_frames} latent frames", close=CLOSE_POLICY)
+            script.append(tuple(frames))
+    trajectory = None
+    if extra.get("camera_trajectory") is not None:
+        if script:
+            raise ProtocolError("conflicting_camera", "extra_params takes camera_action_script or camera_trajectory, "
+                                "not both", close=CLOSE_POLICY)
+        trajectory = parse_trajectory(extra["camera_trajectory"], width, height, geometry,
+                                      geometry.video_frames(max_chunks), num_frames)
+    profile = extra.get("profile_stages", False)
+    if not isinstance(profile, bool):
+        raise ProtocolError("invalid_field", "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
+    image = decode_image(url, width, height, fetcher)
+    return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
+                        None if shift is None else float(shift), script, msg.get("model"), profile, trajectory)
+
+
+def parse_interaction(msg: dict) -> Interaction:
+    where = "session.interaction"
+    body = require(msg, "interaction", dict, where)
+    event_id = body.get("event_id")
+    if event_id is None:
+        raise ProtocolError("missing_field", "session.interaction needs interaction.event_id")
+    event_id = str(event_id)
+    try:
+        return _parse_event(body, event_id)
+    except ProtocolError as e:
+        e.extra.setdefault("event_id", event_id)        # the client can tell which of its events failed
+        raise
+
+
+def _parse_event(body: dict, event_id: str) -> Interaction:
+    where = "session.interaction"
+    event = require(body, "event", dict, f"{where}.interaction")
+    transition = body.get("transition_chunks")
+    if transition is not None and (not isinstance(transition, (int, float)) or isinstance(transition, bool)
+                                   or not 0 <= transition <= 1000):
+        raise ProtocolError("invalid_field", f"transition_chunks must be a number in [0, 1000], got {transition!r}",
+                            event_id=event_id)
+    out = Interaction(event_id, transition_chunks=transition)
+    if event.get("prompt") is not None:
+        if not isinstance(event["prompt"], str):
+            raise ProtocolError("invalid_field", "event.prompt must be a string", event_id=event_id)
+        out.prompt = event["prompt"]
+    camera = (event.get("multi_modal_data") or {}).get("camera") if isinstance(event.get("multi_modal_data"), dict) \
+        else None
+    if camera is not None:
+        try:
+            data = camera["data"]
+            out.camera = CameraEvent(camera["mode"], tuple(float(v) for v in data["translation"]),
+                                     tuple(float(v) for v in data["rotation"]),
+                                     1.0 if transition is None else float(transition))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            detail = str(e) if isinstance(e, CameraError) else f"needs mode and data.translation [x,y,z], " \
+                                                                 f"data.rotation [x,y,z,w] ({type(e).__name__}: {e})"
+            raise ProtocolError("invalid_field", f"event.multi_modal_data.camera {detail}", event_id=event_id) from None
+    if event.get("keys") is not None:
+        out.keys = parse_keys_list(event["keys"], "event.keys")
+        if len(out.keys) > 300:
+            raise ProtocolError("invalid_field", "event.keys holds at most 300 latent frames", event_id=event_id)
+    if out.prompt is None and out.camera is None and out.keys is None:
+        raise ProtocolError("invalid_field", "event needs prompt, multi_modal_data.camera or keys", event_id=event_id)
+    return out
+
+
+# ---- the connection -------------------------------------------------------------------------------
+class VllmWire(WebSocketWire):
+    """`/v1/realtime/video`: JSON text messages, one binary fMP4 message per chunk."""
+
+    async def receive(self, timeout: float, limit: int) -> dict:
+        message = await self.receive_raw(timeout)
+        if message.get("bytes") is not None:
+            raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "binary messages are not accepted from clients")
+        return parse_json(message.get("text") or "", limit)
+
+    def keepalive_reply(self, msg: dict) -> Optional[dict]:
+        return {"type": "session.pong", "t": msg.get("t")} if msg["type"] == "session.ping" else None
+
+    def error_close(self, error: ProtocolError):
+        return error.to_message(), error.code
+
+    async def send_error(self, error: ProtocolError) -> None:
+        await self.ws.send_json(error.to_message())
+
+    def limit_error(self, code: ErrorCode, text: str) -> ProtocolError:
+        return ProtocolError(code, text, close=CLOSE_POLICY)
+
+    async def parse_start(self, msg: dict, facts: ModelFacts) -> StartRequest:
+        s, kind = self.settings, msg["type"]
+        if kind == "session.start":
+            try:
+                return await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
+                                               s.max_chunks, s.fps, self.fetcher)
+            except ProtocolError as e:
+                if e.close is None:
+                    e.close = CLOSE_POLICY
+                raise
+        if kind in ("session.interaction", "session.stop"):
+            raise ProtocolError(ErrorCode.NOT_STARTED, f"{kind} before session.start")
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
+
+    def control(self, msg: dict, seq: int):
+        kind = msg["type"]
+        if kind == "session.stop":
+            return STOP
+        if kind == "session.interaction":
+            return parse_interaction(msg)
+        if kind == "session.start":
+            raise ProtocolError(ErrorCode.ALREADY_STARTED, "this connection already has a session")
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
+
+    def queued(self, interaction: Interaction) -> Optional[dict]:
+        return {"type": "session.interaction.queued", "event_id": interaction.event_id}
+
+    async def send_admitted(self, admitted: Admitted, start: StartRequest, session_id: str) -> None:
+        geometry = admitted.facts.geometry
+        config = {"width": start.width, "height": start.height, "fps": start.fps, "num_frames": start.num_frames,
+                  "chunks": start.chunks, "endless": start.chunks is None, "mime": admitted.mime,
+                  "frames_per_chunk": [geometry.pixel_frames(0), geometry.pixel_frames(1)], "seed": start.seed,
+                  "group": admitted.group}
+        await self.ws.send_json({"type": "video.start", "request_id": session_id, "format": "m4s", "config": config})
+
+    async def send_chunk(self, event: ChunkReady, transport_index: int, send) -> bool:
+        meta = {"type": "video.chunk_metadata", "kind": "media", "generation_chunk_index": event.index,
+                "transport_chunk_index": transport_index, "num_frames": event.num_frames,
+                "byte_length": len(event.data), "started_event_ids": event.started,
+                "active_event_ids": event.active, "completed_event_ids": event.completed,
+                "timings": {k: round(v, 5) for k, v in event.timings.items()},
+                "group_clock": {k: round(v, 4) for k, v in event.clock.items()}}
+        return await send(meta) and await send(event.data)
+
+    async def send_resumed(self, event: Resumed, chunk_index: int, transport_index: int, gap_s: float, reason: str,
+                           send) -> bool:
+        return await send({"type": "session.resumed", "generation_chunk_index": chunk_index,
+                           "transport_chunk_index": transport_index, "restored_chunks": event.restored,
+                           "replayed_chunks": event.replayed, "replay_s": round(event.replay_s, 3),
+                           "gap_s": round(gap_s, 3), "reason": reason})
+
+    async def finish(self, stopped: bool, chunks: int) -> None:
+        await self.ws.send_json({"type": "session.done", "chunks": chunks, "stopped": stopped})
+        await close_quietly(self.ws, None, CLOSE_NORMAL)

@@ -1,0 +1,63 @@
+"""What both wire dialects share on a Starlette WebSocket: raw sends, bounded closes, and reading one message
+(a disconnect becomes the session layer's ClientGone). Each dialect (vllm.py, sglang.py) adds its codec."""
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+from fastapi import WebSocket
+
+from ..session.codes import ProtocolError
+from ..session.ports import ClientGone
+
+CLOSE_TIMEOUT_S = 5.0                     # a clogged socket (a client that stopped reading) may never take the close
+
+
+async def close_quietly(ws: WebSocket, message, code: int, reason: str = "") -> None:
+    """Send `message` (a JSON map, bytes, or None), then close; bounded in time, never raising."""
+    async def close():
+        if isinstance(message, (bytes, bytearray)):
+            await ws.send_bytes(message)
+        elif message is not None:
+            await ws.send_json(message)
+        await ws.close(code=code, reason=reason[:120])
+    try:
+        await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
+    except Exception:
+        pass
+
+
+class WebSocketWire:
+    """The Starlette side of a Wire (deployments/session/ports.py); subclasses are the dialects."""
+
+    def __init__(self, ws: WebSocket, settings, fetcher=None):
+        self.ws = ws
+        self.settings = settings
+        self.fetcher = fetcher
+
+    async def send(self, data) -> None:
+        if isinstance(data, (bytes, bytearray)):
+            await self.ws.send_bytes(data)
+        else:
+            await self.ws.send_json(data)
+
+    async def receive_raw(self, timeout: float) -> dict:
+        """The next ASGI message ("text" or "bytes"); ClientGone when the client closed or left."""
+        message = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
+        if message["type"] == "websocket.disconnect":
+            raise ClientGone(message.get("code", 1000))
+        return message
+
+    def error_close(self, error: ProtocolError) -> tuple[Optional[object], str]:
+        """(message to send before the close, or None; the close reason) for a refusal that closes."""
+        raise NotImplementedError
+
+    async def close_with(self, error: ProtocolError) -> None:
+        message, reason = self.error_close(error)
+        await close_quietly(self.ws, message, error.close, reason)
+
+    def keepalive_reply(self, msg: dict) -> Optional[dict]:
+        return None
+
+    def queued(self, interaction) -> Optional[dict]:
+        return None

@@ -1,0 +1,79 @@
+"""The refusal vocabulary of both protocols: every error code a client can receive, the WebSocket close codes,
+and `ProtocolError`, the refusal itself. One table (`ErrorCode`); docs/architecture.md lists the same codes
+(a test keeps them equal), and nothing else in the serving layer spells a code as a bare string.
+
+Plain Python: no Ray, no Starlette."""
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Optional
+
+# WebSocket close codes
+CLOSE_NORMAL = 1000
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_SERVER_ERROR = 1011
+CLOSE_TRY_AGAIN = 1013
+
+
+class ErrorCode(StrEnum):
+    """Stable codes, sent as strings (a StrEnum member is its value on every wire)."""
+    # the message itself
+    INVALID_JSON = "invalid_json"                    # not JSON, or not an object
+    INVALID_MSGPACK = "invalid_msgpack"              # second protocol: not one MessagePack map
+    MESSAGE_TOO_LARGE = "message_too_large"          # over max_start_bytes / max_control_bytes (close 1009)
+    UNSUPPORTED_MESSAGE = "unsupported_message"      # binary on the first protocol, text on the second
+    UNKNOWN_TYPE = "unknown_type"
+    UNSUPPORTED_EVENT = "unsupported_event"          # second protocol: an event kind it does not know
+    MISSING_FIELD = "missing_field"
+    INVALID_FIELD = "invalid_field"
+    # the start
+    INVALID_IMAGE = "invalid_image"
+    INVALID_SIZE = "invalid_size"
+    UNSUPPORTED_SIZE = "unsupported_size"
+    INVALID_NUM_FRAMES = "invalid_num_frames"
+    TRAJECTORY_SHAPE = "trajectory_shape"
+    TRAJECTORY_NOT_FINITE = "trajectory_not_finite"
+    TRAJECTORY_NOT_RIGID = "trajectory_not_rigid"
+    TRAJECTORY_INTRINSICS = "trajectory_intrinsics"
+    TRAJECTORY_TOO_LONG = "trajectory_too_long"
+    CONFLICTING_CAMERA = "conflicting_camera"
+    # sequencing
+    NOT_STARTED = "not_started"
+    ALREADY_STARTED = "already_started"
+    CAMERA_SCRIPTED = "camera_scripted"              # a camera or key event while the camera follows a path
+    TOO_MANY_CONTROLS = "too_many_controls"          # max_queued_controls interactions wait already
+    # the door
+    UNAUTHORIZED = "unauthorized"
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+    TOO_MANY_SESSIONS = "too_many_sessions"
+    RATE_LIMITED = "rate_limited"
+    # time limits
+    START_TIMEOUT = "start_timeout"
+    STALL_TIMEOUT = "stall_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    MAX_LIFETIME = "max_lifetime"
+    # capacity and faults
+    CAPACITY_EXHAUSTED = "capacity_exhausted"        # every group full (close 1013, retry_after_s)
+    GROUP_UNAVAILABLE = "group_unavailable"          # every group failed, is being replaced or stopped (1013)
+    INTERNAL_ERROR = "internal_error"                # a real server fault, never bad input (1011)
+
+
+# a group that answers one of these may take the session on another try (Serve routes each try anew)
+RETRYABLE = frozenset({ErrorCode.CAPACITY_EXHAUSTED, ErrorCode.GROUP_UNAVAILABLE})
+
+
+class ProtocolError(Exception):
+    """A refusal: a stable `code` (an ErrorCode; anything else is a bug and raises ValueError here), a
+    human `message`; `close` is the WebSocket close code, None = the connection stays open. `extra` fields
+    (retry_after_s, event_id) go to the client beside them."""
+
+    def __init__(self, code: str, message: str, close: Optional[int] = None, **extra):
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+        self.close = close
+        self.extra = extra
+
+    def to_message(self) -> dict:
+        return {"type": "error", "code": self.code.value, "message": self.message, **self.extra}

@@ -1,0 +1,105 @@
+"""A session's continuity ledger: what it takes to continue the session on another group after its group failed
+or was stopped (docs/architecture.md, "Sessions that survive faults").
+
+- the journal: every delivered chunk's controls, in order (a new group replays the ones after its restore
+  point, without delivering them, and so reaches exactly the state the client saw);
+- the interaction state after the last delivered chunk, and the interactions sent but not started yet
+  (posted again, in order, to the new group);
+- the snapshot references worth keeping: per chunk and rank its K/V slot and its state. A continuation after
+  chunk k needs the state of k and the slots of the chunks k+1 attends (the model's window, as the group's
+  ranks reported it: ModelFacts), every rank's; older references are let go, which frees the snapshots.
+
+Plain Python: the ingress keeps one per session; tests drive it through faults, drains and resumes.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any, Optional
+
+from .events import ChunkControls, ChunkReady, InteractionState, ModelFacts, RankRestore, Resume, SnapshotRef
+from .requests import Interaction
+
+
+class ContinuityLedger:
+    def __init__(self, ranks: int):
+        self.ranks = ranks                               # ranks per group: a restore point needs each one's share
+        self.facts: Optional[ModelFacts] = None          # the admitting group's model (its K/V window)
+        self.journal: list[ChunkControls] = []
+        self.interactions: Optional[InteractionState] = None
+        self.frames_delivered = 0
+        self.unstarted: list[Interaction] = []
+        self.slots: dict[int, dict[int, Any]] = {}       # chunk -> rank -> ObjectRef of its K/V slot snapshot
+        self.states: dict[int, dict[int, Any]] = {}      # chunk -> rank -> ObjectRef of the state after it
+        self.play_end: Optional[float] = None            # when the client's player runs out of video (monotonic)
+
+    @property
+    def chunks(self) -> int:
+        """Chunks delivered to the client."""
+        return len(self.journal)
+
+    # ---- interactions ---------------------------------------------------------------------------
+    def posted(self, interaction: Interaction) -> None:
+        """An interaction went to the group: owed until a delivered chunk starts it."""
+        self.unstarted.append(interaction)
+
+    def refused(self, event_id: str) -> None:
+        """The group refused an interaction: it is not owed any more."""
+        self.unstarted = [i for i in self.unstarted if i.event_id != event_id]
+
+    # ---- chunks ---------------------------------------------------------------------------------
+    def delivered(self, event: ChunkReady, fps: float, now: Optional[float] = None) -> None:
+        """A chunk reached the client: it joins the journal; the interactions it started are no longer owed;
+        the client's player (which starts at the first chunk and waits when it runs dry) plays it."""
+        now = time.monotonic() if now is None else now
+        self.play_end = max(self.play_end or now, now) + event.num_frames / fps
+        self.journal.append(event.controls)
+        self.interactions = event.interactions
+        self.frames_delivered += event.num_frames
+        self.keep(event.snapshots)
+        if event.started:
+            started = set(event.started)
+            self.unstarted = [i for i in self.unstarted if i.event_id not in started]
+
+    # ---- snapshots ------------------------------------------------------------------------------
+    def keep(self, refs: Iterable[SnapshotRef]) -> None:
+        """Hold the references a resume would restore from; older ones are let go."""
+        for ref in refs:
+            self.slots.setdefault(ref.chunk, {})[ref.rank] = ref.slot
+            self.states.setdefault(ref.chunk, {})[ref.rank] = ref.state
+        if self.facts is None:
+            return
+        newest = self.restorable()
+        last = self.chunks - 1
+        keep = set(self.facts.restore_chunks(newest)) if newest is not None else set()
+        # while no set is complete (a rank's snapshot is late or failed), still only the sink and the window's
+        # worth of recent chunks: memory stays bounded
+        sink, window = self.facts.sink_chunks, self.facts.window_chunks
+        self.slots = {i: refs for i, refs in self.slots.items() if i in keep or i < sink or i > last - window}
+        self.states = {i: refs for i, refs in self.states.items()
+                       if i >= (newest if newest is not None else last - 2)}
+
+    def restorable(self) -> Optional[int]:
+        """The newest delivered chunk whose continuation every rank can restore from snapshots."""
+        if self.facts is None:
+            return None
+        slots = {i for i, refs in self.slots.items() if len(refs) == self.ranks}
+        for index in sorted((i for i, refs in self.states.items() if len(refs) == self.ranks and i < self.chunks),
+                            reverse=True):
+            if all(c in slots for c in self.facts.restore_chunks(index)):
+                return index
+        return None
+
+    # ---- resuming -------------------------------------------------------------------------------
+    def resume(self, now: Optional[float] = None, wall: Optional[float] = None) -> Resume:
+        """What a new group needs to continue: the newest restore point (or none: replay all), the journal, the
+        interaction state, and when the client's player runs out (wall clock, for the new group's pacing)."""
+        now = time.monotonic() if now is None else now
+        wall = time.time() if wall is None else wall
+        index = self.restorable()
+        restore = () if index is None else tuple(
+            RankRestore(tuple(self.slots[c][rank] for c in self.facts.restore_chunks(index)), self.states[index][rank])
+            for rank in range(self.ranks))
+        playback_end = None if self.play_end is None else wall + (self.play_end - now)
+        return Resume(tuple(self.journal), self.interactions, self.frames_delivered,
+                      -1 if index is None else index, restore, playback_end)

@@ -1,0 +1,412 @@
+"""A session's life at the ingress, in one place: from the connection's first message to its end, fault and drain
+included (docs/architecture.md, "A session's life").
+
+    WAITING_FOR_START --start--> ADMITTING --Admitted--> STREAMING --SessionDone / stop--> ENDED
+                                     |                   |     ^
+                                     |     fault, Moving |     | a group took it (Resumed follows)
+                                     |                   v     |
+                                     +---- refused ---> ENDED <- RESUMING (no group within resume_wait_s)
+
+1. WAITING_FOR_START: the first message must be a valid start within start_timeout_s (keepalives answered,
+   bad messages refused: the first protocol closes, the second lets the client try again).
+2. ADMITTING: the tenant's limits, then a lease on a group: one long streaming call (`GroupLink.lease`) that
+   yields Admitted, then the session's events. A full or failed group is tried again (Serve routes each try
+   anew) until admission_wait_s; then the refusal (capacity_exhausted, 1013).
+3. STREAMING: the pump relays each ChunkReady to the client (the ledger records it) while the control reader
+   posts the client's interactions to the group's mailbox and minds the idle and lifetime limits.
+4. RESUMING: the group failed (SessionFailed) or is being stopped (Moving): the ledger's journal, interaction
+   state and snapshot references go to a new lease; meanwhile controls wait in the ledger. A fault counts
+   against max_resumes, a drain does not (it is the operator's, not the session's). Back to STREAMING when a
+   group took it; ENDED when none did within resume_wait_s.
+5. ENDED: done, stopped by the client, refused (every closing refusal ends the session), or the client left.
+   Leaving any phase cancels the lease, which frees the session's state on its group within one step.
+
+Plain Python: no Ray, no Starlette. The ingress gives it a `Wire` (one per protocol dialect) and a
+`GroupLink` (Serve's handle, the mailbox, the snapshot keeper); tests give it their own.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from enum import Enum
+from typing import Optional
+
+from .codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, RETRYABLE, ErrorCode, ProtocolError
+from .events import (
+    Admitted,
+    ChunkReady,
+    InteractionRefused,
+    Moving,
+    Resumed,
+    SessionDone,
+    SessionFailed,
+    SessionRequest,
+)
+from .ledger import ContinuityLedger
+from .ports import ACTIVITY, STOP, ClientGone, GroupLink, SessionMetrics, Wire
+from .requests import Interaction, StartRequest
+
+log = logging.getLogger("ray.serve")
+
+
+class Phase(Enum):
+    WAITING_FOR_START = "waiting_for_start"
+    ADMITTING = "admitting"
+    STREAMING = "streaming"
+    RESUMING = "resuming"
+    ENDED = "ended"
+
+
+NEXT_PHASES = {
+    Phase.WAITING_FOR_START: {Phase.ADMITTING, Phase.ENDED},
+    Phase.ADMITTING: {Phase.STREAMING, Phase.ENDED},
+    Phase.STREAMING: {Phase.RESUMING, Phase.ENDED},
+    Phase.RESUMING: {Phase.STREAMING, Phase.ENDED},
+    Phase.ENDED: {Phase.ENDED},
+}
+
+
+class PhaseError(RuntimeError):
+    """A transition the session's life does not allow (a bug, never the client's doing)."""
+
+
+class SessionLife:
+    """One session at the ingress, whichever protocol: its phase, its ledger and the flows between them."""
+
+    def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics):
+        self.wire = wire
+        self.groups = groups
+        self.settings = settings
+        self.metrics = metrics
+        self.session_id = uuid.uuid4().hex
+        self.phase = Phase.WAITING_FOR_START
+        self.ledger = ContinuityLedger(settings.sp)
+        self.start: Optional[StartRequest] = None
+        self.lease = None
+        self.mailbox = None                     # the group's, while STREAMING
+        self.chunks_sent = 0
+        self.sequence = 0                       # interactions posted (their arrival order)
+        self.last_interaction = self.started_at = time.monotonic()
+        self.scripted = False                   # the camera follows an offline trajectory: no camera or key events
+        self.resumes = 0                        # every resume (each has its own id at its group)
+        self.faults = 0                         # resumes after a fault (at most max_resumes); a drain is not one
+        self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
+        self.failed_at: Optional[float] = None
+        self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
+
+    def enter(self, phase: Phase) -> None:
+        if phase not in NEXT_PHASES[self.phase]:
+            raise PhaseError(f"session {self.session_id}: {self.phase.value} -> {phase.value} is not a transition")
+        self.phase = phase
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is Phase.ENDED
+
+    @property
+    def group_sid(self) -> str:
+        """The session's id at its group: another one per resume, so that a group that hosted it before (and
+        remembers that session as ended) can take it again."""
+        return self.session_id if not self.resumes else f"{self.session_id}.{self.resumes}"
+
+    # ---- talking to the client -----------------------------------------------------------------
+    async def refuse(self, error: ProtocolError) -> None:
+        """Refuse with `error`; a refusal that closes ends the session."""
+        self.metrics.refused(error.code)
+        if error.close is None:
+            async with self.send_lock:
+                await self.wire.send_error(error)
+            return
+        self.enter(Phase.ENDED)
+        await self.wire.close_with(error)
+
+    async def send_or_stall(self, data) -> bool:
+        """Send one message; False (and the session ended with stall_timeout) when it stays blocked for
+        stall_timeout_s: the client stopped reading, or is gone without closing. A client that reads but has
+        nothing to say is never cut for its silence."""
+        s = self.settings
+        try:
+            await asyncio.wait_for(self.wire.send(data), s.stall_timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("session %s: a send blocked for %g s; ending it", self.session_id, s.stall_timeout_s)
+            await self.refuse(ProtocolError(ErrorCode.STALL_TIMEOUT, f"the client read nothing for "
+                                            f"{s.stall_timeout_s:g} s", close=CLOSE_POLICY))
+            return False
+
+    async def next_message(self, deadline: float, limit: int) -> Optional[dict]:
+        """The next client message that needs handling, read until `deadline` (monotonic; raises
+        asyncio.TimeoutError after it). Keepalives are answered and bad messages refused here; None means a
+        refusal ended the session."""
+        while True:
+            try:
+                msg = await self.wire.receive(max(deadline - time.monotonic(), 0.001), limit)
+            except ProtocolError as e:
+                await self.refuse(e)
+                if self.ended:
+                    return None
+                continue
+            reply = self.wire.keepalive_reply(msg)
+            if reply is None:
+                return msg
+            async with self.send_lock:
+                await self.wire.send(reply)
+
+    # ---- 1. waiting for the start --------------------------------------------------------------
+    async def run(self, tenant: str, limits) -> None:
+        """The whole life; `limits` (the door's TenantLimits) admits `tenant` once the start is valid."""
+        try:
+            start = await self.wait_for_start()
+            if start is None:
+                return
+            refusal = limits.admit(tenant, time.monotonic())
+            if refusal is not None:
+                await self.refuse(refusal)
+                return
+            try:
+                await self.admit_and_stream(start)
+            finally:
+                limits.release(tenant)
+        finally:
+            if self.lease is not None:
+                self.lease.cancel()              # every path (done, stop, refusal, disconnect) ends the lease
+            self.phase = Phase.ENDED
+
+    async def wait_for_start(self) -> Optional[StartRequest]:
+        s = self.settings
+        deadline = time.monotonic() + s.start_timeout_s
+        while True:
+            try:
+                msg = await self.next_message(deadline, s.max_start_bytes)
+            except asyncio.TimeoutError:
+                await self.refuse(ProtocolError(ErrorCode.START_TIMEOUT, f"no session start within "
+                                                f"{s.start_timeout_s:g} s of connecting", close=CLOSE_POLICY))
+                return None
+            if msg is None:
+                return None
+            try:
+                return await self.wire.parse_start(msg, await self.groups.facts())
+            except ProtocolError as e:
+                await self.refuse(e)
+                if self.ended:
+                    return None
+
+    # ---- 2. admission --------------------------------------------------------------------------
+    async def admit(self, request: SessionRequest, wait_s: float):
+        """Hold a lease on a group for the session: the Admitted event, or the last refusal (None: no answer)
+        within wait_s. A group that is full, failed or gone is tried again until the time is up."""
+        deadline = time.monotonic() + wait_s
+        answer = None
+        while True:
+            self.lease = self.groups.lease(request)
+            try:
+                answer = await asyncio.wait_for(self.lease.__anext__(), timeout=max(deadline - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                return answer
+            except Exception as e:                        # the replica died under the call
+                answer = SessionFailed(ErrorCode.GROUP_UNAVAILABLE, f"the group's replica is gone ({type(e).__name__})")
+            if isinstance(answer, Admitted):
+                return answer
+            self.lease.cancel()
+            if answer.code not in RETRYABLE or time.monotonic() >= deadline:
+                return answer
+            await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+
+    async def admit_and_stream(self, start: StartRequest) -> None:
+        s = self.settings
+        self.start = start
+        self.scripted = start.trajectory is not None
+        self.enter(Phase.ADMITTING)
+        first = await self.admit(SessionRequest(self.group_sid, start, keeper=await self.groups.keeper()),
+                                 s.admission_wait_s)
+        if first is None or (isinstance(first, SessionFailed) and first.code == ErrorCode.CAPACITY_EXHAUSTED):
+            await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, "every model group is busy; try again later",
+                                            close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
+            return
+        if not isinstance(first, Admitted):
+            close = CLOSE_TRY_AGAIN if first.code == ErrorCode.GROUP_UNAVAILABLE else CLOSE_SERVER_ERROR
+            await self.refuse(ProtocolError(first.code, first.message, close=close, retry_after_s=s.retry_after_s))
+            return
+        self._streaming_on(first)
+        self.metrics.admitted()
+        self.started_at = time.monotonic()
+        await self.wire.send_admitted(first, start, self.session_id)
+        reader = asyncio.create_task(self.read_controls())
+        try:
+            stopped = await self.pump(reader)
+        finally:
+            reader.cancel()
+        if stopped is not None and not self.ended:
+            self.lease.cancel()
+            self.enter(Phase.ENDED)
+            await self.wire.finish(stopped, self.chunks_sent)
+
+    def _streaming_on(self, admitted: Admitted) -> None:
+        self.enter(Phase.STREAMING)
+        self.mailbox = admitted.mailbox
+        if admitted.facts is not None:
+            self.ledger.facts = admitted.facts
+
+    # ---- 3. streaming --------------------------------------------------------------------------
+    async def pump(self, reader: asyncio.Task) -> Optional[bool]:
+        """Relay the group's events; returns stopped (True/False), or None when the session ended otherwise."""
+        last = None
+        next_event = asyncio.ensure_future(self.lease.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({next_event, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader in done:
+                    return reader.result()              # stop, timeout or disconnect
+                try:
+                    event = next_event.result()
+                except StopAsyncIteration:
+                    return False
+                except Exception as e:                    # the group's replica is gone
+                    event = SessionFailed(ErrorCode.INTERNAL_ERROR, f"the model group is gone ({type(e).__name__})")
+                if isinstance(event, ChunkReady):
+                    now = time.monotonic()
+                    if last is not None:
+                        self.metrics.chunk_interval(now - last)
+                    last = now
+                    async with self.send_lock:
+                        sent = await self.wire.send_chunk(event, self.chunks_sent, self.send_or_stall)
+                    if not sent:
+                        return None
+                    self.chunks_sent += 1
+                    self.ledger.delivered(event, self.start.fps)
+                elif isinstance(event, Resumed):
+                    gap = time.monotonic() - (self.failed_at or time.monotonic())
+                    async with self.send_lock:
+                        sent = await self.wire.send_resumed(event, self.ledger.chunks, self.chunks_sent, gap,
+                                                            self.resume_reason, self.send_or_stall)
+                    if not sent:
+                        return None
+                elif isinstance(event, SessionDone):
+                    return False
+                elif isinstance(event, (Moving, SessionFailed)):
+                    drain = isinstance(event, Moving)
+                    if drain:
+                        self.ledger.keep(event.snapshots)
+                    else:
+                        log.warning("session %s: %s: %s", self.session_id, event.code, event.message)
+                    resumed = await self.resume(reader, drain)
+                    if resumed is None:
+                        return reader.result()
+                    if not resumed:
+                        code, text = (ErrorCode.GROUP_UNAVAILABLE, "no model group could take the session while "
+                                      "its group was stopped") if drain else \
+                            (event.code, "the model group failed while generating")
+                        await self.refuse(ProtocolError(code, f"{text}; please retry", close=CLOSE_SERVER_ERROR))
+                        return None
+                    last = None
+                elif isinstance(event, InteractionRefused):
+                    self.ledger.refused(event.event_id)
+                    await self.refuse(ProtocolError(event.code, event.message, event_id=event.event_id))
+                    if self.ended:
+                        return None
+                next_event = asyncio.ensure_future(self.lease.__anext__())
+        finally:
+            next_event.cancel()
+
+    def _next_limit(self) -> tuple[float, ErrorCode, str]:
+        """The earliest of the session's time limits: (monotonic deadline, code, message)."""
+        s = self.settings
+        return min([(self.last_interaction + s.idle_timeout_s, ErrorCode.IDLE_TIMEOUT,
+                     f"no interaction for {s.idle_timeout_s:g} s"),
+                    (self.started_at + s.max_lifetime_s, ErrorCode.MAX_LIFETIME,
+                     f"session reached its maximum lifetime of {s.max_lifetime_s:g} s")])
+
+    async def read_controls(self) -> Optional[bool]:
+        """Client messages during the session. Returns True when the client stopped the session, None when the
+        session ended otherwise (disconnect or a timeout refusal)."""
+        s = self.settings
+        while True:
+            until, _, _ = self._next_limit()
+            try:
+                msg = await self.next_message(until, s.max_control_bytes)
+            except asyncio.TimeoutError:
+                until, code, text = self._next_limit()       # an interaction may have moved the limit meanwhile
+                if time.monotonic() >= until:
+                    await self.refuse(self.wire.limit_error(code, text))
+                    return None
+                continue
+            except ClientGone:
+                self.enter(Phase.ENDED)
+                return None
+            if msg is None:
+                return None
+            try:
+                control = self.wire.control(msg, self.sequence + 1)
+            except ProtocolError as e:
+                await self.refuse(e)
+                control = None
+            if control == STOP:
+                return True
+            if control == ACTIVITY:
+                self.last_interaction = time.monotonic()
+            elif isinstance(control, Interaction) and await self.post(control):
+                ack = self.wire.queued(control)
+                if ack is not None:
+                    async with self.send_lock:
+                        await self.wire.send(ack)
+            if self.ended:
+                return None
+
+    async def post(self, interaction: Interaction) -> bool:
+        """Send a client's interaction to its group (refused while the camera follows a path)."""
+        if self.scripted and (interaction.camera is not None or interaction.keys is not None
+                              or interaction.hold is not None):
+            await self.refuse(ProtocolError(ErrorCode.CAMERA_SCRIPTED, "this session's camera follows its "
+                                            "camera_trajectory; only prompt events apply",
+                                            event_id=interaction.event_id))
+            return False
+        self.last_interaction = time.monotonic()
+        self.sequence += 1
+        interaction.seq = self.sequence
+        self.ledger.posted(interaction)
+        if self.phase is Phase.STREAMING:           # while RESUMING it waits in the ledger for the next group
+            self.groups.post(self.mailbox, self.group_sid, interaction)
+        return True
+
+    # ---- 4. resuming ---------------------------------------------------------------------------
+    async def resume(self, reader: asyncio.Task, drain: bool = False) -> Optional[bool]:
+        """The session's group failed (or, with `drain`, is being stopped): continue the session on a healthy
+        group (another, or this one rebuilt), restored from its snapshots and the journal after them (or the
+        whole journal). True when a group took it (the chunks it restores or replays are not sent again);
+        False when none did; None when the client stopped or left meanwhile (`reader` ended)."""
+        s = self.settings
+        if not s.resume_sessions or self.ended or (not drain and self.faults >= s.max_resumes):
+            return False
+        self.enter(Phase.RESUMING)
+        self.resumes += 1
+        self.faults += not drain
+        self.resume_reason = "drain" if drain else "fault"
+        self.failed_at = self.last_interaction = time.monotonic()   # the client is not idle while it waits
+        self.lease.cancel()
+        self.mailbox = None
+        request = SessionRequest(self.group_sid, self.start, self.ledger.resume(), keeper=await self.groups.keeper())
+        if drain:
+            log.info("session %s: its group is being stopped after %d chunks; moving it", self.session_id,
+                     self.ledger.chunks)
+        else:
+            log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)",
+                        self.session_id, self.ledger.chunks, self.faults, s.max_resumes)
+        admitting = asyncio.ensure_future(self.admit(request, s.resume_wait_s))
+        await asyncio.wait({admitting, reader}, return_when=asyncio.FIRST_COMPLETED)
+        if reader.done():                            # the client left or stopped: no group needed any more
+            admitting.cancel()
+            return None
+        answer = admitting.result()
+        if not isinstance(answer, Admitted):
+            self.metrics.resumed("failed", self.resume_reason)
+            log.error("session %s: no group took it within %g s (%s)", self.session_id, s.resume_wait_s,
+                      getattr(answer, "code", "no answer"))
+            return False
+        self.metrics.resumed("resumed", self.resume_reason)
+        self.last_interaction = time.monotonic()     # the client was not idle: its session was away
+        self._streaming_on(answer)
+        for interaction in self.ledger.unstarted:   # what the failed group had not started yet, in order
+            self.groups.post(self.mailbox, self.group_sid, interaction)
+        return True

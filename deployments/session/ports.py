@@ -1,0 +1,87 @@
+"""The ports of a session's life (deployments/session/life.py): what it needs from the outside, as protocols.
+The ingress implements them with a Starlette WebSocket (a `Wire` per protocol dialect) and Ray Serve's handle
+(the `GroupLink`); tests implement them with their own.
+
+Plain Python: no Ray, no Starlette."""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+from .codes import ErrorCode, ProtocolError
+from .events import Admitted, ChunkReady, ModelFacts, Resumed, SessionRequest
+from .requests import Interaction, StartRequest
+
+STOP = "stop"                  # Wire.control: the client stops the session
+ACTIVITY = "activity"          # Wire.control: a message that only says the client is there (a heartbeat)
+
+
+class ClientGone(Exception):
+    """The client closed the connection or left (the wire's receive raises it)."""
+
+
+class Wire(Protocol):
+    """One protocol dialect over one connection (deployments/ingress/vllm.py, sglang.py)."""
+
+    async def receive(self, timeout: float, limit: int) -> dict:
+        """The next message, decoded (ProtocolError when bad, ClientGone at the end, TimeoutError)."""
+
+    async def send(self, data) -> None:
+        """One message (a map or bytes) as it is."""
+
+    def keepalive_reply(self, msg: dict) -> Optional[dict]:
+        """The answer to a keepalive message (None: `msg` is not one)."""
+
+    async def parse_start(self, msg: dict, facts: ModelFacts) -> StartRequest:
+        """The start in `msg` (ProtocolError when it is not a valid start)."""
+
+    def control(self, msg: dict, seq: int) -> Any:
+        """A message during the session: STOP, ACTIVITY or an Interaction (`seq` its arrival number);
+        ProtocolError when it is bad."""
+
+    def queued(self, interaction: Interaction) -> Optional[dict]:
+        """The acknowledgement of a posted interaction (None: the dialect sends none)."""
+
+    def limit_error(self, code: ErrorCode, text: str) -> ProtocolError:
+        """The refusal that ends a session at its idle or lifetime limit."""
+
+    async def send_error(self, error: ProtocolError) -> None:
+        """A refusal that leaves the connection open."""
+
+    async def close_with(self, error: ProtocolError) -> None:
+        """A refusal that closes (bounded in time, never raising)."""
+
+    async def send_admitted(self, admitted: Admitted, start: StartRequest, session_id: str) -> None:
+        """Tell the client its session runs (the first protocol's video.start)."""
+
+    async def send_chunk(self, event: ChunkReady, transport_index: int, send) -> bool:
+        """Put one chunk on the wire through `send` (False: the connection is over)."""
+
+    async def send_resumed(self, event: Resumed, chunk_index: int, transport_index: int, gap_s: float,
+                           reason: str, send) -> bool:
+        """Tell the client its session goes on after a fault or a drain."""
+
+    async def finish(self, stopped: bool, chunks: int) -> None:
+        """The session ended by itself (stopped False) or at the client's request: last words and the close."""
+
+
+class GroupLink(Protocol):
+    """The ingress's way to the groups."""
+
+    async def facts(self) -> ModelFacts:
+        """The model the groups run (what a start is checked against)."""
+
+    def lease(self, request: SessionRequest) -> Any:
+        """Open a session lease: an async iterator of GroupEvents with cancel()."""
+
+    def post(self, mailbox: Any, session_id: str, interaction: Interaction) -> None:
+        """Send an interaction to the mailbox of the session's group."""
+
+    async def keeper(self) -> Any:
+        """The owner of the sessions' snapshots (None: no snapshots)."""
+
+
+class SessionMetrics(Protocol):
+    def refused(self, code: str) -> None: ...
+    def admitted(self) -> None: ...
+    def chunk_interval(self, seconds: float) -> None: ...
+    def resumed(self, outcome: str, reason: str) -> None: ...

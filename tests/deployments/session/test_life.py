@@ -1,0 +1,275 @@
+"""A session's life without Ray or Starlette: its phases through start, admission, streaming, a fault, a drain and
+the end, driven by a wire and a group link of the test's own (the served tests in tests/deployments/ run the
+same life over real WebSockets and groups)."""
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from lingbot.config import get_preset
+
+from deployments.session.codes import CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
+from deployments.session.events import (
+    Admitted,
+    ChunkControls,
+    ChunkReady,
+    InteractionState,
+    ModelFacts,
+    Moving,
+    Resumed,
+    SessionDone,
+    SessionFailed,
+    SnapshotRef,
+)
+from deployments.session.life import Phase, PhaseError, SessionLife
+from deployments.session.ports import ACTIVITY, STOP, ClientGone
+from deployments.session.requests import Interaction, StartRequest
+from deployments.settings import ServeSettings
+
+FACTS = ModelFacts.of(get_preset("tiny"))
+SETTINGS = ServeSettings(admission_wait_s=0.5, resume_wait_s=0.5, start_timeout_s=2.0)
+
+
+class Wire:
+    """A client: messages it will send (a dict, or a float: wait that long first), and what it received."""
+
+    def __init__(self, messages=()):
+        self.incoming: asyncio.Queue = asyncio.Queue()
+        for m in messages:
+            self.incoming.put_nowait(m)
+        self.log: list = []
+
+    async def receive(self, timeout, limit):
+        msg = await asyncio.wait_for(self.incoming.get(), timeout)
+        while isinstance(msg, float):
+            await asyncio.sleep(msg)
+            msg = await asyncio.wait_for(self.incoming.get(), timeout)
+        if msg == "gone":
+            raise ClientGone()
+        if isinstance(msg, ProtocolError):
+            raise msg
+        return msg
+
+    async def send(self, data):
+        self.log.append(("send", data))
+
+    def keepalive_reply(self, msg):
+        return {"pong": True} if msg["type"] == "ping" else None
+
+    async def parse_start(self, msg, facts):
+        if msg["type"] != "start":
+            raise ProtocolError(ErrorCode.NOT_STARTED, "start first")
+        return StartRequest("p", np.zeros((3, facts.height, facts.width), np.float32), facts.width, facts.height,
+                            msg.get("chunks"), None, 16.0, 1, None, [])
+
+    def control(self, msg, seq):
+        if msg["type"] == "stop":
+            return STOP
+        if msg["type"] == "beat":
+            return ACTIVITY
+        return Interaction(msg["id"], keys=["w"])
+
+    def queued(self, interaction):
+        return {"queued": interaction.event_id}
+
+    def limit_error(self, code, text):
+        return ProtocolError(code, text, close=1000)
+
+    async def send_error(self, error):
+        self.log.append(("error", error.code))
+
+    async def close_with(self, error):
+        self.log.append(("close", error.code, error.close))
+
+    async def send_admitted(self, admitted, start, session_id):
+        self.log.append(("admitted", admitted.group))
+
+    async def send_chunk(self, event, transport_index, send):
+        self.log.append(("chunk", event.index, transport_index))
+        return True
+
+    async def send_resumed(self, event, chunk_index, transport_index, gap_s, reason, send):
+        self.log.append(("resumed", chunk_index, event.restored, reason))
+        return True
+
+    async def finish(self, stopped, chunks):
+        self.log.append(("done", stopped, chunks))
+
+
+class Lease:
+    """One streaming call: yields its events; a float is a pause; it waits forever after the last one."""
+
+    def __init__(self, events):
+        self.events = list(events)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while self.events:
+            event = self.events.pop(0)
+            if isinstance(event, float):
+                await asyncio.sleep(event)
+                continue
+            return event
+        await asyncio.Event().wait()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class Groups:
+    """Serve's routing stood in for by a list of leases, one per call; the requests are kept."""
+
+    def __init__(self, *leases):
+        self.leases = list(leases)
+        self.requests, self.posted = [], []
+
+    async def facts(self):
+        return FACTS
+
+    def lease(self, request):
+        self.requests.append(request)
+        return self.leases.pop(0) if self.leases else Lease([SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "full")])
+
+    def post(self, mailbox, session_id, interaction):
+        self.posted.append((mailbox, session_id, interaction.event_id))
+
+    async def keeper(self):
+        return "keeper"
+
+
+class Metrics:
+    def __init__(self):
+        self.refusals, self.resumes = [], []
+
+    def refused(self, code):
+        self.refusals.append(code)
+
+    def admitted(self):
+        pass
+
+    def chunk_interval(self, seconds):
+        pass
+
+    def resumed(self, outcome, reason):
+        self.resumes.append((outcome, reason))
+
+
+class Limits:
+    def __init__(self):
+        self.active = 0
+
+    def admit(self, tenant, now):
+        self.active += 1
+
+    def release(self, tenant):
+        self.active -= 1
+
+
+def admitted(group: str) -> Admitted:
+    return Admitted(group, f"mailbox-{group}", "video/mp4", 2, FACTS)
+
+
+def chunk(index: int, started=()) -> ChunkReady:
+    snapshots = tuple(SnapshotRef(index, r, f"slot{index}.{r}", f"state{index}.{r}") for r in range(2))
+    return ChunkReady(index, b"x", FACTS.geometry.pixel_frames(index), list(started), [], [], {}, 0.1,
+                      controls=ChunkControls(keys=("w",) * 3), interactions=InteractionState({}, None),
+                      snapshots=snapshots)
+
+
+def live(wire: Wire, groups: Groups, settings=SETTINGS):
+    """Run one session's life to its end; (the life, the phases it went through, the limits)."""
+    async def scenario():
+        life = SessionLife(wire, groups, settings, Metrics())
+        phases = []
+        enter = life.enter
+
+        def recording(phase):
+            enter(phase)
+            phases.append(phase)
+        life.enter = recording
+        limits = Limits()
+        await asyncio.wait_for(life.run("t", limits), 30)
+        return life, phases, limits
+    return asyncio.run(scenario())
+
+
+def test_a_session_runs_from_start_to_done():
+    wire = Wire([{"type": "ping"}, {"type": "start", "chunks": 2}])
+    groups = Groups(Lease([admitted("g1"), chunk(0), chunk(1), SessionDone(2)]))
+    life, phases, limits = live(wire, groups)
+    assert phases == [Phase.ADMITTING, Phase.STREAMING, Phase.ENDED] and life.phase is Phase.ENDED
+    assert wire.log == [("send", {"pong": True}), ("admitted", "g1"), ("chunk", 0, 0), ("chunk", 1, 1),
+                        ("done", False, 2)]
+    assert life.ledger.chunks == 2 and limits.active == 0 and groups.requests[0].keeper == "keeper"
+
+
+def test_a_fault_resumes_on_another_group_from_the_ledger():
+    wire = Wire([{"type": "start", "chunks": 3}])
+    failed = Lease([admitted("g1"), chunk(0), chunk(1), SessionFailed(ErrorCode.INTERNAL_ERROR, "rank died")])
+    rebuilt = Lease([admitted("g2"), Resumed(0, 0.0, 2), chunk(2), SessionDone(3)])
+    groups = Groups(failed, rebuilt)
+    life, phases, _ = live(wire, groups)
+    assert phases == [Phase.ADMITTING, Phase.STREAMING, Phase.RESUMING, Phase.STREAMING, Phase.ENDED]
+    assert failed.cancelled and (life.faults, life.resumes) == (1, 1)
+    request = groups.requests[1]
+    assert request.session_id == f"{life.session_id}.1"             # its own id at the group
+    assert request.resume.next_index == 2 and request.resume.snapshot_index == 1
+    assert [r.state for r in request.resume.restore] == ["state1.0", "state1.1"]
+    assert ("resumed", 2, 2, "fault") in wire.log and wire.log[-1] == ("done", False, 3)
+    assert life.metrics.resumes == [("resumed", "fault")]
+
+
+def test_a_drain_moves_the_session_with_its_last_snapshots_and_is_no_fault():
+    wire = Wire([{"type": "start", "chunks": 2}, 0.05, {"type": "act", "id": "e1"}])
+    last = tuple(SnapshotRef(0, r, f"late-slot0.{r}", f"late-state0.{r}") for r in range(2))
+    stopping = Lease([admitted("g1"), chunk(0), 0.3, Moving("group_stopping", last)])
+    new = Lease([admitted("g2"), Resumed(0, 0.0, 1), chunk(1, started=["e1"]), SessionDone(2)])
+    settings = dataclasses.replace(SETTINGS, max_resumes=0)         # a drain does not count against it
+    groups = Groups(stopping, new)
+    life, phases, _ = live(wire, groups, settings)
+    assert Phase.RESUMING in phases and life.faults == 0 and life.resume_reason == "drain"
+    assert [r.state for r in groups.requests[1].resume.restore] == ["late-state0.0", "late-state0.1"]
+    # the interaction went to the first group; it had not started it, so it goes to the second one too
+    assert [(mailbox, eid) for mailbox, _, eid in groups.posted] == [("mailbox-g1", "e1"), ("mailbox-g2", "e1")]
+    assert ("send", {"queued": "e1"}) in wire.log and wire.log[-1] == ("done", False, 2)
+
+
+def test_full_groups_refuse_after_the_admission_wait():
+    wire = Wire([{"type": "start"}])
+    life, phases, limits = live(wire, Groups())
+    assert phases == [Phase.ADMITTING, Phase.ENDED]
+    assert wire.log == [("close", ErrorCode.CAPACITY_EXHAUSTED, CLOSE_TRY_AGAIN)] and limits.active == 0
+    assert life.metrics.refusals == [ErrorCode.CAPACITY_EXHAUSTED]
+
+
+def test_a_fault_past_max_resumes_ends_the_session_with_its_code():
+    wire = Wire([{"type": "start"}])
+    groups = Groups(Lease([admitted("g1"), chunk(0), SessionFailed(ErrorCode.INTERNAL_ERROR, "rank died")]))
+    life, phases, _ = live(wire, groups, dataclasses.replace(SETTINGS, max_resumes=0))
+    assert phases == [Phase.ADMITTING, Phase.STREAMING, Phase.ENDED] and len(groups.requests) == 1
+    assert wire.log[-1] == ("close", ErrorCode.INTERNAL_ERROR, 1011)
+
+
+def test_the_client_stops_or_leaves_and_bad_messages_are_refused_in_place():
+    wire = Wire([{"type": "act"}, {"type": "start"}, 0.2, {"type": "beat"}, {"type": "stop"}])
+    life, phases, _ = live(wire, Groups(Lease([admitted("g1"), chunk(0)])))
+    assert ("error", ErrorCode.NOT_STARTED) in wire.log and wire.log[-1] == ("done", True, 1)
+    wire = Wire([{"type": "start"}, 0.1, "gone"])
+    life, phases, _ = live(wire, Groups(Lease([admitted("g1")])))
+    assert phases[-1] is Phase.ENDED and not any(entry[0] == "done" for entry in wire.log)
+
+
+def test_phases_only_move_along_the_diagram():
+    life = SessionLife(Wire(), Groups(), SETTINGS, Metrics())
+    with pytest.raises(PhaseError, match="waiting_for_start -> streaming"):
+        life.enter(Phase.STREAMING)
+    life.enter(Phase.ADMITTING)
+    with pytest.raises(PhaseError, match="admitting -> resuming"):
+        life.enter(Phase.RESUMING)
+    life.enter(Phase.ENDED)
+    with pytest.raises(PhaseError):
+        life.enter(Phase.STREAMING)
