@@ -1,10 +1,9 @@
 """The continuity ledger without Ray: journal, owed interactions and the snapshot references it keeps through
 faults, drains and resumes (the references are plain strings here: the ledger only holds them)."""
-from lingbot.config import get_preset
-
 from deployments.session.events import ChunkControls, ChunkReady, InteractionState, ModelFacts, SnapshotRef
 from deployments.session.ledger import ContinuityLedger
 from deployments.session.requests import Interaction
+from lingbot.config import get_preset
 
 FACTS = ModelFacts.of(get_preset("lingbot-world-v2-14b"))      # sink 3 chunks, window 6 chunks
 FPS = 16.0

@@ -7,8 +7,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from lingbot.config import get_preset
-
 from deployments.session.codes import CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 from deployments.session.events import (
     Admitted,
@@ -26,6 +24,7 @@ from deployments.session.life import Phase, PhaseError, SessionLife
 from deployments.session.ports import ACTIVITY, STOP, ClientGone
 from deployments.session.requests import Interaction, StartRequest
 from deployments.settings import ServeSettings
+from lingbot.config import get_preset
 
 FACTS = ModelFacts.of(get_preset("tiny"))
 SETTINGS = ServeSettings(admission_wait_s=0.5, resume_wait_s=0.5, start_timeout_s=2.0)
@@ -249,7 +248,7 @@ def test_full_groups_refuse_after_the_admission_wait():
 def test_a_fault_past_max_resumes_ends_the_session_with_its_code():
     wire = Wire([{"type": "start"}])
     groups = Groups(Lease([admitted("g1"), chunk(0), SessionFailed(ErrorCode.INTERNAL_ERROR, "rank died")]))
-    life, phases, _ = live(wire, groups, dataclasses.replace(SETTINGS, max_resumes=0))
+    _life, phases, _ = live(wire, groups, dataclasses.replace(SETTINGS, max_resumes=0))
     assert phases == [Phase.ADMITTING, Phase.STREAMING, Phase.ENDED] and len(groups.requests) == 1
     assert wire.log[-1] == ("close", ErrorCode.INTERNAL_ERROR, 1011)
 
@@ -259,7 +258,7 @@ def test_the_client_stops_or_leaves_and_bad_messages_are_refused_in_place():
     life, phases, _ = live(wire, Groups(Lease([admitted("g1"), chunk(0)])))
     assert ("error", ErrorCode.NOT_STARTED) in wire.log and wire.log[-1] == ("done", True, 1)
     wire = Wire([{"type": "start"}, 0.1, "gone"])
-    life, phases, _ = live(wire, Groups(Lease([admitted("g1")])))
+    _life, phases, _ = live(wire, Groups(Lease([admitted("g1")])))
     assert phases[-1] is Phase.ENDED and not any(entry[0] == "done" for entry in wire.log)
 
 
