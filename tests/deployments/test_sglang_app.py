@@ -11,8 +11,8 @@ import websockets
 from lingbot.camera import Controls
 from lingbot.client import FramesClient
 from lingbot.io.video import FragmentedMp4Encoder, H264Settings, read_frames
-from tests.deployments.test_app import H, W, in_process_frames, png_url, run, session
 from tests.deployments.ingress.test_sglang import _mutations
+from tests.deployments.test_app import H, W, in_process_frames, png_url, run, session
 
 FRAME_BYTES = W * H * 3
 

@@ -255,7 +255,7 @@ def test_a_fault_past_max_resumes_ends_the_session_with_its_code():
 
 def test_the_client_stops_or_leaves_and_bad_messages_are_refused_in_place():
     wire = Wire([{"type": "act"}, {"type": "start"}, 0.2, {"type": "beat"}, {"type": "stop"}])
-    life, phases, _ = live(wire, Groups(Lease([admitted("g1"), chunk(0)])))
+    _, phases, _ = live(wire, Groups(Lease([admitted("g1"), chunk(0)])))
     assert ("error", ErrorCode.NOT_STARTED) in wire.log and wire.log[-1] == ("done", True, 1)
     wire = Wire([{"type": "start"}, 0.1, "gone"])
     _life, phases, _ = live(wire, Groups(Lease([admitted("g1")])))
