@@ -9,7 +9,7 @@ import hmac
 from collections import deque
 from typing import Optional
 
-from ..session.codes import CLOSE_TRY_AGAIN, ProtocolError
+from ..session.codes import CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 
 WINDOW_S = 60.0
 
@@ -25,7 +25,7 @@ class TenantLimits:
         """Take a session slot for `tenant`, or the refusal (the slot is not taken)."""
         active = self.active.get(tenant, 0)
         if self.max_sessions and active >= self.max_sessions:
-            return ProtocolError("too_many_sessions", f"this key already holds {active} sessions (the "
+            return ProtocolError(ErrorCode.TOO_MANY_SESSIONS, f"this key already holds {active} sessions (the "
                                  f"limit is {self.max_sessions}); end one first", close=CLOSE_TRY_AGAIN,
                                  retry_after_s=5)
         if self.max_starts:
@@ -34,7 +34,8 @@ class TenantLimits:
                 starts.popleft()
             if len(starts) >= self.max_starts:
                 wait = WINDOW_S - (now - starts[0])
-                return ProtocolError("rate_limited", f"this key started {len(starts)} sessions in the last minute "
+                return ProtocolError(ErrorCode.RATE_LIMITED,
+                                     f"this key started {len(starts)} sessions in the last minute "
                                      f"(the limit is {self.max_starts})", close=CLOSE_TRY_AGAIN,
                                      retry_after_s=round(max(wait, 0.0), 1))
             starts.append(now)

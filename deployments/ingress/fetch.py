@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
 
-from ..session.codes import ProtocolError
+from ..session.codes import ErrorCode, ProtocolError
 
 
 def parse_allowlist(text: str) -> tuple[str, ...]:
@@ -31,7 +31,7 @@ def parse_allowlist(text: str) -> tuple[str, ...]:
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise ProtocolError("invalid_image", f"image_url redirects (HTTP {code}); redirects are not followed")
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url redirects (HTTP {code}); redirects are not followed")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ImageFetcher:
 
     def fetch(self, url: str) -> bytes:
         if not self.allowed(url):
-            raise ProtocolError("invalid_image", "this server fetches images only from its allow-list "
+            raise ProtocolError(ErrorCode.INVALID_IMAGE, "this server fetches images only from its allow-list "
                                 "(image_url_allowlist); send the image inline")
         opener = urllib.request.build_opener(_NoRedirect)
         try:
@@ -62,10 +62,11 @@ class ImageFetcher:
         except ProtocolError:
             raise
         except urllib.error.HTTPError as e:
-            raise ProtocolError("invalid_image", f"image_url answered HTTP {e.code}") from None
+            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url answered HTTP {e.code}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             reason = getattr(e, "reason", e)
-            raise ProtocolError("invalid_image", f"image_url could not be fetched ({type(reason).__name__})") from None
+            raise ProtocolError(ErrorCode.INVALID_IMAGE,
+                                f"image_url could not be fetched ({type(reason).__name__})") from None
         if len(data) > self.max_bytes:
-            raise ProtocolError("invalid_image", f"image_url holds more than {self.max_bytes} bytes")
+            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url holds more than {self.max_bytes} bytes")
         return data

@@ -15,20 +15,20 @@ from lingbot.camera import CameraError, Trajectory, TrajectoryError, parse_keys
 from lingbot.config import ChunkGeometry
 from lingbot.io.images import open_image, resize_image
 
-from ..session.codes import CLOSE_POLICY, ProtocolError
+from ..session.codes import CLOSE_POLICY, ErrorCode, ProtocolError
 
 
 def require(obj: dict, key: str, kind, where: str):
     if key not in obj or obj[key] is None:
-        raise ProtocolError("missing_field", f"{where} needs field '{key}'")
+        raise ProtocolError(ErrorCode.MISSING_FIELD, f"{where} needs field '{key}'")
     value = obj[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)
         except OverflowError:
-            raise ProtocolError("invalid_field", f"{where} field '{key}' is out of range") from None
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} field '{key}' is out of range") from None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ProtocolError("invalid_field",
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
                             f"{where} field '{key}' must be {kind.__name__}, got {type(value).__name__}")
     return value
 
@@ -40,21 +40,22 @@ def decode_image(url: str, width: int, height: int, fetcher=None) -> np.ndarray:
         try:
             return resize_image(open_image(fetcher.fetch(url)), width, height)
         except ValueError as e:
-            raise ProtocolError("invalid_image", f"image_url: {e}") from None
+            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url: {e}") from None
     if not url.startswith("data:"):
-        raise ProtocolError("invalid_image", "image_reference.image_url must be a data: URL (http(s) URLs are not "
+        raise ProtocolError(ErrorCode.INVALID_IMAGE,
+                            "image_reference.image_url must be a data: URL (http(s) URLs are not "
                             "fetched by this server)")
     header, _, payload = url.partition(",")
     if ";base64" not in header:
-        raise ProtocolError("invalid_image", "image data URL must be base64-encoded")
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, "image data URL must be base64-encoded")
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ProtocolError("invalid_image", "image data URL is not valid base64") from None
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, "image data URL is not valid base64") from None
     try:
         image = open_image(raw)
     except ValueError as e:
-        raise ProtocolError("invalid_image", f"image data URL: {e}") from None
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image data URL: {e}") from None
     return resize_image(image, width, height)
 
 
@@ -69,17 +70,17 @@ def finite(value) -> float:
 def parse_keys_list(value: Any, where: str) -> list[str]:
     """["w", "wa", ["w", "d"], ""] -> ["w", "wa", "wd", ""]."""
     if not isinstance(value, list):
-        raise ProtocolError("invalid_field", f"{where} must be a list of key sets")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} must be a list of key sets")
     out = []
     for item in value:
         if isinstance(item, list) and all(isinstance(k, str) for k in item):
             item = "".join(item)
         if not isinstance(item, str):
-            raise ProtocolError("invalid_field", f"{where} entries must be strings or lists of strings")
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} entries must be strings or lists of strings")
         try:
             out.append(parse_keys(item))
         except CameraError as e:
-            raise ProtocolError("invalid_field", f"{where}: {e}") from None
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where}: {e}") from None
     return out
 
 
@@ -93,11 +94,12 @@ def parse_trajectory(value: Any, width: int, height: int, geometry: ChunkGeometr
     where = "extra_params.camera_trajectory"
     if not isinstance(value, dict) or not isinstance(value.get("poses"), list) \
             or not isinstance(value.get("intrinsics"), list):
-        raise ProtocolError("invalid_field", f"{where} must be an object with lists 'poses' [frames][4][4] and "
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} must be an object with lists 'poses' [frames][4][4] and "
                             f"'intrinsics' [frames][4]", close=CLOSE_POLICY)
     frames = len(value["poses"])
     if frames > max_frames or len(value["intrinsics"]) > max_frames:
-        raise ProtocolError("trajectory_too_long", f"{where} has {max(frames, len(value['intrinsics']))} frames; "
+        raise ProtocolError(ErrorCode.TRAJECTORY_TOO_LONG,
+                            f"{where} has {max(frames, len(value['intrinsics']))} frames; "
                             f"at most {max_frames} (max_chunks) are taken", close=CLOSE_POLICY)
     numbers = (int, float)
     def numeric(x, depth: int) -> bool:                  # nested lists of JSON numbers only (no bools, strings)
@@ -105,7 +107,8 @@ def parse_trajectory(value: Any, width: int, height: int, geometry: ChunkGeometr
             return isinstance(x, numbers) and not isinstance(x, bool)
         return isinstance(x, list) and all(numeric(v, depth - 1) for v in x)
     if not numeric(value["poses"], 3) or not numeric(value["intrinsics"], 2):
-        raise ProtocolError("trajectory_shape", f"{where}: poses must be [frames][4][4] and intrinsics [frames][4], "
+        raise ProtocolError(ErrorCode.TRAJECTORY_SHAPE,
+                            f"{where}: poses must be [frames][4][4] and intrinsics [frames][4], "
                             f"all numbers", close=CLOSE_POLICY)
     try:
         return Trajectory.from_video_frames(value["poses"], value["intrinsics"], width, height,

@@ -40,17 +40,19 @@ def pack(message: dict) -> bytes:
 def unpack(data: bytes, limit: int) -> dict:
     """One client message -> a map with a string `type`; ProtocolError for anything else."""
     if len(data) > limit:
-        raise ProtocolError("message_too_large", f"message of {len(data)} bytes exceeds the limit of {limit} bytes",
+        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE,
+                            f"message of {len(data)} bytes exceeds the limit of {limit} bytes",
                             close=CLOSE_TOO_BIG)
     try:
         msg = msgpack.unpackb(data, raw=False)
     except Exception as e:                       # truncated, extra bytes, bad UTF-8, too deep, unhashable keys...
-        raise ProtocolError("invalid_msgpack", f"message is not one valid MessagePack value ({type(e).__name__})") \
+        raise ProtocolError(ErrorCode.INVALID_MSGPACK,
+                            f"message is not one valid MessagePack value ({type(e).__name__})") \
             from None
     if not isinstance(msg, dict):
-        raise ProtocolError("invalid_msgpack", "message must be a MessagePack map")
+        raise ProtocolError(ErrorCode.INVALID_MSGPACK, "message must be a MessagePack map")
     if not isinstance(msg.get("type"), str):
-        raise ProtocolError("missing_field", "message has no string field 'type'")
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "message has no string field 'type'")
     return msg
 
 
@@ -66,7 +68,7 @@ def _opt(msg: dict, key: str, kinds, what: str):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ProtocolError("invalid_field", f"init field '{key}' must be {what}, got {type(value).__name__}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"init field '{key}' must be {what}, got {type(value).__name__}")
     return value
 
 
@@ -74,7 +76,8 @@ def parse_size(value: Any) -> tuple[int, int]:
     """'832x480' (any case, spaces allowed) -> (832, 480)."""
     parts = str(value).lower().replace(" ", "").split("x") if isinstance(value, str) else []
     if len(parts) != 2 or not all(p.isdigit() for p in parts) or not all(0 < int(p) <= 16384 for p in parts):
-        raise ProtocolError("invalid_size", f"size must be 'WIDTHxHEIGHT' with positive integers, got {value!r}")
+        raise ProtocolError(ErrorCode.INVALID_SIZE,
+                            f"size must be 'WIDTHxHEIGHT' with positive integers, got {value!r}")
     return int(parts[0]), int(parts[1])
 
 
@@ -82,18 +85,20 @@ def first_frame(value: Any, width: int, height: int, fetcher=None):
     """Image bytes or a data: URL -> float32 [3, H, W] at the served size (http(s) URLs only from the
     operator's allow-list: `fetcher`, deployments.fetch)."""
     if value is None:
-        raise ProtocolError("missing_field", "init needs first_frame (image bytes or a data:image/...;base64 URL)")
+        raise ProtocolError(ErrorCode.MISSING_FIELD,
+                            "init needs first_frame (image bytes or a data:image/...;base64 URL)")
     if isinstance(value, (bytes, bytearray)):
         try:
             return resize_image(open_image(bytes(value)), width, height)
         except ValueError as e:
-            raise ProtocolError("invalid_image", f"first_frame: {e}") from None
+            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"first_frame: {e}") from None
     if isinstance(value, str):
         if value.startswith(("http://", "https://")) and fetcher is None:
-            raise ProtocolError("invalid_image", "first_frame URLs are not fetched by this server; send the image "
+            raise ProtocolError(ErrorCode.INVALID_IMAGE,
+                                "first_frame URLs are not fetched by this server; send the image "
                                 "bytes or a data: URL")
         return decode_image(value, width, height, fetcher)
-    raise ProtocolError("invalid_field", f"first_frame must be bytes or a string, got {type(value).__name__}")
+    raise ProtocolError(ErrorCode.INVALID_FIELD, f"first_frame must be bytes or a string, got {type(value).__name__}")
 
 
 def script_chunks(frames: list[str], latent_frames: int) -> list[tuple[str, ...]]:
@@ -105,9 +110,10 @@ def script_chunks(frames: list[str], latent_frames: int) -> list[tuple[str, ...]
 def parse_actions_script(value: Any, where: str) -> list[str]:
     """[["w"], ["w", "j"], []] (one action list per latent frame) -> ["w", "wj", ""]."""
     if not isinstance(value, list) or not all(isinstance(v, list) for v in value):
-        raise ProtocolError("invalid_field", f"{where} must be a list of action lists, one per latent frame")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} must be a list of action lists, one per latent frame")
     if len(value) > MAX_SCRIPT_FRAMES:
-        raise ProtocolError("invalid_field", f"{where} holds {len(value)} latent frames; at most {MAX_SCRIPT_FRAMES}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
+                            f"{where} holds {len(value)} latent frames; at most {MAX_SCRIPT_FRAMES}")
     return parse_keys_list(value, where)
 
 
@@ -115,33 +121,33 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
                default_fps: float, steps: int, fetcher=None) -> StartRequest:
     """An `init` map -> StartRequest. Bad input raises ProtocolError (the connection then waits for another)."""
     if msg["type"] != "init":
-        raise ProtocolError("not_started", f"the first message must be an init, not {msg['type']!r}")
+        raise ProtocolError(ErrorCode.NOT_STARTED, f"the first message must be an init, not {msg['type']!r}")
     prompt = msg.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ProtocolError("missing_field", "init needs a non-empty string 'prompt'")
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "init needs a non-empty string 'prompt'")
     _opt(msg, "model", str, "a string")
     width, height = parse_size(msg["size"]) if msg.get("size") is not None else served_size
     if (width, height) != tuple(served_size):
-        raise ProtocolError("unsupported_size", f"this deployment serves {served_size[0]}x{served_size[1]}, "
+        raise ProtocolError(ErrorCode.UNSUPPORTED_SIZE, f"this deployment serves {served_size[0]}x{served_size[1]}, "
                             f"not {width}x{height}")
     fps = _opt(msg, "fps", (int, float), "a number")
     fps = default_fps if fps is None else float(fps)
     if not (math.isfinite(fps) and 1 <= fps <= 120):
-        raise ProtocolError("invalid_field", f"fps must be between 1 and 120, got {fps}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"fps must be between 1 and 120, got {fps}")
     for key in ("num_frames", "seconds"):                  # they size nothing here: a session runs by chunks
         value = _opt(msg, key, (int, float), "a positive number")
         if value is not None and not value > 0:
-            raise ProtocolError("invalid_field", f"init field '{key}' must be positive, got {value}")
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"init field '{key}' must be positive, got {value}")
     seed = _opt(msg, "seed", int, "an integer")
     seed = 42 if seed is None else seed
     if not -2 ** 63 <= seed < 2 ** 63:
-        raise ProtocolError("invalid_field", f"seed must fit in 64 bits, got {seed}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"seed must fit in 64 bits, got {seed}")
     n_steps = _opt(msg, "num_inference_steps", int, "an integer")
     if n_steps is not None and n_steps != steps:
-        raise ProtocolError("invalid_field", f"this model samples {steps} steps per chunk, not {n_steps}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"this model samples {steps} steps per chunk, not {n_steps}")
     chunks = _opt(msg, "max_chunks", int, "an integer")
     if chunks is not None and not 1 <= chunks <= max_chunks:
-        raise ProtocolError("invalid_field", f"max_chunks must be between 1 and {max_chunks}, got {chunks}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"max_chunks must be between 1 and {max_chunks}, got {chunks}")
     script: list[tuple[str, ...]] = []
     conditions = _opt(msg, "condition_inputs", dict, "a map")
     if conditions and conditions.get("camera_actions") is not None:
@@ -157,20 +163,20 @@ def parse_output(msg: dict) -> FrameFormat:
     kind = msg.get("realtime_output_format")
     kind = "raw" if kind is None else kind
     if kind not in FORMATS:
-        raise ProtocolError("invalid_field", f"realtime_output_format must be one of {', '.join(FORMATS)}, "
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"realtime_output_format must be one of {', '.join(FORMATS)}, "
                             f"got {kind!r}")
     quality = _opt(msg, "output_compression", int, "an integer")
     if quality is not None and not 0 <= quality <= 100:
-        raise ProtocolError("invalid_field", f"output_compression must be between 1 and 100 (0: the "
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"output_compression must be between 1 and 100 (0: the "
                             f"format's default), got {quality}")
     max_width = _opt(msg, "realtime_preview_max_width", int, "an integer")
     if max_width is not None and max_width < 0:
-        raise ProtocolError("invalid_field", f"realtime_preview_max_width must be positive, got {max_width}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"realtime_preview_max_width must be positive, got {max_width}")
     delta = msg.get("delta_reference")
     if delta not in (None, "previous-frame"):
-        raise ProtocolError("invalid_field", f"delta_reference must be 'previous-frame', got {delta!r}")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"delta_reference must be 'previous-frame', got {delta!r}")
     if delta is not None and kind != "raw":
-        raise ProtocolError("invalid_field", "delta_reference applies to raw frames only")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "delta_reference applies to raw frames only")
     return FrameFormat(kind, quality or DEFAULT_QUALITY.get(kind, 0), max_width or None, delta is not None)
 
 
@@ -178,13 +184,13 @@ def parse_output(msg: dict) -> FrameFormat:
 def parse_event(msg: dict, seq: int) -> Optional[Interaction]:
     """An `event` map -> Interaction (None for a heartbeat). Events without an event_id get "~seq"."""
     if msg["type"] == "init":
-        raise ProtocolError("already_started", "this connection already has a session")
+        raise ProtocolError(ErrorCode.ALREADY_STARTED, "this connection already has a session")
     if msg["type"] != "event":
-        raise ProtocolError("unknown_type", f"unknown message type {msg['type']!r}")
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {msg['type']!r}")
     event_id = msg.get("event_id")
     if event_id is not None and (isinstance(event_id, bool) or not isinstance(event_id, int)
                                  or not -2 ** 63 <= event_id < 2 ** 64):
-        raise ProtocolError("invalid_field", "event_id must be an integer")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "event_id must be an integer")
     kind = msg.get("kind")
     if kind == "heartbeat":
         return None
@@ -195,7 +201,8 @@ def parse_event(msg: dict, seq: int) -> Optional[Interaction]:
         elif kind in ("camera_actions", "prompt"):
             _apply(kind, msg.get("payload"), out)
         else:
-            raise ProtocolError("unsupported_event", f"unknown event kind {kind!r}; use camera_actions, prompt, "
+            raise ProtocolError(ErrorCode.UNSUPPORTED_EVENT,
+                                f"unknown event kind {kind!r}; use camera_actions, prompt, "
                                 "composite_input or heartbeat")
     except ProtocolError as e:
         if event_id is not None:
@@ -207,24 +214,27 @@ def parse_event(msg: dict, seq: int) -> Optional[Interaction]:
 def _apply(kind: str, payload: Any, out: Interaction) -> None:
     if kind == "prompt":
         if not isinstance(payload, str) or not payload.strip():
-            raise ProtocolError("invalid_field", "prompt event payload must be a non-empty string")
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "prompt event payload must be a non-empty string")
         out.prompt = payload
         return
     if isinstance(payload, dict) and payload.get("mode") == "state":
         transitions = payload.get("transitions")
         if not isinstance(transitions, list) or not transitions:
-            raise ProtocolError("invalid_field", "camera_actions state payload needs a non-empty list 'transitions'")
+            raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                "camera_actions state payload needs a non-empty list 'transitions'")
         if len(transitions) > MAX_TRANSITIONS:
-            raise ProtocolError("invalid_field", f"camera_actions state payload holds {len(transitions)} "
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"camera_actions state payload holds {len(transitions)} "
                                 f"transitions; at most {MAX_TRANSITIONS}")
         held = []
         for i, t in enumerate(transitions):
             if not isinstance(t, dict) or not isinstance(t.get("actions"), list):
-                raise ProtocolError("invalid_field", f"camera_actions transitions[{i}] must be a map with a list "
+                raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                    f"camera_actions transitions[{i}] must be a map with a list "
                                     "'actions'")
             ts = t.get("client_ts_ms")
             if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
-                raise ProtocolError("invalid_field", f"camera_actions transitions[{i}].client_ts_ms must be a number")
+                raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                    f"camera_actions transitions[{i}].client_ts_ms must be a number")
             held += parse_keys_list([t["actions"]], f"camera_actions transitions[{i}].actions")
         out.hold = held
         return
@@ -233,15 +243,15 @@ def _apply(kind: str, payload: Any, out: Interaction) -> None:
 
 def _composite(payload: Any, out: Interaction) -> None:
     if not isinstance(payload, dict):
-        raise ProtocolError("invalid_field", "composite_input payload must be a map")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "composite_input payload must be a map")
     types = payload.get("input_types")
     if not isinstance(types, list) or not types or not all(isinstance(t, str) and t for t in types):
-        raise ProtocolError("invalid_field", "composite_input needs a non-empty list of strings 'input_types'")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "composite_input needs a non-empty list of strings 'input_types'")
     for kind in types:
         if kind not in ("camera_actions", "prompt"):
-            raise ProtocolError("unsupported_event", f"unsupported composite_input type {kind!r}")
+            raise ProtocolError(ErrorCode.UNSUPPORTED_EVENT, f"unsupported composite_input type {kind!r}")
         if payload.get(kind) is None:
-            raise ProtocolError("missing_field", f"composite_input lists {kind!r} but has no field {kind!r}")
+            raise ProtocolError(ErrorCode.MISSING_FIELD, f"composite_input lists {kind!r} but has no field {kind!r}")
         _apply(kind, payload[kind], out)
 
 

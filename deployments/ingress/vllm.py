@@ -22,21 +22,21 @@ from .wire import WebSocketWire, close_quietly
 
 # ---- the parser -----------------------------------------------------------------------------------
 def _reject_constant(name: str):
-    raise ProtocolError("invalid_json", f"{name} is not a number JSON allows")
+    raise ProtocolError(ErrorCode.INVALID_JSON, f"{name} is not a number JSON allows")
 
 
 def parse_json(text: str, limit: int) -> dict:
     if len(text.encode()) > limit:
-        raise ProtocolError("message_too_large", f"message of {len(text.encode())} bytes exceeds the limit of "
+        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(text.encode())} bytes exceeds the limit of "
                             f"{limit} bytes", close=CLOSE_TOO_BIG)
     try:
         msg = json.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError("invalid_json", f"message is not valid JSON: {e.msg} at position {e.pos}") from None
+        raise ProtocolError(ErrorCode.INVALID_JSON, f"message is not valid JSON: {e.msg} at position {e.pos}") from None
     if not isinstance(msg, dict):
-        raise ProtocolError("invalid_json", "message must be a JSON object")
+        raise ProtocolError(ErrorCode.INVALID_JSON, "message must be a JSON object")
     if not isinstance(msg.get("type"), str):
-        raise ProtocolError("missing_field", "message has no string field 'type'")
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "message has no string field 'type'")
     return msg
 
 
@@ -47,16 +47,17 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
     width = require(msg, "width", int, where) if "width" in msg else served_size[0]
     height = require(msg, "height", int, where) if "height" in msg else served_size[1]
     if width <= 0 or height <= 0 or width % 16 or height % 16:
-        raise ProtocolError("invalid_size", f"width and height must be positive multiples of 16, got {width}x{height}",
+        raise ProtocolError(ErrorCode.INVALID_SIZE,
+                            f"width and height must be positive multiples of 16, got {width}x{height}",
                             close=CLOSE_POLICY)
     if (width, height) != tuple(served_size):
-        raise ProtocolError("unsupported_size", f"this deployment serves {served_size[0]}x{served_size[1]}, "
+        raise ProtocolError(ErrorCode.UNSUPPORTED_SIZE, f"this deployment serves {served_size[0]}x{served_size[1]}, "
                             f"not {width}x{height}", close=CLOSE_POLICY)
     ref = require(msg, "image_reference", dict, where)
     url = require(ref, "image_url", str, "session.start.image_reference")
     extra = msg.get("extra_params") or {}
     if not isinstance(extra, dict):
-        raise ProtocolError("invalid_field", "session.start field 'extra_params' must be an object")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "session.start field 'extra_params' must be an object")
     endless = extra.get("endless") is True
     num_frames = None
     if endless:
@@ -68,45 +69,50 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         num_frames = require(msg, "num_frames", int, where)
         chunks = geometry.chunks_for(num_frames)
         if chunks is None:
-            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is not of the form "
+            raise ProtocolError(ErrorCode.INVALID_NUM_FRAMES, f"num_frames {num_frames} is not of the form "
                                 f"{geometry.describe()}", close=CLOSE_POLICY)
         if chunks > max_chunks:
-            raise ProtocolError("invalid_num_frames", f"num_frames {num_frames} is more than {max_chunks} chunks",
+            raise ProtocolError(ErrorCode.INVALID_NUM_FRAMES,
+                                f"num_frames {num_frames} is more than {max_chunks} chunks",
                                 close=CLOSE_POLICY)
     fps = float(require(msg, "fps", float, where)) if msg.get("fps") is not None else default_fps
     if not (math.isfinite(fps) and 1 <= fps <= 120):
-        raise ProtocolError("invalid_field", f"fps must be between 1 and 120, got {fps}", close=CLOSE_POLICY)
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"fps must be between 1 and 120, got {fps}", close=CLOSE_POLICY)
     seed = require(msg, "seed", int, where) if msg.get("seed") is not None else 0
     if not -2 ** 63 <= seed < 2 ** 63:
-        raise ProtocolError("invalid_field", f"seed must fit in 64 bits, got {seed}", close=CLOSE_POLICY)
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"seed must fit in 64 bits, got {seed}", close=CLOSE_POLICY)
     shift = extra.get("flow_shift")
     if shift is not None and (not isinstance(shift, (int, float)) or isinstance(shift, bool)
                               or not 0 < finite(shift) <= 100):
-        raise ProtocolError("invalid_field", f"extra_params.flow_shift must be a number in (0, 100], got {shift!r}",
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
+                            f"extra_params.flow_shift must be a number in (0, 100], got {shift!r}",
                             close=CLOSE_POLICY)
     script = []
     if extra.get("camera_action_script") is not None:
         chunks_script = extra["camera_action_script"]
         if not isinstance(chunks_script, list):
-            raise ProtocolError("invalid_field", f"extra_params.camera_action_script must be "
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"extra_params.camera_action_script must be "
                                 f"[chunk][{geometry.latent_frames}][keys]",
                                 close=CLOSE_POLICY)
         for i, chunk in enumerate(chunks_script):
             frames = parse_keys_list(chunk, f"camera_action_script[{i}]")
             if len(frames) != geometry.latent_frames:
-                raise ProtocolError("invalid_field", f"camera_action_script[{i}] has {len(frames)} key sets; each "
+                raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                    f"camera_action_script[{i}] has {len(frames)} key sets; each "
                                     f"chunk has {geometry.latent_frames} latent frames", close=CLOSE_POLICY)
             script.append(tuple(frames))
     trajectory = None
     if extra.get("camera_trajectory") is not None:
         if script:
-            raise ProtocolError("conflicting_camera", "extra_params takes camera_action_script or camera_trajectory, "
+            raise ProtocolError(ErrorCode.CONFLICTING_CAMERA,
+                                "extra_params takes camera_action_script or camera_trajectory, "
                                 "not both", close=CLOSE_POLICY)
         trajectory = parse_trajectory(extra["camera_trajectory"], width, height, geometry,
                                       geometry.video_frames(max_chunks), num_frames)
     profile = extra.get("profile_stages", False)
     if not isinstance(profile, bool):
-        raise ProtocolError("invalid_field", "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
+                            "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory)
@@ -117,7 +123,7 @@ def parse_interaction(msg: dict) -> Interaction:
     body = require(msg, "interaction", dict, where)
     event_id = body.get("event_id")
     if event_id is None:
-        raise ProtocolError("missing_field", "session.interaction needs interaction.event_id")
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "session.interaction needs interaction.event_id")
     event_id = str(event_id)
     try:
         return _parse_event(body, event_id)
@@ -132,12 +138,13 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
     transition = body.get("transition_chunks")
     if transition is not None and (not isinstance(transition, (int, float)) or isinstance(transition, bool)
                                    or not 0 <= transition <= 1000):
-        raise ProtocolError("invalid_field", f"transition_chunks must be a number in [0, 1000], got {transition!r}",
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
+                            f"transition_chunks must be a number in [0, 1000], got {transition!r}",
                             event_id=event_id)
     out = Interaction(event_id, transition_chunks=transition)
     if event.get("prompt") is not None:
         if not isinstance(event["prompt"], str):
-            raise ProtocolError("invalid_field", "event.prompt must be a string", event_id=event_id)
+            raise ProtocolError(ErrorCode.INVALID_FIELD, "event.prompt must be a string", event_id=event_id)
         out.prompt = event["prompt"]
     camera = (event.get("multi_modal_data") or {}).get("camera") if isinstance(event.get("multi_modal_data"), dict) \
         else None
@@ -150,13 +157,16 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             detail = str(e) if isinstance(e, CameraError) else f"needs mode and data.translation [x,y,z], " \
                                                                  f"data.rotation [x,y,z,w] ({type(e).__name__}: {e})"
-            raise ProtocolError("invalid_field", f"event.multi_modal_data.camera {detail}", event_id=event_id) from None
+            raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                f"event.multi_modal_data.camera {detail}", event_id=event_id) from None
     if event.get("keys") is not None:
         out.keys = parse_keys_list(event["keys"], "event.keys")
         if len(out.keys) > 300:
-            raise ProtocolError("invalid_field", "event.keys holds at most 300 latent frames", event_id=event_id)
+            raise ProtocolError(ErrorCode.INVALID_FIELD,
+                                "event.keys holds at most 300 latent frames", event_id=event_id)
     if out.prompt is None and out.camera is None and out.keys is None:
-        raise ProtocolError("invalid_field", "event needs prompt, multi_modal_data.camera or keys", event_id=event_id)
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
+                            "event needs prompt, multi_modal_data.camera or keys", event_id=event_id)
     return out
 
 
