@@ -1,0 +1,210 @@
+"""The group's chunk loop without Ray: fake ranks, muxer and mailbox whose `.remote` calls are asyncio tasks, so
+the scheduling logic (order, delivery, replay after a resume, refusals, failures) runs as the replica runs it.
+The real ranks, muxer and mailbox are tested end to end in tests/deployments/test_app.py and test_faults.py."""
+import asyncio
+import dataclasses
+
+import numpy as np
+
+from deployments.group.engine import ChunkLoop
+from deployments.group.executor import GroupFailure, RankExecutor
+from deployments.group.messages import ChunkReply, Fragment
+from deployments.group.phase import GroupPhase, GroupState
+from deployments.session.codes import ErrorCode
+from deployments.session.events import (
+    ChunkControls,
+    ChunkReady,
+    InteractionRefused,
+    Resume,
+    Resumed,
+    SessionDone,
+    SessionFailed,
+    SnapshotRef,
+)
+from deployments.session.requests import Interaction, StartRequest
+from deployments.session.scheduler import ScheduledSession
+from deployments.settings import ServeSettings
+from lingbot.config import get_preset
+
+GEOMETRY = get_preset("tiny").geometry
+SETTINGS = ServeSettings(pacing="fixed", pacing_lead_s=100.0, chunk_timeout_s=5.0, max_queued_controls=2)
+
+
+class Remote:
+    """`actor.method.remote(*args)`: the method runs as a task; what it returns is what awaiting gives."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class Rank:
+    def __init__(self, rank: int, log: list, fail_at=None, hang_at=None):
+        self.rank, self.log, self.fail_at, self.hang_at = rank, log, fail_at, hang_at
+        self.run_chunk, self.abort_chunk = Remote(self._run_chunk), Remote(self._noop)
+
+    async def _noop(self, *args):
+        pass
+
+    async def _run_chunk(self, sid, index, controls, muxer):
+        self.log.append((self.rank, sid, index, muxer is not None))
+        await asyncio.sleep(0.001)
+        if index == self.fail_at:
+            raise RuntimeError(f"rank {self.rank} lost its device")
+        if index == self.hang_at:
+            await asyncio.sleep(3600)
+        fragment = None
+        if muxer is not None:
+            fragment = muxer.encode.remote(sid, index, GEOMETRY.pixel_frames(index))
+        return ChunkReply(False, {"denoise": 0.01}, 0.01, fragment, (SnapshotRef(index, self.rank, "slot", "state"),))
+
+
+class Muxer:
+    def __init__(self):
+        self.encode = Remote(self._encode)
+
+    async def _encode(self, sid, index, frames):
+        return Fragment(index, f"{sid}:{index}".encode(), frames, 0.001, 0.001)
+
+
+class Mailbox:
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.take = Remote(self._take)
+
+    async def _take(self, timeout_s):
+        """Everything posted so far, in one batch (a long poll answers at once when something waits)."""
+        try:
+            first = await asyncio.wait_for(self.queue.get(), 0.05)
+        except asyncio.TimeoutError:
+            return {}
+        batch: dict = {}
+        for sid, interaction in [first] + [self.queue.get_nowait() for _ in range(self.queue.qsize())]:
+            batch.setdefault(sid, []).append(interaction)
+        return batch
+
+
+class Metrics:
+    class _Any:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, value, tags=None):
+            self.seen.append(value)
+
+        set = observe
+
+        def inc(self, tags=None):
+            self.seen.append(1)
+
+    def __init__(self):
+        self.stage, self.rtf, self.stalls = self._Any(), self._Any(), self._Any()
+
+
+def start(chunks: int) -> StartRequest:
+    return StartRequest("p", np.zeros((3, 64, 112), np.float32), 112, 64, chunks, None, 16.0, 1, None, [])
+
+
+def session(sid: str, chunks: int) -> ScheduledSession:
+    return ScheduledSession(sid, start(chunks), GEOMETRY, SETTINGS.max_queued_controls, max_in_flight=1)
+
+
+def run(scenario_sessions, ranks_kw=(), settings=SETTINGS, mailbox_posts=(), until=None):
+    """Run the loop over `scenario_sessions` until every outbox saw a final event (or the loop failed);
+    returns ({session: [events]}, rank call log, failures)."""
+    async def scenario():
+        log, failures = [], []
+        ranks = RankExecutor([Rank(r, log, **dict(ranks_kw)) for r in range(2)], settings.chunk_timeout_s)
+        mailbox = Mailbox()
+        for sid, interaction in mailbox_posts:
+            mailbox.queue.put_nowait((sid, interaction))
+        loop = ChunkLoop("g", settings, GroupState(), ranks, Muxer(), mailbox, Metrics(), failures.append)
+        outboxes = {s.id: loop.add(s) for s in scenario_sessions}
+        events = {sid: [] for sid in outboxes}
+
+        async def drain(sid, box):
+            while True:
+                event = await box.get()
+                events[sid].append(event)
+                if isinstance(event, (SessionDone, SessionFailed)):
+                    return
+        readers = [asyncio.ensure_future(drain(sid, box)) for sid, box in outboxes.items()]
+        waiting = asyncio.ensure_future(asyncio.gather(*readers))
+        while not waiting.done() and not failures:
+            await asyncio.sleep(0.01)
+        waiting.cancel()
+        await asyncio.sleep(0.02)
+        return events, log, failures
+    return asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_two_sessions_interleave_and_every_chunk_runs_on_every_rank():
+    events, log, failures = run([session("a", 3), session("b", 2)])
+    assert not failures
+    for sid, chunks in (("a", 3), ("b", 2)):
+        ready = [e for e in events[sid] if isinstance(e, ChunkReady)]
+        assert [e.index for e in ready] == list(range(chunks)) and events[sid][-1] == SessionDone(chunks)
+        assert [e.data for e in ready] == [f"{sid}:{i}".encode() for i in range(chunks)]
+        assert [e.num_frames for e in ready] == [GEOMETRY.pixel_frames(i) for i in range(chunks)]
+        # each chunk's snapshot references, every rank's, travel with it to the ingress's ledger
+        assert all({(s.chunk, s.rank) for s in e.snapshots} == {(e.index, 0), (e.index, 1)} for e in ready)
+    # one call per chunk to each rank; only rank 0 sends its frames to the muxer
+    for sid, chunks in (("a", 3), ("b", 2)):
+        for index in range(chunks):
+            assert sorted((r, m) for r, s, i, m in log if (s, i) == (sid, index)) == [(0, True), (1, False)]
+    order = [(s, i) for r, s, i, m in log if r == 0]
+    assert order.index(("b", 0)) < order.index(("a", 2))        # interleaved at chunk boundaries, not one by one
+
+
+def test_a_resumed_session_replays_without_delivering_then_goes_on():
+    resumed = session("r", 4)
+    controls = [ChunkControls(keys=("w",) * 3), ChunkControls(keys=("a",) * 3)]
+    resumed.resume_from(Resume(tuple(controls), None, 9 + 12), restored=0)
+    events, log, failures = run([resumed])
+    assert not failures
+    assert [(i, m) for r, s, i, m in log if r == 0] == [(0, False), (1, False), (2, True), (3, True)]
+    kinds = [type(e) for e in events["r"]]
+    assert kinds == [Resumed, ChunkReady, ChunkReady, SessionDone]
+    assert (events["r"][0].replayed, events["r"][0].restored) == (2, 0)
+    assert [e.index for e in events["r"] if isinstance(e, ChunkReady)] == [2, 3]
+    # the replayed chunks' snapshots reach the ledger with the first delivered chunk
+    assert {s.chunk for s in events["r"][1].snapshots} == {0, 1, 2}
+
+
+def test_a_flood_of_controls_is_refused_one_by_one_and_the_session_goes_on():
+    posts = [("c", Interaction(f"e{i}", keys=["w"])) for i in range(4)]
+    events, _, failures = run([session("c", 3)], mailbox_posts=posts)
+    assert not failures
+    refused = [e for e in events["c"] if isinstance(e, InteractionRefused)]
+    assert [(e.code, e.event_id) for e in refused] == [(ErrorCode.TOO_MANY_CONTROLS, "e2"),
+                                                        (ErrorCode.TOO_MANY_CONTROLS, "e3")]
+    started = [eid for e in events["c"] if isinstance(e, ChunkReady) for eid in e.started]
+    assert started == ["e0", "e1"]                            # the two that fit the queue start together
+    assert events["c"][-1] == SessionDone(3)
+
+
+def test_a_rank_that_fails_or_hangs_fails_the_group():
+    _, _, failures = run([session("f", 3)], ranks_kw={"fail_at": 1})
+    assert [str(e) for e in failures] == ["rank 0 lost its device"]
+    quick = dataclasses.replace(SETTINGS, chunk_timeout_s=0.2)
+    _, _, failures = run([session("h", 3)], ranks_kw={"hang_at": 0}, settings=quick)
+    assert len(failures) == 1 and isinstance(failures[0], GroupFailure)
+    assert str(failures[0]) == "chunk 0 of session h did not come back from every rank within 0.2 s"
+
+
+def test_a_group_that_hands_on_starts_no_chunk():
+    async def scenario():
+        state = GroupState()
+        state.move(GroupPhase.STOPPING)
+        state.move(GroupPhase.FILLING)
+        state.move(GroupPhase.HANDING_ON)
+        log = []
+        loop = ChunkLoop("g", SETTINGS, state, RankExecutor([Rank(0, log)], 5.0), Muxer(), Mailbox(), Metrics(),
+                         lambda e: None)
+        loop.add(session("s", 3))
+        await asyncio.sleep(0.1)
+        await loop.settle()
+        return log
+    assert asyncio.run(scenario()) == []
