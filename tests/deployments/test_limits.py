@@ -162,7 +162,7 @@ def test_image_urls_are_fetched_from_the_allowlist_only(strict_app):
     import threading
     from http.server import ThreadingHTTPServer
 
-    from tests.deployments.test_fetch import Images
+    from tests.deployments.ingress.test_fetch import Images
     server = ThreadingHTTPServer(("127.0.0.1", IMAGES_PORT), Images)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{IMAGES_PORT}"
