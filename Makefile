@@ -27,10 +27,10 @@ test: lint browser
 browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-# Serve the embedded default (tiny random weights, CPU, SP-2 over gloo) on local Ray: http://127.0.0.1:8000/
+# Serve the embedded default (tiny random weights, CPU, SP-2 over gloo) on local Ray; it prints the URL when the
+# first model group is ready (http://127.0.0.1:8000/)
 serve: install
-	@echo "lingbot-serve: starting local Ray + Serve; open http://127.0.0.1:8000/ when 'Application lingbot is ready'"
-	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run serve_config.yaml
+	$(PY) -m deployments.local serve_config.yaml
 
 # In-process benchmarks (perf/README.md has the rest, incl. the WebSocket benchmark perf/realtime.py)
 perf: install

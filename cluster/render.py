@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from deployments.local import PROXY_ENV
+
 from .profiles import PROFILES, HardwareProfile, get_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +53,9 @@ def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, d
         "resources": {"limits": dict(limits), "requests": dict(limits)},
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        # the Serve proxy's WebSocket handshake limits (deployments/local.py), PROXY_ENV less the local-only auth
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
+                {"name": "WEBSOCKETS_MAX_LINE_LENGTH", "value": PROXY_ENV["WEBSOCKETS_MAX_LINE_LENGTH"]}],
         "ports": [{"containerPort": SERVE_PORT, "name": "serve"}],
     }
     if name == "ray-head":

@@ -3,13 +3,13 @@ a small object store, the proxy on a port of the script's), the groups of app "l
 first frame to start sessions from."""
 from __future__ import annotations
 
-import os
 import time
 
 
 def ensure_serve(port: int) -> None:
     """Ray and Serve on this machine, started on the first call (later calls reuse them)."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from deployments.local import prepare_environment
+    prepare_environment()
     import ray
     from ray import serve
     if not ray.is_initialized():

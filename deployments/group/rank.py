@@ -119,7 +119,7 @@ class RankWorker:
         log.info("rank %d/%d ready on %s in %.1f s (warm-up %.1f s); %d sessions fit", self.rank, self.world_size,
                  self.device, time.monotonic() - t0, warmup.seconds, capacity)
         return RankInfo(capacity, session_footprint(preset, self.world_size).total, str(self.device),
-                        ModelFacts.of(preset), warmup.seconds)
+                        ModelFacts.of(preset, random_weights=s.model_path is None), warmup.seconds)
 
     def _device(self) -> torch.device:
         kind = self.settings.device

@@ -12,6 +12,7 @@ Every refusal is an error with a stable code; the shared process never crashes o
 
 import asyncio
 import logging
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +26,7 @@ from ..session.events import ModelFacts, SessionRequest
 from ..session.life import SessionLife
 from ..session.ports import ClientGone
 from ..session.requests import Interaction
+from ..session.waiting import WaitingRoom
 from ..settings import ServeSettings
 from . import sglang
 from .door import TenantLimits, origin_allowed, presented_key
@@ -34,6 +36,7 @@ from .vllm import VllmWire
 
 log = logging.getLogger("ray.serve")
 STATIC = Path(__file__).parent / "static"
+STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None)
 
@@ -102,6 +105,7 @@ class Ingress:
         self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,
                                                   s.image_fetch_max_bytes)
         self.metrics = IngressMetrics()
+        self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.live = 0
 
     # ---- HTTP ---------------------------------------------------------------------------------
@@ -128,10 +132,11 @@ class Ingress:
 
     @app.get("/static/{name}")
     def static(self, name: str):
-        path = (STATIC / name).resolve()
-        if path.parent != STATIC.resolve() or not path.is_file():
+        # only the page's own files: a plain name (no separators, NUL bytes or odd characters: those used to
+        # reach the file system and answer 500), of a file in static/
+        if not STATIC_NAME.fullmatch(name) or not (STATIC / name).is_file():
             return JSONResponse({"error": "not found"}, status_code=404)
-        return FileResponse(path)
+        return FileResponse(STATIC / name)
 
     @app.get("/v1/config")
     async def config(self):
@@ -141,7 +146,7 @@ class Ingress:
         except ProtocolError as e:
             return JSONResponse({"error": e.code.value, "message": e.message}, status_code=503)
         return {"preset": facts.preset, "width": facts.width, "height": facts.height, "fps": s.fps, "sp": s.sp,
-                "default_chunks": s.default_chunks, "dtype": facts.dtype}
+                "default_chunks": s.default_chunks, "dtype": facts.dtype, "random_weights": facts.random_weights}
 
     # ---- WebSocket ----------------------------------------------------------------------------
     @app.websocket("/v1/realtime/video")
@@ -154,6 +159,10 @@ class Ingress:
 
     def _door(self, ws: WebSocket) -> tuple[Optional[ProtocolError], str]:
         """(the refusal at the door, or None; the tenant: the presented key, else the client's address)."""
+        size = sum(len(name) + len(value) + 4 for name, value in ws.headers.raw)
+        if size > self.settings.max_header_bytes:
+            return ProtocolError(ErrorCode.HEADERS_TOO_LARGE, f"the handshake's headers hold {size} bytes; at most "
+                                 f"{self.settings.max_header_bytes} are accepted", close=CLOSE_POLICY), ""
         headers = dict(ws.headers)
         if not origin_allowed(headers, self.settings.allowed_origin_set):
             return ProtocolError(ErrorCode.ORIGIN_NOT_ALLOWED, f"pages from {headers.get('origin')} may not open "
@@ -168,7 +177,7 @@ class Ingress:
         await ws.accept()
         self.live += 1
         try:
-            life = SessionLife(wire, self.groups, self.settings, self.metrics)
+            life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room)
             refusal, tenant = self._door(ws)
             if refusal is not None:
                 await life.refuse(refusal)

@@ -15,7 +15,49 @@ from lingbot.camera import CameraError, Trajectory, TrajectoryError, parse_keys
 from lingbot.config import ChunkGeometry
 from lingbot.io.images import open_image, resize_image
 
-from ..session.codes import CLOSE_POLICY, ErrorCode, ProtocolError
+from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, ErrorCode, ProtocolError
+
+# Bounds on a decoded message, checked before any field is read (both dialects). Real messages nest at most 6
+# containers deep (a key script: message, extra_params, script, chunk, frame, keys) and hold no integer wider
+# than 64 bits (20 digits); a message past either bound is hostile or broken, and closes the connection.
+MAX_DEPTH = 32
+MAX_INT_DIGITS = 40
+
+
+def too_deep() -> ProtocolError:
+    return ProtocolError(ErrorCode.TOO_DEEP, f"the message nests containers more than {MAX_DEPTH} deep",
+                         close=CLOSE_INVALID_DATA)
+
+
+def bounded_int(text: str) -> int:
+    """JSON's integer literal -> int, refused past MAX_INT_DIGITS digits (Python's own bound is 4300, and a
+    conversion that long already costs quadratic time)."""
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:
+        raise ProtocolError(ErrorCode.NUMBER_TOO_LARGE, f"an integer of {len(text)} digits; at most "
+                            f"{MAX_INT_DIGITS} are accepted", close=CLOSE_INVALID_DATA)
+    return int(text)
+
+
+def check_depth(value: Any) -> None:
+    """Refuse `value` when containers (lists, maps) nest in it more than MAX_DEPTH deep. Iterative: no
+    recursion for the message to exhaust."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise too_deep()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+
+
+def ascii_int(text: str) -> Optional[int]:
+    """A string of ASCII digits -> its value; None for anything else ("²", "①" pass str.isdigit)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= MAX_INT_DIGITS else None
 
 
 def require(obj: dict, key: str, kind, where: str):

@@ -23,7 +23,7 @@ from ..session.codes import CLOSE_NORMAL, CLOSE_TOO_BIG, ErrorCode, ProtocolErro
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
-from .parsing import decode_image, parse_keys_list
+from .parsing import ascii_int, check_depth, decode_image, parse_keys_list, too_deep
 from .wire import WebSocketWire, close_quietly
 
 ROUTE = "/v1/realtime_video/generate"
@@ -45,10 +45,13 @@ def unpack(data: bytes, limit: int) -> dict:
                             close=CLOSE_TOO_BIG)
     try:
         msg = msgpack.unpackb(data, raw=False)
-    except Exception as e:                       # truncated, extra bytes, bad UTF-8, too deep, unhashable keys...
+    except msgpack.StackError:                   # nested deeper than the decoder's stack: far past MAX_DEPTH
+        raise too_deep() from None
+    except Exception as e:                       # truncated, extra bytes, bad UTF-8, unhashable keys...
         raise ProtocolError(ErrorCode.INVALID_MSGPACK,
                             f"message is not one valid MessagePack value ({type(e).__name__})") \
             from None
+    check_depth(msg)
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.INVALID_MSGPACK, "message must be a MessagePack map")
     if not isinstance(msg.get("type"), str):
@@ -75,10 +78,11 @@ def _opt(msg: dict, key: str, kinds, what: str):
 def parse_size(value: Any) -> tuple[int, int]:
     """'832x480' (any case, spaces allowed) -> (832, 480)."""
     parts = str(value).lower().replace(" ", "").split("x") if isinstance(value, str) else []
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not all(0 < int(p) <= 16384 for p in parts):
+    numbers = [ascii_int(p) for p in parts]
+    if len(numbers) != 2 or not all(n is not None and 0 < n <= 16384 for n in numbers):
         raise ProtocolError(ErrorCode.INVALID_SIZE,
                             f"size must be 'WIDTHxHEIGHT' with positive integers, got {value!r}")
-    return int(parts[0]), int(parts[1])
+    return numbers[0], numbers[1]
 
 
 def first_frame(value: Any, width: int, height: int, fetcher=None):
@@ -326,6 +330,9 @@ class SglangWire(WebSocketWire):
                                         self.fetcher)
         self.output, self.size = start.output, facts.size
         return start
+
+    def queued_message(self, position: int, eta_s: Optional[float]) -> bytes:
+        return pack({"type": "queued", "position": position, "eta_s": eta_s})
 
     def control(self, msg: dict, seq: int):
         interaction = parse_event(msg, seq)

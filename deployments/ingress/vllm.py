@@ -16,7 +16,16 @@ from ..session.codes import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, ErrorCode
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import STOP
 from ..session.requests import Interaction, StartRequest
-from .parsing import decode_image, finite, parse_keys_list, parse_trajectory, require
+from .parsing import (
+    bounded_int,
+    check_depth,
+    decode_image,
+    finite,
+    parse_keys_list,
+    parse_trajectory,
+    require,
+    too_deep,
+)
 from .wire import WebSocketWire, close_quietly
 
 
@@ -30,9 +39,12 @@ def parse_json(text: str, limit: int) -> dict:
         raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(text.encode())} bytes exceeds the limit of "
                             f"{limit} bytes", close=CLOSE_TOO_BIG)
     try:
-        msg = json.loads(text, parse_constant=_reject_constant)
+        msg = json.loads(text, parse_constant=_reject_constant, parse_int=bounded_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(ErrorCode.INVALID_JSON, f"message is not valid JSON: {e.msg} at position {e.pos}") from None
+    except RecursionError:                        # nested deeper than the decoder's stack: far past MAX_DEPTH
+        raise too_deep() from None
+    check_depth(msg)
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.INVALID_JSON, "message must be a JSON object")
     if not isinstance(msg.get("type"), str):
@@ -218,6 +230,9 @@ class VllmWire(WebSocketWire):
 
     def queued(self, interaction: Interaction) -> Optional[dict]:
         return {"type": "session.interaction.queued", "event_id": interaction.event_id}
+
+    def queued_message(self, position: int, eta_s: Optional[float]) -> dict:
+        return {"type": "session.queued", "position": position, "eta_s": eta_s}
 
     async def send_admitted(self, admitted: Admitted, start: StartRequest, session_id: str) -> None:
         geometry = admitted.facts.geometry

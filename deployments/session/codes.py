@@ -10,6 +10,7 @@ from typing import Optional
 
 # WebSocket close codes
 CLOSE_NORMAL = 1000
+CLOSE_INVALID_DATA = 1007
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_SERVER_ERROR = 1011
@@ -21,6 +22,8 @@ class ErrorCode(StrEnum):
     # the message itself
     INVALID_JSON = "invalid_json"                    # not JSON, or not an object
     INVALID_MSGPACK = "invalid_msgpack"              # second protocol: not one MessagePack map
+    TOO_DEEP = "too_deep"                            # containers nested past MAX_DEPTH (close 1007)
+    NUMBER_TOO_LARGE = "number_too_large"            # an integer of more than MAX_INT_DIGITS digits (close 1007)
     MESSAGE_TOO_LARGE = "message_too_large"          # over max_start_bytes / max_control_bytes (close 1009)
     UNSUPPORTED_MESSAGE = "unsupported_message"      # binary on the first protocol, text on the second
     UNKNOWN_TYPE = "unknown_type"
@@ -45,6 +48,7 @@ class ErrorCode(StrEnum):
     TOO_MANY_CONTROLS = "too_many_controls"          # max_queued_controls interactions wait already
     # the door
     UNAUTHORIZED = "unauthorized"
+    HEADERS_TOO_LARGE = "headers_too_large"          # a handshake's headers over max_header_bytes (1008)
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
     TOO_MANY_SESSIONS = "too_many_sessions"
     RATE_LIMITED = "rate_limited"

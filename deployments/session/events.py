@@ -36,12 +36,13 @@ class ModelFacts:
     window_chunks: int             # chunks a chunk attends, itself included
     steps: int                     # denoising steps per chunk
     dtype: str
+    random_weights: bool = False   # seeded random weights (no checkpoint): the video is noise by design
 
     @classmethod
-    def of(cls, preset: Preset) -> ModelFacts:
+    def of(cls, preset: Preset, random_weights: bool = False) -> ModelFacts:
         t = preset.transformer
         return cls(preset.name, preset.width, preset.height, preset.geometry, t.sink_chunks, t.window_chunks,
-                   len(preset.sampler.timesteps), preset.dtype)
+                   len(preset.sampler.timesteps), preset.dtype, random_weights)
 
     @property
     def size(self) -> tuple[int, int]:

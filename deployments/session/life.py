@@ -47,6 +47,7 @@ from .events import (
 from .ledger import ContinuityLedger
 from .ports import ACTIVITY, STOP, ClientGone, GroupLink, SessionMetrics, Wire
 from .requests import Interaction, StartRequest
+from .waiting import WaitingRoom
 
 log = logging.getLogger("ray.serve")
 
@@ -75,7 +76,8 @@ class PhaseError(RuntimeError):
 class SessionLife:
     """One session at the ingress, whichever protocol: its phase, its ledger and the flows between them."""
 
-    def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics):
+    def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics,
+                 room: Optional[WaitingRoom] = None):
         self.wire = wire
         self.groups = groups
         self.settings = settings
@@ -95,6 +97,8 @@ class SessionLife:
         self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
         self.failed_at: Optional[float] = None
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
+        self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
+        self.told: Optional[tuple] = None       # the last (position, eta_s) the client was told
 
     def enter(self, phase: Phase) -> None:
         if phase not in NEXT_PHASES[self.phase]:
@@ -194,9 +198,30 @@ class SessionLife:
                     return None
 
     # ---- 2. admission --------------------------------------------------------------------------
-    async def admit(self, request: SessionRequest, wait_s: float):
+    async def admit(self, request: SessionRequest, wait_s: float, queue: bool = False):
         """Hold a lease on a group for the session: the Admitted event, or the last refusal (None: no answer)
-        within wait_s. A group that is full, failed or gone is tried again until the time is up."""
+        within wait_s. A group that is full, failed or gone is tried again until the time is up; with `queue`
+        the session waits in the waiting room meanwhile, its client told its place and an estimate."""
+        if not queue:
+            return await self._lease_within(request, wait_s)
+        self.room.join(self.session_id)
+        answer = None
+        try:
+            answer = await self._lease_within(request, wait_s, self._tell_queued)
+            return answer
+        finally:
+            self.room.leave(self.session_id, admitted=isinstance(answer, Admitted) and self.told is not None)
+
+    async def _tell_queued(self) -> None:
+        """The client's place in the queue and the estimated wait, when they changed since it was last told."""
+        position = self.room.position(self.session_id)
+        told = (position, self.room.eta_s(position))
+        if position and told != self.told:
+            self.told = told
+            async with self.send_lock:
+                await self.wire.send(self.wire.queued_message(*told))
+
+    async def _lease_within(self, request: SessionRequest, wait_s: float, waiting=None):
         deadline = time.monotonic() + wait_s
         answer = None
         while True:
@@ -212,6 +237,8 @@ class SessionLife:
             self.lease.cancel()
             if answer.code not in RETRYABLE or time.monotonic() >= deadline:
                 return answer
+            if waiting is not None:
+                await waiting()
             await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
 
     async def admit_and_stream(self, start: StartRequest) -> None:
@@ -220,7 +247,7 @@ class SessionLife:
         self.scripted = start.trajectory is not None
         self.enter(Phase.ADMITTING)
         first = await self.admit(SessionRequest(self.group_sid, start, keeper=await self.groups.keeper()),
-                                 s.admission_wait_s)
+                                 s.admission_wait_s, queue=True)
         if first is None or (isinstance(first, SessionFailed) and first.code == ErrorCode.CAPACITY_EXHAUSTED):
             await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))

@@ -41,6 +41,10 @@ class Wire(Protocol):
     def queued(self, interaction: Interaction) -> Optional[dict]:
         """The acknowledgement of a posted interaction (None: the dialect sends none)."""
 
+    def queued_message(self, position: int, eta_s: Optional[float]) -> Any:
+        """The session waits for a group: its place in the queue (1: next) and the estimated wait (None:
+        unknown yet)."""
+
     def limit_error(self, code: ErrorCode, text: str) -> ProtocolError:
         """The refusal that ends a session at its idle or lifetime limit."""
 

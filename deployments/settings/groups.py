@@ -217,6 +217,8 @@ class DoorSettings(_Group):
                                            "and first_frame may be fetched from; empty: none (inline images only)")
     image_fetch_timeout_s: float = setting(10.0, "time limit of one image fetch")
     image_fetch_max_bytes: int = setting(20 * 2 ** 20, "size limit of one fetched image")
+    max_header_bytes: int = setting(16 * 2 ** 10, "a WebSocket handshake whose headers (names and values) are "
+                                                  "larger is refused (headers_too_large)")
 
     def __post_init__(self):
         try:
@@ -224,7 +226,7 @@ class DoorSettings(_Group):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._at_least(0, "max_sessions_per_key", "max_starts_per_minute_per_key")
-        self._positive("image_fetch_timeout_s", "image_fetch_max_bytes")
+        self._positive("image_fetch_timeout_s", "image_fetch_max_bytes", "max_header_bytes")
 
     @property
     def allowed_origin_set(self) -> frozenset:

@@ -2,7 +2,6 @@
 
 Ray start-up dominates, so the cluster lives for the whole package; the port is fixed, so Serve tests
 run serially. Settings are the embedded default with short timeouts and one group of 2 sessions."""
-import os
 
 import pytest
 
@@ -18,7 +17,8 @@ TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2
 
 @pytest.fixture(scope="package")
 def serve_app():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from deployments.local import prepare_environment
+    prepare_environment()                  # before Ray starts: the proxy's handshake limits (deployments/local.py)
     import ray
     from ray import serve
 

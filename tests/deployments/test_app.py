@@ -3,9 +3,12 @@ import asyncio
 import base64
 import io
 import json
+import time
+import urllib.error
 import urllib.request
 
 import numpy as np
+import websockets
 from PIL import Image
 
 from lingbot.client import RealtimeClient, image_data_url
@@ -109,6 +112,9 @@ def test_two_sessions_capacity_and_release(serve_app):
     refused, results = run(scenario())
     assert refused.error["code"] == "capacity_exhausted" and refused.error["retry_after_s"] == 7
     assert refused.close_code == 1013
+    # while it waited it was told its place (the only one waiting), once: nothing changed meanwhile
+    assert [m for m in refused.messages if m["type"] == "session.queued"] == \
+        [{"type": "session.queued", "position": 1, "eta_s": None}]
     for r in results:                                         # the holders were untouched by the refusal
         assert r.error is None and r.done["stopped"] is True and r.done["chunks"] >= 1
 
@@ -205,6 +211,55 @@ def test_bad_input_is_refused_and_others_are_untouched(serve_app):
         assert json.loads(r.read())["status"] == "ok"
 
 
+def test_hostile_input_gets_its_code_not_an_internal_error(serve_app):
+    """Deep nesting and huge integers anywhere in a start, or as the whole message, are refused with their own
+    codes and close 1007 (they used to escape the parser and be answered as internal errors)."""
+    deep_prompt = '{"type": "session.start", "prompt": ' + "[" * 2000 + "]" * 2000 + "}"
+    cases = [
+        ([deep_prompt], "too_deep"),
+        (["[" * 1_000_000], "too_deep"),
+        (['{"type": "session.start", "prompt": "p", "extra_params": {"camera_action_script": ' + "[" * 40 + '"w"'
+          + "]" * 40 + "}}"], "too_deep"),
+        (['{"type": "session.start", "seed": ' + "9" * 5000 + "}"], "number_too_large"),
+        ([json.dumps(start_msg(num_frames=1)).replace('"num_frames": 1', '"num_frames": ' + "1" * 3000)],
+         "number_too_large"),
+        ([json.dumps(start_msg(extra_params={"endless": 7})).replace("7}", "7" * 4000 + "}")], "number_too_large"),
+        (["8" * 4500], "number_too_large"),
+    ]
+
+    async def scenario():
+        return [(await expect_error(serve_app, messages, code, 1007))["code"] for messages, code in cases]
+    assert run(scenario()) == [code for _, code in cases]
+    with urllib.request.urlopen(f"{HTTP}/healthz", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
+
+
+def test_large_handshake_headers_get_a_prompt_answer(serve_app):
+    """A handshake with a 10 KB bearer token or a 50 KB cookie used to get no answer at all (the proxy's
+    WebSocket parser never answers a header line over 8 KiB): now the first is served (no keys are configured
+    here, so the token means nothing) and the second refused at the door, both at once."""
+    async def served(headers):
+        t0 = time.monotonic()
+        async with websockets.connect(serve_app, additional_headers=headers, compression=None, open_timeout=5) as ws:
+            await ws.send(json.dumps({"type": "session.ping", "t": 1}))
+            return json.loads(await asyncio.wait_for(ws.recv(), 5)), time.monotonic() - t0
+
+    async def refused(headers):
+        t0 = time.monotonic()
+        async with websockets.connect(serve_app, additional_headers=headers, compression=None, open_timeout=5) as ws:
+            error = json.loads(await asyncio.wait_for(ws.recv(), 5))
+            try:
+                await asyncio.wait_for(ws.recv(), 5)
+            except websockets.ConnectionClosed:
+                pass
+            return error, ws.close_code, time.monotonic() - t0
+
+    reply, seconds = run(served({"Authorization": "Bearer " + "k" * 10_000}))
+    assert reply == {"type": "session.pong", "t": 1} and seconds < 5
+    error, code, seconds = run(refused({"Cookie": "c=" + "v" * 50_000}))
+    assert error["code"] == "headers_too_large" and code == 1008 and seconds < 5
+
+
 def test_start_timeout(serve_app):
     async def idle():
         async with RealtimeClient(serve_app) as client:
@@ -224,6 +279,19 @@ def test_http_endpoints(serve_app):
         assert json.loads(r.read())["width"] == W
     with urllib.request.urlopen(f"{HTTP}/", timeout=10) as r:
         assert b"LingBot-World" in r.read()
+    with urllib.request.urlopen(f"{HTTP}/static/app.js", timeout=10) as r:
+        assert r.status == 200
+    # malformed or unknown paths are 404, a wrong method 405; never a 500
+    for path, method, status in [("/static/%00.js", "GET", 404), ("/static/..%2Fapp.py", "GET", 404),
+                                 ("/static/.hidden", "GET", 404), ("/static/%FF%FE", "GET", 404),
+                                 ("/no/such/page", "GET", 404), ("/healthz", "POST", 405),
+                                 ("/v1/config", "DELETE", 405)]:
+        request = urllib.request.Request(f"{HTTP}{path}", method=method)
+        try:
+            urllib.request.urlopen(request, timeout=10)
+            raise AssertionError(f"{method} {path} was answered 200")
+        except urllib.error.HTTPError as e:
+            assert e.code == status, (method, path, e.code)
 
 
 def scrape(port):

@@ -49,6 +49,8 @@ FLAT_DEFAULTS = {
 # the drain"s constants, settings now (today"s values)
 DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_fill_max_s": 10.0,
                   "drain_wait_new_s": 30.0, "drain_new_group_slack_s": 10.0}
+# keys added since the split, with their defaults
+NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10}
 
 
 def test_settings_validation(monkeypatch):
@@ -122,10 +124,10 @@ def test_drain_settings_are_validated():
 
 
 def test_the_flat_keys_stay_and_round_trip(monkeypatch):
-    for key in [*FLAT_DEFAULTS, *DRAIN_DEFAULTS]:
+    for key in [*FLAT_DEFAULTS, *NEW_DEFAULTS]:
         monkeypatch.delenv("LINGBOT_" + key.upper(), raising=False)
     s = ServeSettings.from_args({})
-    assert s.to_dict() == {**FLAT_DEFAULTS, **DRAIN_DEFAULTS} == ServeSettings().to_dict()
+    assert s.to_dict() == {**FLAT_DEFAULTS, **NEW_DEFAULTS} == ServeSettings().to_dict()
     assert ServeSettings(**s.to_dict()) == s and ServeSettings.from_args(s.to_dict()) == s
     for key, value in s.to_dict().items():                       # settings.<key> reads its group's field
         group, name = next((g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls)

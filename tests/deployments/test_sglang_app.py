@@ -174,6 +174,19 @@ def test_refusals_close_with_their_codes(serve_app):
     big = msgpack.packb({"type": "init", "prompt": "x" * (5 * 2 ** 20)})
     errors, code = run(closed_with([big]))
     assert [e["code"] for e in errors] == ["message_too_large"] and code == 1009
+    deep = (b"\x82" + msgpack.packb("type") + msgpack.packb("init") + msgpack.packb("prompt")
+            + b"\x91" * 5000 + b"\x01")              # {"type": "init", "prompt": [[[...]]]}, 5000 deep
+    errors, code = run(closed_with([deep]))
+    assert [e["code"] for e in errors] == ["too_deep"] and code == 1007
+
+    async def odd_sizes():
+        async with websockets.connect(url, compression=None, max_size=2 ** 26) as ws:
+            codes = []
+            for size in ("\u00b2x480", "\u2460x\u2461", "1" * 5000 + "x64"):
+                await ws.send(msgpack.packb({"type": "init", "prompt": "p", "size": size}))
+                codes.append(msgpack.unpackb(await asyncio.wait_for(ws.recv(), 20))["code"])
+            return codes
+    assert run(odd_sizes()) == ["invalid_size"] * 3          # a bad init leaves the connection open
 
     async def capacity():
         async with FramesClient(url) as a, FramesClient(url) as b:

@@ -27,11 +27,19 @@ function setStatus(text, error = false) {
   $("status").className = error ? "error" : "";
 }
 
+function showQueued(msg) {
+  // the session waits for a model group (all full, or one still starting): its place and the estimate
+  const eta = msg.eta_s == null ? "" : `, about ${Math.ceil(msg.eta_s)} s`;
+  setStatus(`waiting for a model group: place ${msg.position} in the queue${eta}`);
+  log(`queued: place ${msg.position}${eta}`);
+}
+
 async function loadConfig() {
   const r = await fetch("/v1/config");
   state.config = await r.json();
   $("served").textContent = `${state.config.preset} · ${state.config.width}x${state.config.height} · ` +
                             `${state.config.fps} fps · SP-${state.config.sp}`;
+  $("random-weights").style.display = state.config.random_weights ? "block" : "none";
   $("chunks").value = state.config.default_chunks;
   if (!state.imageUrl) state.imageUrl = defaultImage(state.config.width, state.config.height);
 }
@@ -282,6 +290,8 @@ function startFrames(proto, key) {
       state.errors.push({ code: msg.code, message: msg.content });
       setStatus(`${msg.code || "error"}: ${msg.content}`, true);
       log(`error ${msg.code || ""}: ${msg.content}`);
+    } else if (msg.type === "queued") {
+      showQueued(msg);
     } else if (msg.type === "chunk_stats" && state.chunks === 1) {
       setStatus(`session ${msg.session_id.slice(0, 8)}`);
     }
@@ -335,6 +345,8 @@ function start() {
       setupMedia(msg.config.mime);
     } else if (msg.type === "video.chunk_metadata") {
       pendingMeta = msg;
+    } else if (msg.type === "session.queued") {
+      showQueued(msg);
     } else if (msg.type === "session.interaction.queued") {
       state.acks += 1; $("s-acks").textContent = state.acks;
     } else if (msg.type === "session.done") {

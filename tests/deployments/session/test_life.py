@@ -23,6 +23,7 @@ from deployments.session.events import (
 from deployments.session.life import Phase, PhaseError, SessionLife
 from deployments.session.ports import ACTIVITY, STOP, ClientGone
 from deployments.session.requests import Interaction, StartRequest
+from deployments.session.waiting import WaitingRoom
 from deployments.settings import ServeSettings
 from lingbot.config import get_preset
 
@@ -71,6 +72,9 @@ class Wire:
 
     def queued(self, interaction):
         return {"queued": interaction.event_id}
+
+    def queued_message(self, position, eta_s):
+        return {"waiting": position, "eta_s": eta_s}
 
     def limit_error(self, code, text):
         return ProtocolError(code, text, close=1000)
@@ -237,11 +241,14 @@ def test_a_drain_moves_the_session_with_its_last_snapshots_and_is_no_fault():
     assert ("send", {"queued": "e1"}) in wire.log and wire.log[-1] == ("done", False, 2)
 
 
-def test_full_groups_refuse_after_the_admission_wait():
+def test_full_groups_refuse_after_the_admission_wait_and_the_client_is_told_meanwhile():
     wire = Wire([{"type": "start"}])
     life, phases, limits = live(wire, Groups())
     assert phases == [Phase.ADMITTING, Phase.ENDED]
-    assert wire.log == [("close", ErrorCode.CAPACITY_EXHAUSTED, CLOSE_TRY_AGAIN)] and limits.active == 0
+    # told its place once (it did not change), then refused
+    assert wire.log == [("send", {"waiting": 1, "eta_s": None}),
+                        ("close", ErrorCode.CAPACITY_EXHAUSTED, CLOSE_TRY_AGAIN)] and limits.active == 0
+    assert life.room.waiting == {}
     assert life.metrics.refusals == [ErrorCode.CAPACITY_EXHAUSTED]
 
 
@@ -272,3 +279,24 @@ def test_phases_only_move_along_the_diagram():
     life.enter(Phase.ENDED)
     with pytest.raises(PhaseError):
         life.enter(Phase.STREAMING)
+
+
+def test_a_waiting_session_learns_its_place_and_an_estimate_as_the_queue_moves():
+    room = WaitingRoom()
+    for sid, at in (("a", 0.0), ("b", 1.0), ("c", 2.0)):
+        room.join(sid, now=at)
+    assert [room.position(s) for s in "abcx"] == [1, 2, 3, 0] and room.eta_s(1, now=3.0) is None
+    room.leave("a", admitted=True, now=10.0)
+    room.leave("b", admitted=True, now=14.0)              # one admission every 4 s
+    assert room.position("c") == 1 and room.eta_s(1, now=15.0) == 4.0 and room.eta_s(3, now=15.0) == 12.0
+    room.leave("c", admitted=False, now=16.0)              # refused or gone: not a measure of the pace
+    assert len(room.admissions) == 2 and room.eta_s(1, now=10.0 + 301.0) is None    # old news is forgotten
+
+
+def test_a_session_admitted_after_waiting_was_told_and_counts_for_the_estimate():
+    wire = Wire([{"type": "start", "chunks": 1}])
+    full = Lease([SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "full")])
+    groups = Groups(full, Lease([admitted("g1"), chunk(0), SessionDone(1)]))
+    life, _, _ = live(wire, groups)
+    assert wire.log[0] == ("send", {"waiting": 1, "eta_s": None}) and wire.log[-1] == ("done", False, 1)
+    assert len(life.room.admissions) == 1

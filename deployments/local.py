@@ -1,0 +1,85 @@
+"""Serving on this machine: `python -m deployments.local [serve_config.yaml]` (what `make serve` runs) starts a local
+Ray, deploys the config's app, and prints one line with the URL once the first model group is ready; Ctrl-C
+stops it. It also holds what every local start shares (the tests' and the benchmarks' too): the environment
+Ray's HTTP proxy must start with (`prepare_environment`).
+
+The proxy's WebSocket handshake is parsed by the `websockets` library, which reads header lines of at most
+WEBSOCKETS_MAX_LINE_LENGTH bytes (8 KiB by default) and never answers a longer one: the client waits until it
+gives up. Serve offers no setting for it; the library reads the variable when the proxy starts, so it is set
+before Ray starts (workers inherit the environment). With 256 KiB, a handshake whose headers are too large for
+the ingress (max_header_bytes) reaches the ingress and is refused at once (headers_too_large); a single header
+line beyond 256 KiB still goes unanswered (docs/architecture.md, "The protocol").
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import urllib.request
+
+PROXY_ENV = {
+    "WEBSOCKETS_MAX_LINE_LENGTH": str(256 * 2 ** 10),   # see the module docstring
+    "RAY_AUTH_MODE": "disabled",                        # a local cluster: no token (Ray 2.60 turns it on)
+}
+
+
+def prepare_environment() -> None:
+    """Set the proxy's environment for a Ray about to start in this process (a started one keeps its own)."""
+    os.environ.update(PROXY_ENV)
+
+
+def wait_ready(url: str, timeout_s: float) -> float:
+    """Seconds until GET url/readyz answers 200 (a model group runs); TimeoutError after timeout_s."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"no model group was ready within {timeout_s:g} s; see the Ray logs")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.local", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", default="serve_config.yaml", help="a Serve config (default: %(default)s)")
+    parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    import yaml
+    with open(args.config) as f:
+        config = yaml.safe_load(f)
+    (app,) = [a for a in config["applications"] if a.get("import_path") == "deployments.app:build_app"]
+    http = config.get("http_options") or {}
+    host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    prepare_environment()
+    logging.basicConfig(level=logging.WARNING)
+    import ray
+    from ray import serve
+
+    from .app import build_app
+    print(f"lingbot-serve: starting local Ray and the app of {args.config} ({app.get('args', {}).get('preset')})",
+          flush=True)
+    ray.init(log_to_driver=True, logging_level=logging.WARNING)
+    serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
+    serve.run(build_app(app.get("args")), name=app.get("name", "lingbot"), route_prefix=app.get("route_prefix", "/"),
+              logging_config={"enable_access_log": False})
+    seconds = wait_ready(url, args.ready_timeout_s)
+    print(f"\nlingbot-serve is ready ({seconds:.0f} s): open {url}/ in a browser; WebSocket clients: "
+          f"{url.replace('http', 'ws')}/v1/realtime/video. Ctrl-C stops it.\n", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("lingbot-serve: stopping", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The ingress's waiting room: the sessions waiting for a group to admit them, in arrival order, and an estimate
+of each one's wait from how fast the room has been emptying (docs/architecture.md, "A session's life").
+
+Plain Python, one per ingress replica. The estimate: the mean interval between recent admissions of sessions
+that had waited, times the place in the queue; None (unknown) until two such admissions have been seen within
+the look-back window."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+LOOKBACK_S = 300.0
+
+
+class WaitingRoom:
+    def __init__(self, lookback_s: float = LOOKBACK_S):
+        self.lookback_s = lookback_s
+        self.waiting: dict[str, float] = {}          # session -> when it began to wait (insertion = arrival order)
+        self.admissions: deque[float] = deque()      # when sessions that had waited were admitted
+
+    def join(self, session_id: str, now: Optional[float] = None) -> None:
+        self.waiting.setdefault(session_id, time.monotonic() if now is None else now)
+
+    def leave(self, session_id: str, admitted: bool, now: Optional[float] = None) -> None:
+        """The session was admitted (it counts for the estimate), refused, or went away."""
+        if self.waiting.pop(session_id, None) is not None and admitted:
+            self.admissions.append(time.monotonic() if now is None else now)
+
+    def position(self, session_id: str) -> int:
+        """1 for the longest waiting; 0 when not waiting."""
+        for place, sid in enumerate(self.waiting, 1):
+            if sid == session_id:
+                return place
+        return 0
+
+    def eta_s(self, position: int, now: Optional[float] = None) -> Optional[float]:
+        now = time.monotonic() if now is None else now
+        while self.admissions and now - self.admissions[0] > self.lookback_s:
+            self.admissions.popleft()
+        if len(self.admissions) < 2:
+            return None
+        interval = (self.admissions[-1] - self.admissions[0]) / (len(self.admissions) - 1)
+        return round(position * max(interval, 0.1), 1)
