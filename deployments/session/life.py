@@ -51,6 +51,8 @@ from .waiting import WaitingRoom
 
 log = logging.getLogger("ray.serve")
 
+WAIT_TICK_S = 0.5            # a waiting session's client is told its place this often (when it changed)
+
 
 class Phase(Enum):
     WAITING_FOR_START = "waiting_for_start"
@@ -222,14 +224,26 @@ class SessionLife:
                 await self.wire.send(self.wire.queued_message(*told))
 
     async def _lease_within(self, request: SessionRequest, wait_s: float, waiting=None):
+        """The admission loop. A lease call that a full deployment holds back (Serve queues it while every group
+        is at its limit) or a group that answers full both mean waiting: `waiting()` is called every
+        WAIT_TICK_S of it (the client is told), and a refused try is made again."""
         deadline = time.monotonic() + wait_s
         answer = None
         while True:
             self.lease = self.groups.lease(request)
+            first = asyncio.ensure_future(self.lease.__anext__())
             try:
-                answer = await asyncio.wait_for(self.lease.__anext__(), timeout=max(deadline - time.monotonic(), 0.01))
-            except asyncio.TimeoutError:
-                return answer
+                while True:
+                    done, _ = await asyncio.wait({first}, timeout=min(WAIT_TICK_S, max(deadline - time.monotonic(),
+                                                                                      0.01)))
+                    if done:
+                        break
+                    if time.monotonic() >= deadline:
+                        first.cancel()
+                        return answer
+                    if waiting is not None:
+                        await waiting()
+                answer = first.result()
             except Exception as e:                        # the replica died under the call
                 answer = SessionFailed(ErrorCode.GROUP_UNAVAILABLE, f"the group's replica is gone ({type(e).__name__})")
             if isinstance(answer, Admitted):
@@ -239,7 +253,7 @@ class SessionLife:
                 return answer
             if waiting is not None:
                 await waiting()
-            await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+            await asyncio.sleep(min(WAIT_TICK_S, max(deadline - time.monotonic(), 0)))
 
     async def admit_and_stream(self, start: StartRequest) -> None:
         s = self.settings
