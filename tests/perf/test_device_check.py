@@ -1,24 +1,92 @@
-"""perf/device_check.py end to end on CPU with the tiny preset, so the GPU script cannot rot."""
+"""perf/device_check.py end to end on CPU with the tiny preset, so the GPU script cannot rot; and its guards:
+a stage that fails keeps every other stage's figures, a stage past the deadline is skipped and says so."""
 import json
 
 from perf import device_check
 
+TINY = ["--preset", "tiny", "--device", "cpu", "--steady", "1", "--peak-seconds", "0.3"]
+
+
+def _saved(folder) -> dict:
+    assert not list(folder.glob("*.tmp"))                  # every write renamed into place
+    return json.loads((folder / "device_check.json").read_text())
+
+
+def _statuses(report) -> dict:
+    return {name: r["status"] for name, r in report["stages"].items()}
+
 
 def test_device_check_runs_end_to_end_on_cpu(tmp_path, capsys):
-    out = tmp_path / "check.json"
-    report = device_check.main(["--preset", "tiny", "--device", "cpu", "--steady", "1", "--peak-seconds", "0.3",
-                                "--json", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    report = device_check.main([*TINY, "--out", str(tmp_path)])
+    assert _saved(tmp_path) == json.loads(json.dumps(report))
+    assert _statuses(report) == dict.fromkeys(device_check.STAGE_NAMES, "ok")
+    figures = {name: r["figures"] for name, r in report["stages"].items()}
     assert list(report["modes"]) == ["eager", "compiled", "compiled+graphs"]    # on CPU: compiled, no graphs
     for mode in report["modes"].values():
         assert {"dit_steady_s", "whole_steady_s", "dit_fraction_of_peak"} <= set(mode)
     for name in ("compiled", "compiled+graphs"):
         assert report["modes"][name]["within_tolerance"] and report["modes"][name]["vs_eager_max_abs"] < 1e-5
-    assert report["graphs_vs_compiled_bitwise"] and report["interleaved_sessions_intact"]
-    assert {"session_bytes_budget_model", "matmul_peak_tflops"} <= set(report)
-    snapshot = report["snapshot"]
+    assert figures["graphs"]["graphs_vs_compiled_bitwise"] and figures["interleaving"]["intact"]
+    # the whole chunks replay the first frame's conditions (primed to the fixed point), in every mode
+    whole = figures["eager_whole"]
+    assert whole["condition_fixed_point_chunk"] is not None and whole["condition_encode_s"]
+    for name in ("eager_whole", "compiled", "graphs"):
+        assert figures[name]["condition_replayed"] and figures[name]["condition_encoded_chunks"] == 0
+    snapshot = figures["snapshots"]
     assert snapshot["async_bitwise"] and not snapshot["asynchronous"] and snapshot["bytes"] > 0
-    assert {"chunk_s", "chunk_sync_snapshot_s", "chunk_async_snapshot_s"} <= set(snapshot)
+    assert {"chunk_s", "chunk_sync_snapshot_s", "chunk_async_snapshot_s", "sync_cost", "async_cost", "copy_sync_s",
+            "copy_async_s"} <= set(snapshot)
+    # memory: like with like, part by part (no device allocator on CPU)
+    memory = figures["memory"]
+    budget, dit, whole_session = memory["budget_model"], memory["dit_session"], memory["whole_session"]
+    assert dit["kv_window_bytes"] == budget["kv_window"] and dit["text_kv_bytes"] == budget["text_kv"]
+    assert dit["allocated_bytes"] is None and dit["owned_bytes"] >= dit["budget_bytes"]
+    assert whole_session["parts_max"]["kv_window"] == budget["kv_window"]
+    assert whole_session["parts_max"]["decoder_cache"] == budget["decoder_cache"]
+    assert whole_session["max_owned_bytes"] > dit["owned_bytes"]             # + decoder and encoder caches
+    # the rank lifecycle from a safetensors folder: every window length warmed up, the CPU budget rule
+    life = figures["lifecycle"]
+    assert life["checkpoint_bytes"] > 0 and life["warmup"]["chunks"] == 7 and life["memory"] is None
+    assert life["capacity"] > 0 and not life["compiled"]
+    table = (tmp_path / "device_check.md").read_text()
+    assert table.startswith("Device check: tiny 112x64 float32 on cpu") and "| compiled+graphs |" in table
+    assert "| snapshot copy alone, device idle |" in table and "| lifecycle | ok |" in table
     printed = capsys.readouterr().out
-    assert "device check: tiny 112x64" in printed and "compiled+graphs vs eager latents" in printed
-    assert "snapshot " in printed and "bitwise: True" in printed
+    assert table.strip() in printed                                           # the table, printed at the end
+    log = (tmp_path / "device_check.log").read_text()
+    assert "eager_dit: ok in" in log and "lifecycle: ok in" in log
+
+
+def test_a_failed_stage_keeps_every_other_stage(tmp_path):
+    report = device_check.main([*TINY, "--no-compile", "--no-graphs", "--skip", "lifecycle",
+                                "--fail-stage", "eager_whole", "--out", str(tmp_path)])
+    saved = _saved(tmp_path)
+    assert saved == json.loads(json.dumps(report))
+    assert _statuses(saved) == {"setup": "ok", "eager_dit": "ok", "eager_whole": "failed", "compiled": "skipped",
+                                "no_sync": "ok", "graphs": "skipped", "interleaving": "ok", "snapshots": "ok",
+                                "memory": "ok", "lifecycle": "skipped"}
+    failed = saved["stages"]["eager_whole"]
+    assert failed["error"].startswith("InjectedFailure: stage eager_whole failed on purpose")
+    assert failed["traceback"].startswith("Traceback") and "_fail_on_purpose" in failed["traceback"]
+    assert "figures" not in failed and failed["seconds"] >= 0
+    reasons = {name: saved["stages"][name]["reason"] for name in ("compiled", "graphs", "lifecycle")}
+    assert reasons == {"compiled": "--no-compile", "graphs": "--no-graphs", "lifecycle": "--skip"}
+    assert saved["stages"]["eager_dit"]["figures"]["dit_steady_s"] > 0
+    assert saved["stages"]["snapshots"]["figures"]["async_bitwise"]                 # primed its own conditions
+    assert saved["stages"]["memory"]["figures"]["whole_session"]["max_owned_bytes"] > 0
+    assert saved["modes"]["eager"]["dit_steady_s"] > 0 and "whole_steady_s" not in saved["modes"]["eager"]
+    table = (tmp_path / "device_check.md").read_text()
+    assert "| eager_whole | failed |" in table and "InjectedFailure" in table
+
+
+def test_stages_past_the_deadline_are_skipped(tmp_path):
+    report = device_check.main([*TINY, "--deadline-s", "0.001", "--out", str(tmp_path)])
+    saved = _saved(tmp_path)
+    statuses = _statuses(saved)
+    assert statuses.pop("setup") == statuses.pop("eager_dit") == "ok"           # they always run
+    assert set(statuses.values()) == {"skipped"}
+    for name in statuses:
+        record = saved["stages"][name]
+        assert record["reason"].startswith("deadline: needs ~") and record["estimate_s"] > 0
+    assert report["modes"]["eager"]["dit_steady_s"] > 0
+    assert "| memory | skipped |" in (tmp_path / "device_check.md").read_text()
