@@ -4,7 +4,7 @@ The replica owns a placement group [replica] + one bundle per rank + [muxer] (ST
 ServeSettings.placement_bundles), starts the rank actors pinned to their bundles, joins them in one
 process group (their join replies say what they run: ModelFacts), and starts the muxer (H.264) and the
 control mailbox (client controls). Each session is one long-lived streaming call (`session`): the lease
-that Serve counts for routing and autoscaling. What runs the sessions is the chunk loop (engine.py); the
+that Serve counts for routing and autoscaling (lease.py). What runs the sessions is the chunk loop (engine.py); the
 group's own life (serving, stopping, draining, failed) is its GroupState (phase.py), moved by the liveness
 watcher here and the stop watcher in drain.py.
 """
@@ -25,19 +25,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..metrics import Metrics
 from ..session.codes import ErrorCode
 from ..session.events import (
-    FINAL_EVENTS,
-    Admitted,
     ModelFacts,
-    Resumed,
-    SessionDone,
     SessionFailed,
     SessionRequest,
 )
-from ..session.scheduler import ScheduledSession
 from ..settings import ServeSettings
 from .drain import DrainTimes, StopWatcher, drain
 from .engine import ChunkLoop, fresh_task
 from .executor import RankExecutor
+from .lease import Leases
 from .mailbox import ControlMailbox
 from .messages import DeviceStats, RankInfo
 from .muxer import Muxer
@@ -111,7 +107,8 @@ class WorldGroup:
         self.metrics = Metrics()
         self.chunks = ChunkLoop(self.id, s, self.state, self.ranks, self.muxer, self.mailbox, self.metrics,
                                 self._fail_group, self._maybe_report_devices)
-        self.reserved = 0                              # sessions admitted or being admitted
+        self.leases = Leases(self.id, s, self.state, self.capacity, self.model, self.ranks, self.muxer, self.mailbox,
+                             self.chunks, self.metrics)
         self.last_metrics = 0.0
         self.event_loop: Optional[asyncio.AbstractEventLoop] = None
         self.drain_task: Optional[asyncio.Task] = None
@@ -174,74 +171,16 @@ class WorldGroup:
                                            self.settings.drain_lead_s, DrainTimes.of(self.settings)))
 
     # ---- the session lease --------------------------------------------------------------------
-    def _refusal(self) -> Optional[SessionFailed]:
-        """Why this group takes no new session now (None: it takes one)."""
-        if self.state.failed:
-            return SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "this group failed and is being replaced; retry")
-        if not self.state.takes_sessions:
-            return SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "this group is being stopped (scale-down or "
-                                 "redeploy); retry")
-        if self.reserved >= self.capacity:
-            return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full")
-        return None
-
     async def session(self, request: SessionRequest):
-        """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
-        SessionDone (or SessionFailed, or Moving); a resumed session (request.resume) yields Resumed once its
-        ranks are where the failed group's were. Cancelling it (client gone, stop) frees the session within
-        one step."""
+        """Streaming call held for the whole session (the lease, lease.py): Admitted, then the session's events.
+        Cancelling it (client gone, stop) frees the session within one step."""
         self.event_loop = asyncio.get_running_loop()
-        refusal = self._refusal()
-        if refusal is not None:                        # checked and taken before any await: no over-admission
-            yield refusal
-            return
-        self.reserved += 1
-        sid, start, resume = request.session_id, request.start, request.resume
-        session = ScheduledSession(sid, start, self.model.geometry, self.settings.max_queued_controls,
-                                   max_in_flight=self.settings.in_flight_chunks)
+        events = self.leases.run(request)
         try:
-            first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
-            mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
-            restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
-                else [None] * len(self.ranks)
-            opening = [(sid, start.image, start.prompt, start.seed, start.flow_shift, start.trajectory, request.keeper,
-                        share) for share in restore]
-            opened = await self.ranks.call("open_session", per_rank=opening, timeout_s=0)
-            if any(o is None for o in opened):
-                return                                 # cancelled while opening: the finally cleans up
-            if resume is not None:
-                restored = resume.snapshot_index + 1
-                if any(o != restored for o in opened):  # a snapshot was lost, or another group size: replay all
-                    if any(o != 0 for o in opened):
-                        await self.ranks.call("reset_session", sid, timeout_s=0)
-                    restored = 0
-                session.resume_from(resume, restored)
-            refusal = self._refusal()
-            if refusal is not None and refusal.code != ErrorCode.CAPACITY_EXHAUSTED:
-                yield refusal                          # Serve began stopping the group while it opened
-                return
-            outbox = self.chunks.add(session)
-            self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})
-            yield Admitted(self.id, self.mailbox, mime, self.capacity, self.model)
-            if resume is not None and not session.replay:
-                yield Resumed(0, 0.0, session.next_chunk)   # nothing to replay: it continues at once
-            if resume is not None and start.chunks is not None and resume.next_index >= start.chunks:
-                yield SessionDone(start.chunks)           # it had delivered its last chunk already
-                return
-            while True:
-                event = await outbox.get()
+            async for event in events:
                 yield event
-                if isinstance(event, FINAL_EVENTS):
-                    break                              # an InteractionRefused leaves the session on
         finally:
-            self.reserved -= 1
-            session.stopped = True
-            self.ranks.tell("stop", sid)              # a running chunk ends at its next step, on every rank
-            self.chunks.remove(sid)
-            self.ranks.tell("close_session", sid)
-            self.muxer.close.remote(sid)
-            self.mailbox.close.remote(sid)
-            self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})
+            await events.aclose()                      # the lease's own clean-up runs now, not when collected
 
     # ---- device metrics -----------------------------------------------------------------------
     def _maybe_report_devices(self) -> None:

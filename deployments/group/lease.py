@@ -1,0 +1,99 @@
+"""A group's session leases: each session is one long streaming call from its ingress (the lease Serve counts for
+routing and autoscaling). A lease is admitted against the group's capacity and phase, opens the session on
+every rank (restored from its snapshots when it resumes, else replayed) and in the muxer, yields Admitted and
+then the session's events from the chunk loop, and frees the session everywhere when it ends or is cancelled.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..session.codes import ErrorCode
+from ..session.events import FINAL_EVENTS, Admitted, ModelFacts, Resumed, SessionDone, SessionFailed, SessionRequest
+from ..session.scheduler import ScheduledSession
+from .engine import ChunkLoop
+from .executor import RankExecutor
+from .phase import GroupState
+
+
+class Leases:
+    def __init__(self, group_id: str, settings, state: GroupState, capacity: int, model: ModelFacts,
+                 ranks: RankExecutor, muxer, mailbox, chunks: ChunkLoop, metrics):
+        self.id = group_id
+        self.settings = settings
+        self.state = state
+        self.capacity = capacity
+        self.model = model
+        self.ranks = ranks
+        self.muxer = muxer
+        self.mailbox = mailbox
+        self.chunks = chunks
+        self.metrics = metrics
+        self.reserved = 0                              # sessions admitted or being admitted
+
+    def _refusal(self) -> Optional[SessionFailed]:
+        """Why this group takes no new session now (None: it takes one)."""
+        if self.state.failed:
+            return SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "this group failed and is being replaced; retry")
+        if not self.state.takes_sessions:
+            return SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "this group is being stopped (scale-down or "
+                                 "redeploy); retry")
+        if self.reserved >= self.capacity:
+            return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full")
+        return None
+
+    async def run(self, request: SessionRequest):
+        """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
+        SessionDone (or SessionFailed, or Moving); a resumed session (request.resume) yields Resumed once its
+        ranks are where the failed group's were. Cancelling it (client gone, stop) frees the session within
+        one step."""
+        refusal = self._refusal()
+        if refusal is not None:                        # checked and taken before any await: no over-admission
+            yield refusal
+            return
+        self.reserved += 1
+        sid, start, resume = request.session_id, request.start, request.resume
+        session = ScheduledSession(sid, start, self.model.geometry, self.settings.max_queued_controls,
+                                   max_in_flight=self.settings.in_flight_chunks)
+        try:
+            first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
+            mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
+            restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
+                else [None] * len(self.ranks)
+            opening = [(sid, start.image, start.prompt, start.seed, start.flow_shift, start.trajectory, request.keeper,
+                        share) for share in restore]
+            opened = await self.ranks.call("open_session", per_rank=opening, timeout_s=0)
+            if any(o is None for o in opened):
+                return                                 # cancelled while opening: the finally cleans up
+            if resume is not None:
+                restored = resume.snapshot_index + 1
+                if any(o != restored for o in opened):  # a snapshot was lost, or another group size: replay all
+                    if any(o != 0 for o in opened):
+                        await self.ranks.call("reset_session", sid, timeout_s=0)
+                    restored = 0
+                session.resume_from(resume, restored)
+            refusal = self._refusal()
+            if refusal is not None and refusal.code != ErrorCode.CAPACITY_EXHAUSTED:
+                yield refusal                          # Serve began stopping the group while it opened
+                return
+            outbox = self.chunks.add(session)
+            self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})
+            yield Admitted(self.id, self.mailbox, mime, self.capacity, self.model)
+            if resume is not None and not session.replay:
+                yield Resumed(0, 0.0, session.next_chunk)   # nothing to replay: it continues at once
+            if resume is not None and start.chunks is not None and resume.next_index >= start.chunks:
+                yield SessionDone(start.chunks)           # it had delivered its last chunk already
+                return
+            while True:
+                event = await outbox.get()
+                yield event
+                if isinstance(event, FINAL_EVENTS):
+                    break                              # an InteractionRefused leaves the session on
+        finally:
+            self.reserved -= 1
+            session.stopped = True
+            self.ranks.tell("stop", sid)              # a running chunk ends at its next step, on every rank
+            self.chunks.remove(sid)
+            self.ranks.tell("close_session", sid)
+            self.muxer.close.remote(sid)
+            self.mailbox.close.remote(sid)
+            self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})
