@@ -15,7 +15,7 @@ from lingbot.camera import CameraError, Trajectory, TrajectoryError, parse_keys
 from lingbot.config import ChunkGeometry
 from lingbot.io.images import open_image, resize_image
 
-from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, ErrorCode, ProtocolError
+from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, ErrorCode, ProtocolError
 
 # Bounds on a decoded message, checked before any field is read (both dialects). Real messages nest at most 6
 # containers deep (a key script: message, extra_params, script, chunk, frame, keys) and hold no integer wider
@@ -53,6 +53,24 @@ def check_depth(value: Any) -> None:
         if depth > MAX_DEPTH:
             raise too_deep()
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+
+
+def check_size(size: int, limit: int) -> None:
+    """A client message of `size` bytes, against max_start_bytes or max_control_bytes."""
+    if size > limit:
+        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {size} bytes exceeds the limit of {limit} "
+                            "bytes", close=CLOSE_TOO_BIG)
+
+
+def checked_message(msg: Any, not_a_map: ErrorCode, what: str) -> dict:
+    """A decoded client message, either dialect: bounded in depth, a map (`what` in the dialect's words) with a
+    string `type`."""
+    check_depth(msg)
+    if not isinstance(msg, dict):
+        raise ProtocolError(not_a_map, f"message must be {what}")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "message has no string field 'type'")
+    return msg
 
 
 def ascii_int(text: str) -> Optional[int]:

@@ -19,11 +19,11 @@ from lingbot.config import ChunkGeometry
 from lingbot.io.frames import DEFAULT_QUALITY, FrameBatch, FrameFormat
 from lingbot.io.images import open_image, resize_image
 
-from ..session.codes import CLOSE_NORMAL, CLOSE_TOO_BIG, ErrorCode, ProtocolError
+from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
-from .parsing import ascii_int, check_depth, decode_image, parse_keys_list, too_deep
+from .parsing import ascii_int, check_size, checked_message, decode_image, parse_keys_list, too_deep
 from .wire import WebSocketWire, close_quietly
 
 ROUTE = "/v1/realtime_video/generate"
@@ -39,24 +39,15 @@ def pack(message: dict) -> bytes:
 
 def unpack(data: bytes, limit: int) -> dict:
     """One client message -> a map with a string `type`; ProtocolError for anything else."""
-    if len(data) > limit:
-        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE,
-                            f"message of {len(data)} bytes exceeds the limit of {limit} bytes",
-                            close=CLOSE_TOO_BIG)
+    check_size(len(data), limit)
     try:
         msg = msgpack.unpackb(data, raw=False)
     except msgpack.StackError:                   # nested deeper than the decoder's stack: far past MAX_DEPTH
         raise too_deep() from None
     except Exception as e:                       # truncated, extra bytes, bad UTF-8, unhashable keys...
         raise ProtocolError(ErrorCode.INVALID_MSGPACK,
-                            f"message is not one valid MessagePack value ({type(e).__name__})") \
-            from None
-    check_depth(msg)
-    if not isinstance(msg, dict):
-        raise ProtocolError(ErrorCode.INVALID_MSGPACK, "message must be a MessagePack map")
-    if not isinstance(msg.get("type"), str):
-        raise ProtocolError(ErrorCode.MISSING_FIELD, "message has no string field 'type'")
-    return msg
+                            f"message is not one valid MessagePack value ({type(e).__name__})") from None
+    return checked_message(msg, ErrorCode.INVALID_MSGPACK, "a MessagePack map")
 
 
 def error_message(error: ProtocolError) -> bytes:

@@ -12,13 +12,14 @@ from typing import Optional
 from lingbot.camera import CameraError, CameraEvent
 from lingbot.config import ChunkGeometry
 
-from ..session.codes import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, ErrorCode, ProtocolError
+from ..session.codes import CLOSE_NORMAL, CLOSE_POLICY, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import STOP
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
     bounded_int,
-    check_depth,
+    check_size,
+    checked_message,
     decode_image,
     finite,
     parse_keys_list,
@@ -35,21 +36,14 @@ def _reject_constant(name: str):
 
 
 def parse_json(text: str, limit: int) -> dict:
-    if len(text.encode()) > limit:
-        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message of {len(text.encode())} bytes exceeds the limit of "
-                            f"{limit} bytes", close=CLOSE_TOO_BIG)
+    check_size(len(text.encode()), limit)
     try:
         msg = json.loads(text, parse_constant=_reject_constant, parse_int=bounded_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(ErrorCode.INVALID_JSON, f"message is not valid JSON: {e.msg} at position {e.pos}") from None
     except RecursionError:                        # nested deeper than the decoder's stack: far past MAX_DEPTH
         raise too_deep() from None
-    check_depth(msg)
-    if not isinstance(msg, dict):
-        raise ProtocolError(ErrorCode.INVALID_JSON, "message must be a JSON object")
-    if not isinstance(msg.get("type"), str):
-        raise ProtocolError(ErrorCode.MISSING_FIELD, "message has no string field 'type'")
-    return msg
+    return checked_message(msg, ErrorCode.INVALID_JSON, "a JSON object")
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
