@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# On a machine without an NVIDIA GPU take the CPU build of torch (a plain `torch` pulls a CUDA build).
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.5" || echo "torch==2.13.0")
+# On a machine without an NVIDIA GPU take the CPU build of torch (a plain `torch` pulls a CUDA build). The
+# floor on GPU machines is pyproject.toml's (torch.accelerator.synchronize needs 2.6).
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6" || echo "torch==2.13.0")
 
 .PHONY: install lint test serve perf clean browser
 

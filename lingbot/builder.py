@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .config import ConfigError, Preset, get_preset, parse_dtype
+from .config import ConfigError, Preset, get_preset, parse_dtype, with_dtype
 from .io.weights import (
     build_random_text_encoder,
     build_random_transformer,
@@ -45,7 +45,7 @@ def with_checkpoint_shift(preset: Preset, model_path: str | Path) -> Preset:
 
 
 def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
-                     dtype: Optional[torch.dtype] = None, comm: Optional[Comm] = None,
+                     dtype: Optional[str | torch.dtype] = None, comm: Optional[Comm] = None,
                      compile: Optional[bool] = None, cuda_graphs: bool = False, text_encoder: bool = True,
                      seed: Optional[int] = None, **runner_kwargs) -> DiTRunner:
     """A DiT runner for `preset`: weights from `model_path` (a diffusers-format folder), or seeded random
@@ -53,11 +53,13 @@ def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = No
     size > 1) the DiT runs Ulysses sequence parallelism and only rank 0 holds the text encoder.
     `compile`: regional torch.compile of the blocks (None: on accelerators only); `cuda_graphs`: the
     compiled regions as CUDA graphs (implies compile). `text_encoder=False` builds none: sessions then take
-    ready text embeddings."""
+    ready text embeddings. `dtype` overrides the preset's DiT dtype (config.with_dtype: the DiT and the text
+    encoder; the runner's preset says it, so the budget counts it)."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
     if model_path is not None:
         preset = with_checkpoint_shift(preset, model_path)
-    dtype = dtype or preset.torch_dtype
+    preset = with_dtype(preset, dtype)
+    dtype = preset.torch_dtype
     comm = comm or Comm(device=device)
     load_encoder = text_encoder and comm.is_root
     encoder = None
@@ -76,9 +78,8 @@ def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = No
         if seed is None:
             raise ConfigError(f"preset {preset.name} has no random weights: give the model folder (--model-path)")
         model = build_random_transformer(preset.transformer, seed, dtype, device)
-        if load_encoder:
-            encoder = build_random_text_encoder(preset.text, seed)
-            encoder.model.to(device)
+        if load_encoder:                               # on the device in the DiT's dtype, as a loaded one
+            encoder = build_random_text_encoder(preset.text, seed, dtype, device)
     if text_encoder:
         encoder = share_text_encoder(encoder, comm, preset.text.max_length, model.config.text_dim, model.dtype,
                                      device)
@@ -93,11 +94,12 @@ def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = No
 def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
                    skip_fixed_point: bool = True, comm: Optional[Comm] = None, pixel_mode: str = DEFAULT_PIXEL_MODE,
                    compile: Optional[bool] = None, cuda_graphs: bool = False, seed: Optional[int] = None,
-                   **runner_kwargs) -> WorldPipeline:
+                   dtype: Optional[str | torch.dtype] = None, **runner_kwargs) -> WorldPipeline:
     """DiT runner + VAE: from `model_path` (transformer/, vae/, text_encoder/, tokenizer/) or seeded random
     weights (see build_dit_runner). With `comm` (world size > 1) the decoder is sharded by width and its
-    frames reach the root by `pixel_mode`."""
-    preset = get_preset(preset) if isinstance(preset, str) else preset
+    frames reach the root by `pixel_mode`. `dtype` overrides the preset's DiT dtype (DiT and text encoder);
+    the VAE keeps the preset's `vae_dtype` (config.with_dtype)."""
+    preset = with_dtype(get_preset(preset) if isinstance(preset, str) else preset, dtype)
     comm = comm or Comm(device=device)
     runner = build_dit_runner(preset, model_path, device=device, comm=comm, compile=compile,
                               cuda_graphs=cuda_graphs, seed=seed, **runner_kwargs)

@@ -18,7 +18,8 @@ Controls act at chunk boundaries:
   frames; mode "velocity" right-multiplies a delta pose once per latent frame until replaced.
   As in vLLM-Omni the pose is used as given, in the model's camera frame.
 
-Pose math is float64 numpy (a handful of 4x4s); ray maps are built in float32 on the target device.
+Pose math is float64 numpy (a handful of 4x4s); ray maps are built in float32 on the target device, from
+poses and intrinsics copied there asynchronously (lingbot/io/transfer.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .io.transfer import to_device
 
 REFERENCE_SIZE = (832, 480)          # (width, height) the checkpoint's intrinsics are given in
 TRANSLATION_UNIT = 0.05              # one controller step; live translations are divided by it
@@ -156,14 +159,15 @@ def intrinsics_table(intrinsics, frames: int) -> np.ndarray:
 def ray_map(rel: np.ndarray, intrinsics, height: int, width: int, device="cpu") -> Tensor:
     """Per pixel centre rays [o, d] of each relative pose: [6, F, H, W] float32. `intrinsics`: one
     Intrinsics for all frames or an [F, 4] table of (fx, fy, cx, cy)."""
-    k = torch.as_tensor(intrinsics_table(intrinsics, len(rel)), dtype=torch.float32, device=device)   # [F, 4]
+    # the host's pose math reaches the device by one asynchronous copy each (io/transfer.py): no host sync
+    k = to_device(intrinsics_table(intrinsics, len(rel)), device, torch.float32)                  # [F, 4]
     ys = (torch.arange(height, dtype=torch.float32, device=device)[None] + 0.5 - k[:, 3:4]) / k[:, 1:2]  # [F, H]
     xs = (torch.arange(width, dtype=torch.float32, device=device)[None] + 0.5 - k[:, 2:3]) / k[:, 0:1]   # [F, W]
     f = len(rel)
     cam = torch.stack([xs[:, None, :].expand(f, height, width), ys[:, :, None].expand(f, height, width),
                        torch.ones(f, height, width, device=device)], dim=-1)         # [F, H, W, 3]
     cam = F.normalize(cam, dim=-1)
-    rel_t = torch.as_tensor(rel, dtype=torch.float32, device=device)                  # [F, 4, 4]
+    rel_t = to_device(rel, device, torch.float32)                                       # [F, 4, 4]
     d = F.normalize(torch.einsum("fij,fhwj->fhwi", rel_t[:, :3, :3], cam), dim=-1)    # [F, H, W, 3]
     o = rel_t[:, None, None, :3, 3].expand_as(d)
     return torch.cat([o, d], dim=-1).permute(3, 0, 1, 2).contiguous()               # [6, F, H, W]

@@ -3,6 +3,7 @@
     lingbot presets                                   list the model presets
     lingbot write-checkpoint DIR [--preset tiny]      a random checkpoint in the real folder layout
     lingbot generate --image I --prompt P -o out.mp4  image + prompt + key script -> H.264 MP4
+        [--dtype bfloat16]                            ... with the DiT in another dtype than the preset's
     lingbot trajectory --keys "w,wd,,i" [--json]      what the model receives for a key script
     lingbot trajectory --poses P.npy --intrinsics K.npy   ... for an offline camera path
 """
@@ -14,7 +15,7 @@ import math
 import sys
 from typing import Optional
 
-from .config import LINGBOT_GEOMETRY, PRESETS, ConfigError
+from .config import DTYPE_NAMES, LINGBOT_GEOMETRY, PRESETS, ConfigError
 from .parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
 log = logging.getLogger("lingbot")
@@ -110,7 +111,7 @@ def _generate(comm, args) -> int:
     controls = [Controls(keys=keys) for keys in parse_key_script(args.keys, chunks, frames_per_chunk)]
     image = load_image(args.image, preset.width, preset.height)
     pipeline = build_pipeline(preset, args.model_path, device=args.device, comm=comm, pixel_mode=args.pixel_mode,
-                              skip_fixed_point=not args.no_fixed_point_skip, compile=args.compile)
+                              skip_fixed_point=not args.no_fixed_point_skip, compile=args.compile, dtype=args.dtype)
     session = pipeline.new_session(image, args.prompt, seed=args.seed,
                                    rig=CameraRig.default(preset.width, preset.height, offline))
     writer = None
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=float, default=16.0)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ...")
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
+                   help="the DiT's (and text encoder's) dtype instead of the preset's, e.g. bfloat16 to run a GPU's "
+                        "numbers on the CPU; the VAE keeps the preset's vae_dtype (float32)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="regional torch.compile of the DiT blocks (default: on for cuda/npu, off for cpu)")
     p.add_argument("--no-fixed-point-skip", action="store_true",

@@ -279,12 +279,36 @@ class Preset:
         return (h // self.transformer.patch_size[1]) * (w // self.transformer.patch_size[2])
 
 
+# dtype names a preset, `lingbot generate --dtype` and the serving setting `dtype` accept (short aliases too)
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                                  "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")        # the canonical names (what a preset holds)
+
+
 def parse_dtype(name: str) -> torch.dtype:
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-    if name not in table:
-        raise ConfigError(f"dtype {name!r} is not one of {sorted(table)}")
-    return table[name]
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def with_dtype(preset: Preset, dtype: Optional[str | torch.dtype]) -> Preset:
+    """The preset with its DiT dtype replaced (None: unchanged). The DiT's weights, its K/V window and the
+    text encoder take this dtype; the DiT's residual stream, modulation and time embedding stay float32
+    (lingbot/models/dit.py). The VAE (condition encoder and decoder) keeps the preset's own `vae_dtype`,
+    float32 in every preset: it is configured apart from the DiT, so a bf16 run on the CPU runs the VAE
+    exactly as a GPU run of the real preset does. The preset keeps its name (the override changes numbers,
+    not the model); the dtype is stored by its canonical name ("bf16" -> "bfloat16"), so the budget and the
+    model facts read it as they read any preset's."""
+    if dtype is None:
+        return preset
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in DTYPES.items() if k in DTYPE_NAMES}
+        if dtype not in names:
+            raise ConfigError(f"dtype {dtype} is not one of {list(DTYPE_NAMES)}")
+        name = names[dtype]
+    else:
+        name = next(k for k in DTYPE_NAMES if DTYPES[k] == parse_dtype(dtype))
+    return preset if name == preset.dtype else dataclasses.replace(preset, dtype=name)
 
 
 # umt5-xxl encoder dims (the real text_encoder/config.json overrides these when a folder is loaded)

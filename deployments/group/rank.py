@@ -110,7 +110,7 @@ class RankWorker:
         t0 = time.monotonic()
         life = RankLifecycle(self.rank, self.world_size, self.device)
         self.comm = life.connect(init_method, s.collective_timeout_s)
-        self.pipeline = life.load(s.preset, s.model_path, pixel_mode=s.pixel_mode,
+        self.pipeline = life.load(s.preset, s.model_path, dtype=s.dtype, pixel_mode=s.pixel_mode,
                                   skip_fixed_point=s.skip_fixed_point, compile=s.compile, cuda_graphs=s.cuda_graphs)
         warmup = life.warm_up()
         life.measure()

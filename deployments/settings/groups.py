@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lingbot.config import PRESETS, ConfigError
+from lingbot.config import DTYPES, PRESETS, ConfigError, Preset, get_preset, with_dtype
 from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
@@ -43,6 +43,9 @@ class ModelSettings(_Group):
     preset: str = setting("tiny", f"model preset, one of {sorted(PRESETS)} (tiny: random weights, CPU tests)")
     model_path: Optional[str] = setting(None, "the diffusers-format checkpoint folder (every preset but tiny)")
     device: str = setting("cpu", "cpu | cuda | npu")
+    dtype: Optional[str] = setting(None, f"the DiT's (and text encoder's) dtype instead of the preset's, one of "
+                                         f"{sorted(DTYPES)}; null: the preset's (bfloat16 for the real checkpoints, "
+                                         f"float32 for tiny). The VAE keeps the preset's vae_dtype (float32)")
     sp: int = setting(2, "ranks per group (sequence-parallel degree); must divide the preset's attention heads")
     pixel_mode: str = setting(DEFAULT_PIXEL_MODE, f"how a chunk's decoded pixels reach rank 0: {list(PIXEL_MODES)}")
     skip_fixed_point: bool = setting(True, "reuse the condition encoder's latents once its state reaches a fixed point "
@@ -57,6 +60,9 @@ class ModelSettings(_Group):
             raise ConfigError(f"preset {self.preset!r} is not one of {sorted(PRESETS)}")
         if self.device not in ("cpu", "cuda", "npu"):
             raise ConfigError(f"device {self.device!r} must be cpu, cuda or npu")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}; null keeps the preset's "
+                              f"({PRESETS[self.preset].dtype})")
         if self.sp < 1:
             raise ConfigError(f"sp must be >= 1, got {self.sp}")
         heads = PRESETS[self.preset].transformer.num_attention_heads
@@ -68,6 +74,11 @@ class ModelSettings(_Group):
             raise ConfigError(f"preset {self.preset} needs model_path (the diffusers-format checkpoint folder)")
         if self.cuda_graphs and self.device != "cuda":
             raise ConfigError(f"cuda_graphs needs device cuda, not {self.device}")
+
+    @property
+    def model_preset(self) -> Preset:
+        """The preset as the ranks run it (with the dtype override): what the budget is counted for."""
+        return with_dtype(get_preset(self.preset), self.dtype)
 
 
 @dataclass(frozen=True)

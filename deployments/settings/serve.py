@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, Optional
 
-from lingbot.config import ConfigError, get_preset
+from lingbot.config import ConfigError
 from lingbot.io.video import H264Settings
 
 from .groups import (
@@ -125,7 +125,7 @@ class ServeSettings:
         from lingbot.runtime.budget import sessions_that_fit
         if self.budget_bytes is None:
             return self.max_sessions_per_group
-        return sessions_that_fit(get_preset(self.preset), self.sp, self.budget_bytes, self.max_sessions_per_group)
+        return sessions_that_fit(self.model.model_preset, self.sp, self.budget_bytes, self.max_sessions_per_group)
 
     @property
     def rank_accelerators(self) -> dict[str, float]:

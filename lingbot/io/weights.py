@@ -229,7 +229,11 @@ PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 
 def load_text_encoder(root: str | Path, device="cpu", dtype: torch.dtype | None = None,
                       max_length: int = 512) -> TextEncoder:
-    """Load `root/tokenizer` and `root/text_encoder` (the diffusers layout) from local disk only."""
+    """Load `root/tokenizer` and `root/text_encoder` (the diffusers layout) from local disk only, the weights
+    in `dtype` (None: as stored). `from_pretrained(dtype=...)` is the spelling transformers honours from 4.56
+    on (pyproject's floor); an older one ignores it and loads float32 (UMT5-XXL: about 22.7 GB instead of
+    11), which is cast here with a warning rather than served at twice the memory."""
+    import transformers
     from transformers import AutoTokenizer, UMT5EncoderModel
     root = Path(root)
     for part in ("tokenizer", "text_encoder"):
@@ -239,8 +243,12 @@ def load_text_encoder(root: str | Path, device="cpu", dtype: torch.dtype | None 
     kwargs = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = UMT5EncoderModel.from_pretrained(root / "text_encoder", **kwargs).to(device)
-    return TextEncoder(tokenizer, model, max_length)
+    model = UMT5EncoderModel.from_pretrained(root / "text_encoder", **kwargs)
+    if dtype is not None and model.dtype != dtype:
+        log.warning("transformers %s loaded %s/text_encoder in %s, not the %s asked for (upgrade: pip install "
+                    "'transformers>=4.56'); casting it", transformers.__version__, root, model.dtype, dtype)
+        model = model.to(dtype)
+    return TextEncoder(tokenizer, model.to(device), max_length)
 
 
 def build_byte_tokenizer(max_length: int = 512):
@@ -260,17 +268,23 @@ def build_byte_tokenizer(max_length: int = 512):
                                    model_max_length=max_length)
 
 
-def build_random_text_encoder(config: TextEncoderConfig, seed: int) -> TextEncoder:
-    """A UMT5 encoder of the given small dims with seeded random weights and the byte tokenizer."""
+def build_random_text_encoder(config: TextEncoderConfig, seed: int, dtype: torch.dtype = torch.float32,
+                              device="cpu") -> TextEncoder:
+    """A UMT5 encoder of the given dims with seeded random weights and the byte tokenizer, made on `device`
+    (no host copy at real dims) and then cast to `dtype`: the init runs in float32, so on the CPU the weights
+    are those of a written checkpoint (write_random_checkpoint, float32) loaded in `dtype`. The global RNGs
+    are left as they were."""
     from transformers import UMT5Config, UMT5EncoderModel
     umt5 = UMT5Config(vocab_size=config.vocab_size, d_model=config.d_model, d_kv=config.d_kv, d_ff=config.d_ff,
                       num_layers=config.num_layers, num_heads=config.num_heads, feed_forward_proj="gated-gelu",
                       relative_attention_num_buckets=32, relative_attention_max_distance=128,
                       pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    forked = [] if device.type == "cpu" else [device]          # the device's RNG too, where the init draws
+    with torch.random.fork_rng(devices=forked, device_type="cuda" if not forked else device.type), device:
         torch.manual_seed(seed)
         model = UMT5EncoderModel(umt5)
-    return TextEncoder(build_byte_tokenizer(config.max_length), model, config.max_length)
+    return TextEncoder(build_byte_tokenizer(config.max_length), model.to(dtype), config.max_length)
 
 
 def save_text_encoder(encoder: TextEncoder, root: str | Path) -> None:

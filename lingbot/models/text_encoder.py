@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..io.transfer import to_device
+
 
 class TextEncoder:
     """tokenizer + UMT5EncoderModel -> [B, max_length, d_model] with pad positions zeroed."""
@@ -30,7 +32,7 @@ class TextEncoder:
     def encode(self, prompts: list[str]) -> Tensor:
         batch = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.max_length,
                                add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
-        ids = batch["input_ids"].to(self.device)
-        mask = batch["attention_mask"].to(self.device)
+        ids = to_device(batch["input_ids"], self.device)                                # [B, T] int64
+        mask = to_device(batch["attention_mask"], self.device)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state      # [B, T, d_model]
         return hidden * mask[..., None].to(hidden.dtype)                                # pad rows -> 0

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..camera import CameraRig, Controls, camera_patches
 from ..config import Preset
+from ..io.transfer import to_device
 from ..models.dit import CausalWanModel, TextKV, TimeConditioning
 from ..models.text_encoder import TextEncoder
 from .condition import ConditionSource
@@ -95,7 +96,9 @@ class DiTRunner:
             sampler = DMDSampler(dataclasses.replace(self.preset.sampler, shift=shift))
             with torch.no_grad():
                 steps = sampler.timesteps + [sampler.commit_timestep]
-                return sampler, [self.model.time_conditioning(torch.tensor([t], device=self.device)) for t in steps]
+                # [1] float32 each, as torch.tensor([t]) makes it (the embedding is computed in float64 from it)
+                return sampler, [self.model.time_conditioning(to_device([t], self.device, torch.float32))
+                                 for t in steps]
         return self._schedules.get_or_compute(shift, build)
 
     @property
@@ -130,7 +133,7 @@ class DiTRunner:
         text = None
         if text_embedding is not None:
             with torch.no_grad():
-                text = self.model.text_kv(text_embedding.to(self.device))
+                text = self.model.text_kv(to_device(text_embedding, self.device))
         return DiTSession(self, text, prompt, condition, seed,
                           rig or CameraRig.default(self.preset.width, self.preset.height), shift)
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..camera import CameraRig, Controls
 from ..io.images import model_image
+from ..io.transfer import to_device
 from ..models.vae import CausalCache, FrameDecoder, WanVAE
 from .condition import CausalConditionEncoder, ConditionCache
 from .dit_runner import ChunkResult, DiTRunner, StageTimer
@@ -59,7 +60,7 @@ class WorldPipeline:
         h, w = self.preset.height, self.preset.width
         if tuple(image.shape) != (3, h, w):
             raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
-        return WorldSession(self, image.to(self.runner.device), prompt, seed, rig, flow_shift, text_embedding)
+        return WorldSession(self, to_device(image, self.runner.device), prompt, seed, rig, flow_shift, text_embedding)
 
 
 class WorldSession:

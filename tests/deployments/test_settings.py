@@ -49,8 +49,8 @@ FLAT_DEFAULTS = {
 # the drain"s constants, settings now (today"s values)
 DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_fill_max_s": 10.0,
                   "drain_wait_new_s": 30.0, "drain_new_group_slack_s": 10.0}
-# keys added since the split, with their defaults
-NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10}
+# keys added since the split, with their defaults (the DiT dtype override: null, the preset's)
+NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": None}
 
 
 def test_settings_validation(monkeypatch):
@@ -116,6 +116,23 @@ def test_sessions_per_group_from_the_budget():
     assert ServeSettings.from_args({**gpu, "memory_budget_gib": 60}).budget_bytes == 60 * 2 ** 30
 
 
+def test_the_dtype_override_is_the_preset_the_budget_counts(monkeypatch):
+    """`dtype` replaces the preset's DiT dtype (aliases read canonical), not the VAE's; the CPU budget rule
+    counts sessions of the preset as overridden (bf16 K/V: half the bytes, more sessions in a budget)."""
+    from lingbot.runtime.budget import session_footprint
+    monkeypatch.delenv("LINGBOT_DTYPE", raising=False)
+    plain, bf16 = ServeSettings.from_args({}), ServeSettings.from_args({"dtype": "bf16"})
+    assert plain.model.model_preset.dtype == "float32" and bf16.dtype == "bf16"
+    assert (bf16.model.model_preset.dtype, bf16.model.model_preset.vae_dtype) == ("bfloat16", "float32")
+    fp32_bytes = session_footprint(plain.model.model_preset, 2).total
+    assert session_footprint(bf16.model.model_preset, 2).total < fp32_bytes
+    budget = {"memory_budget_gib": 8 * fp32_bytes / 2 ** 30, "max_sessions_per_group": 1000}
+    assert ServeSettings.from_args({**budget, "dtype": "bfloat16"}).sessions_per_group() > \
+        ServeSettings.from_args(budget).sessions_per_group()
+    monkeypatch.setenv("LINGBOT_DTYPE", "bfloat16")
+    assert ServeSettings.from_args({}).model.model_preset.dtype == "bfloat16"
+
+
 def test_drain_settings_are_validated():
     with pytest.raises(ConfigError, match="drain_poll_s must be >= 0 \\(0 turns draining off\\), got -1"):
         ServeSettings.from_args({"drain_poll_s": -1})
@@ -168,6 +185,8 @@ def test_each_group_is_a_frozen_dataclass_of_its_concern():
     (lambda: ModelSettings(device="tpu"), "device 'tpu' must be cpu, cuda or npu"),
     (lambda: ModelSettings(pixel_mode="x"), "pixel_mode 'x' is not one of"),
     (lambda: ModelSettings(cuda_graphs=True), "cuda_graphs needs device cuda, not cpu"),
+    (lambda: ModelSettings(dtype="int8"), r"dtype 'int8' is not one of \[.*'bfloat16'.*\]; null keeps the "
+                                          r"preset's \(float32\)"),
     (lambda: PlacementSettings(rank_cpus=-1), "rank_cpus must be >= 0, got -1"),
     (lambda: CapacitySettings(min_groups=3), r"need 1 <= min_groups \(3\) <= max_groups \(2\)"),
     (lambda: CapacitySettings(max_sessions_per_group=0), "max_sessions_per_group must be >= 1"),

@@ -1,6 +1,7 @@
 """The `lingbot` command line end to end: generate (in process and over 2 local gloo ranks), its errors."""
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from lingbot.cli import main
@@ -108,3 +109,22 @@ def test_generate_follows_an_offline_path(tmp_path, image_file, clip_files, caps
     np.save(bad, np.load(poses) * 1.5)
     assert main(base + ["--poses", str(bad), "--intrinsics", str(intrinsics), "-o", str(tmp_path / "b.mp4")]) == 2
     assert "pose 0 is not a rigid camera-to-world transform" in capsys.readouterr().err
+
+
+def test_generate_cli_in_bf16(tmp_path, image_file, capsys, monkeypatch):
+    """--dtype bfloat16 builds the DiT and the text encoder in bf16, the VAE as configured (float32), and
+    writes the video; a dtype outside the list is refused by the parser."""
+    from lingbot import builder
+    built = []
+    original = builder.build_pipeline
+    monkeypatch.setattr(builder, "build_pipeline", lambda *a, **k: built.append(original(*a, **k)) or built[-1])
+    args = ["generate", "--image", str(image_file), "--prompt", "a forest path", "--keys", "w,,l", "--chunks", "2"]
+    assert main(args + ["--dtype", "bfloat16", "-o", str(tmp_path / "bf16.mp4")]) == 0
+    assert read_frames(tmp_path / "bf16.mp4").shape == (21, 64, 112, 3)
+    assert "wrote 21 frames" in capsys.readouterr().out
+    runner = built[0].runner
+    assert runner.model.dtype == runner.text_encoder.model.dtype == torch.bfloat16
+    assert next(built[0].vae.parameters()).dtype == torch.float32 and runner.preset.dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        main(args + ["--dtype", "int8", "-o", str(tmp_path / "x.mp4")])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err

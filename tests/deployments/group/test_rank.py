@@ -88,3 +88,23 @@ def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
     assert device_metric_tags("g1", [None, rank1]) == [(rank1, {"group": "g1", "rank": "1"})]
     worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
     assert worker.device.type == "cpu" and worker.device_stats().memory_used > 0       # CPU: the rank's process
+
+
+def test_a_rank_runs_the_dtype_of_its_settings():
+    """The serving setting `dtype` reaches the rank's lifecycle (load, warm-up in bf16 on the CPU): the DiT,
+    its K/V and the text encoder in bf16, the VAE as configured (float32); the facts and the footprint the
+    rank reports are the bf16 model's; a session runs."""
+    import torch
+
+    from lingbot.config import get_preset, with_dtype
+    from lingbot.runtime.budget import session_footprint
+    worker = RankWorker(ServeSettings.from_args({"sp": 1, "dtype": "bfloat16"}).to_dict(), rank=0, world_size=1)
+    info = worker.join(None)
+    runner = worker.pipeline.runner
+    assert info.facts.dtype == "bfloat16" and runner.preset.dtype == "bfloat16"
+    assert runner.model.dtype == runner.text_encoder.model.dtype == torch.bfloat16
+    assert next(worker.pipeline.vae.parameters()).dtype == torch.float32
+    assert info.session_bytes == session_footprint(with_dtype(get_preset("tiny"), "bfloat16")).total
+    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None) == 0
+    assert not worker.run_chunk("s", 0, ChunkControls(keys=("w", "", "l"))).stopped
+    assert worker.sessions["s"].dit.kv.keys.dtype == torch.bfloat16

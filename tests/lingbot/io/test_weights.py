@@ -125,3 +125,33 @@ def test_flow_shift_default_comes_from_the_scheduler_config(tmp_path, tiny):
         read_flow_shift(folder)
     config.unlink()
     assert read_flow_shift(folder) is None
+
+
+def test_the_text_encoder_loads_in_the_dtype_asked_for(tmp_path, tiny, tiny_text_encoder, monkeypatch, caplog):
+    """A UMT5 checkpoint (transformers' own config and safetensors, at the tiny preset's dims) loaded through
+    the project's loader in bf16 has bf16 parameters: the weights written, rounded once. The random builder
+    gives the same weights in the same dtype, and a runner's encoder has the DiT's dtype. A transformers
+    that ignores from_pretrained(dtype=...) (older than 4.56) is cast, with a warning naming the fix."""
+    from transformers import UMT5EncoderModel
+
+    from lingbot.io.weights import build_random_text_encoder, load_text_encoder, save_text_encoder
+    save_text_encoder(tiny_text_encoder, tmp_path)
+    written = dict(tiny_text_encoder.model.named_parameters())
+    assert {p.dtype for p in written.values()} == {torch.float32}
+    loaded = load_text_encoder(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(p, written[name].to(torch.bfloat16)) for name, p in loaded.model.named_parameters())
+    assert load_text_encoder(tmp_path).model.dtype == torch.float32                      # None: as stored
+    built = build_random_text_encoder(tiny.text, tiny.weights_seed, torch.bfloat16)
+    assert all(torch.equal(p, written[name].to(torch.bfloat16)) for name, p in built.model.named_parameters())
+    runner = build_dit_runner("tiny", dtype="bfloat16")
+    assert runner.text_encoder.model.dtype == torch.bfloat16 == runner.model.dtype
+    assert runner.preset.dtype == "bfloat16" and runner.preset.vae_dtype == "float32"
+
+    original = UMT5EncoderModel.from_pretrained                   # as transformers < 4.56: dtype= ignored
+    monkeypatch.setattr(UMT5EncoderModel, "from_pretrained",
+                        lambda path, **kwargs: original(path, local_files_only=True))
+    with caplog.at_level("WARNING", logger="lingbot.io.weights"):
+        old = load_text_encoder(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in old.model.parameters()} == {torch.bfloat16}
+    assert "not the torch.bfloat16 asked for" in caplog.text and "transformers>=4.56" in caplog.text
