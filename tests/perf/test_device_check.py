@@ -1,4 +1,4 @@
-"""perf/device_check.py end to end on CPU with the tiny preset, so the GPU script cannot rot; and its guards:
+"""perf/device_check/ end to end on CPU with the tiny preset, so the GPU script cannot rot; and its guards:
 a stage that fails keeps every other stage's figures, a stage past the deadline is skipped and says so."""
 import json
 
