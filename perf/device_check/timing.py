@@ -1,0 +1,197 @@
+"""The device check's timing stages: setup (the pipeline, the attention kernel, the matmul peak), the DiT
+and the whole chunk eager, compiled and as CUDA graphs (with their latents against eager's), no host sync
+on the DiT step path, and two sessions interleaved; and the chunk loops they share (`_dit_chunks`,
+`_whole_chunks`, `_prime_conditions`)."""
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from functools import partial
+
+import numpy as np
+import torch
+
+from lingbot.builder import build_pipeline
+from lingbot.io.images import model_image
+from lingbot.io.transfer import to_device
+from lingbot.runtime.attention import choose_for_steady_state
+from lingbot.runtime.compile import compile_blocks
+from lingbot.runtime.condition import CONDITION_CACHE_CHUNKS, CausalConditionEncoder, LatentCondition
+from perf.cost_model import matmul_peak
+
+from .check import COMPILE_TOLERANCE, KEYS, Check, _allocated, _sync, _timed
+
+
+def _dit_chunks(c: Check, seed: int = 0) -> dict:
+    """A DiT-only session through warm-up (every window length) and `steady` chunks; keeps its latents by
+    mode (one session at a time: at 14B a session's K/V slab is ~21 GiB)."""
+    session = c.pipe.runner.new_session(LatentCondition(c.latents), text_embedding=c.text, seed=seed)
+    times, outs = [], []
+    for i in range(c.warm + c.steady):
+        seconds, result = _timed(c.device, partial(session.run_chunk, KEYS))
+        times.append(seconds)
+        outs.append(result.latents)
+        if i == 0:
+            c.progress(f"  {c.mode}: first DiT chunk {seconds:.2f} s")
+    c.latents_by_mode[c.mode] = torch.cat(outs, dim=1).float().cpu()
+    steady = statistics.median(times[c.warm:])
+    c.seconds["dit"] = steady
+    return {"regions": c.mode, "dit_warmup_s": sum(times[:c.warm]), "dit_first_chunk_s": times[0],
+            "dit_steady_s": steady, "dit_chunk_s": times, "dit_tflops": c.flops / steady / 1e12,
+            "dit_fraction_of_peak": c.flops / steady / c.peak_flops if c.peak_flops else None}
+
+
+def _prime_conditions(c: Check) -> dict:
+    """Runs the condition encoder of the check's first frame alone to its fixed point, into the pipeline's
+    shared condition cache: every whole session after it replays the conditions and never encodes, as a
+    served session of a first frame seen before does (the steady state the goals speak of). Its time per
+    chunk is the encoder's cost until the fixed point."""
+    pipe, cfg = c.pipe, c.preset.transformer
+    if pipe.condition_cache is None or not pipe.skip_fixed_point:
+        return {"condition_replayed": False, "condition_encode_s": []}
+    image = model_image(c.image).to(c.device)
+    encoder = CausalConditionEncoder(pipe.vae, image, cfg.num_frames_per_block, True, pipe.condition_cache)
+    times = []
+    for chunk in range(CONDITION_CACHE_CHUNKS):
+        if encoder.fixed_point_chunk is not None:
+            break
+        seconds, _ = _timed(c.device, partial(encoder.chunk_condition, chunk))
+        encoder.commit()
+        times.append(seconds)
+    c.conditions_primed = True
+    return {"condition_fixed_point_chunk": encoder.fixed_point_chunk, "condition_encode_s": times,
+            "condition_encode_steady_s": statistics.median(times[1:]) if len(times) > 1 else None}
+
+
+def _whole_chunks(c: Check, seed: int = 0) -> dict:
+    """A whole session (conditions, DiT, decode, uint8 frames copied to the host, as a rank runs a chunk)
+    through warm-up and `steady` chunks."""
+    figures = {} if c.conditions_primed else _prime_conditions(c)
+    session = c.pipe.new_session(c.image, None, seed=seed, text_embedding=c.text)
+    times = []
+    for _ in range(c.warm + c.steady):
+        seconds, _ = _timed(c.device, lambda: session.step(KEYS).frames.cpu())
+        times.append(seconds)
+    steady = statistics.median(times[c.warm:])
+    c.seconds["whole"] = steady
+    return {**figures, "regions": c.mode, "whole_warmup_s": sum(times[:c.warm]), "whole_first_chunk_s": times[0],
+            "whole_steady_s": steady, "whole_chunk_s": times,
+            "condition_replayed": session.condition.replay is not None,
+            "condition_encoded_chunks": session.condition.encoded_chunks}
+
+
+def _versus(c: Check, mode: str) -> dict:
+    """`mode`'s DiT latents against eager's (chunk 0 relative to its largest value, judged; all chunks,
+    reported) and, for graphs, bitwise against the compiled regions' (where those stages ran)."""
+    out = {}
+    got = c.latents_by_mode[mode]
+    if "eager" in c.latents_by_mode:
+        ref = c.latents_by_mode["eager"]
+        first = c.preset.transformer.num_frames_per_block                 # chunk 0's latent frames
+        relative = ((got[:, :first] - ref[:, :first]).abs().max() / ref[:, :first].abs().max()).item()
+        out.update(vs_eager_max_abs=(got - ref).abs().max().item(), chunk0_relative_diff=relative,
+                   within_tolerance=relative <= COMPILE_TOLERANCE)
+    if mode == "compiled+graphs" and "compiled" in c.latents_by_mode:
+        out["graphs_vs_compiled_bitwise"] = torch.equal(got, c.latents_by_mode["compiled"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the stages
+# ---------------------------------------------------------------------------------------------------
+def stage_setup(c: Check) -> dict:
+    # large matmuls on a GPU: small ones stay far from its peak and would flatter the achieved fraction
+    c.peak_flops = matmul_peak(str(c.device), c.preset.dtype, n=8192 if c.device.type == "cuda" else 2048,
+                               seconds=c.args.peak_seconds)
+    cfg = c.preset.transformer
+    t0 = time.perf_counter()
+    c.pipe = build_pipeline(c.preset, device=c.device, compile=False, text_encoder=False, seed=0)
+    _sync(c.device)
+    build_s = time.perf_counter() - t0
+    c.weights_bytes = _allocated(c.device) or sum(p.numel() * p.element_size()
+                                                  for p in c.pipe.runner.model.parameters())
+    g = torch.Generator().manual_seed(0)
+    # stand-ins: a text encoder output [1, T, text_dim] and image latents [16, F, h, w] for every chunk run
+    c.text = (torch.randn(1, c.preset.text.max_length, cfg.text_dim, generator=g) * 0.1).to(
+        c.device, c.preset.torch_dtype)
+    c.latents = torch.randn(16, cfg.num_frames_per_block * (c.warm + c.steady), *c.preset.latent_hw,
+                            generator=g).to(c.device)
+    c.image = np.random.RandomState(0).randint(0, 256, (c.preset.height, c.preset.width, 3), dtype=np.uint8)
+    kernel, trials = choose_for_steady_state(c.pipe.runner.model, c.preset, c.device)
+    return {"build_s": build_s, "weights_bytes": c.weights_bytes, "matmul_peak_tflops": c.peak_flops / 1e12,
+            "dit_chunk_tflop": c.flops / 1e12, "attention_kernel": kernel,
+            "attention_trials": [{"name": t.name, "ms": None if t.seconds is None else t.seconds * 1e3,
+                                  "dropped": t.error} for t in trials]}
+
+
+def stage_eager_dit(c: Check) -> dict:
+    return _dit_chunks(c)
+
+
+def stage_eager_whole(c: Check) -> dict:
+    return _whole_chunks(c)
+
+
+def _compiled(c: Check, graphs: bool) -> dict:
+    c.to_eager()
+    t0 = time.perf_counter()
+    compile_blocks(c.pipe.runner.model, graphs=graphs)
+    c.mode = "compiled+graphs" if graphs else "compiled"
+    figures = _dit_chunks(c)
+    # compiles (and graph captures) land in the first chunk; later window lengths reuse them
+    c.seconds["compile"] = max(0.0, figures["dit_first_chunk_s"] - figures["dit_steady_s"])
+    figures.update(_whole_chunks(c))
+    figures["compile_and_warmup_s"] = time.perf_counter() - t0
+    figures.update(_versus(c, c.mode))
+    return figures
+
+
+def stage_compiled(c: Check) -> dict:
+    return _compiled(c, graphs=False)
+
+
+def stage_graphs(c: Check) -> dict:
+    """On CUDA the regions as CUDA graphs; elsewhere inductor runs the same mode without graphs."""
+    return _compiled(c, graphs=True)
+
+
+def stage_no_sync(c: Check, warm: int = 2) -> dict:
+    """A DiT chunk after `warm` chunks, and a host-to-device copy through to_device, with every host
+    synchronisation an error (CUDA); 'ok' or where."""
+    session = c.pipe.runner.new_session(LatentCondition(c.latents), text_embedding=c.text, seed=1)
+    for _ in range(warm):
+        session.run_chunk(KEYS)
+    if c.device.type != "cuda":
+        return {"regions": c.mode,
+                "result": "n/a (CPU: tests/lingbot/runtime/test_dit_runner.py forbids host reads instead)"}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        # the one way host data reaches the device on the chunk path: pinned and asynchronous
+        copied = to_device(np.linspace(0, 1, 16), c.device, torch.float32)
+        session.run_chunk(KEYS)
+        result = "ok" if copied.device.type == "cuda" else f"to_device gave {copied.device}"
+    except RuntimeError as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        result = f"synced: {str(e).splitlines()[0][:120]} at {where.filename}:{where.lineno}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return {"regions": c.mode, "result": result}
+
+
+def stage_interleaving(c: Check, chunks: int = 3) -> dict:
+    """With the regions in place (graphs when built): session A alone, then A again interleaved chunk by
+    chunk with a session B; A's latents must be the same bitwise (no replay overwrote what A still used)."""
+    def session(seed):
+        return c.pipe.runner.new_session(LatentCondition(c.latents), text_embedding=c.text, seed=seed)
+    alone = session(5)
+    reference = [alone.run_chunk(KEYS).latents.clone() for _ in range(chunks)]
+    del alone                                        # at 14B a session's slab is ~21 GiB: two at a time
+    a, b = session(5), session(6)
+    again = []
+    for _ in range(chunks):
+        again.append(a.run_chunk(KEYS).latents)
+        b.run_chunk(KEYS)
+    _sync(c.device)
+    return {"regions": c.mode, "chunks": chunks,
+            "intact": all(torch.equal(x, y) for x, y in zip(reference, again))}
