@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     import ray
     from ray import serve
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)    # the one line below says when it is ready
 
     from .app import build_app
     print(f"lingbot-serve: starting local Ray and the app of {args.config} ({app.get('args', {}).get('preset')})",
