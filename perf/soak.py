@@ -43,13 +43,18 @@ def start_app(settings: dict) -> None:
     serve.run(build_app(settings), name="soak", route_prefix="/")
 
 
-def actor_processes(app: str = "soak") -> dict[str, list[int]]:
-    """Role -> pids of the live actors of Serve app `app` on this machine (its replicas and what they own)."""
+def actor_processes(app: str = "soak", started_only: bool = False) -> dict[str, list[int]]:
+    """Role -> pids of the live actors of Serve app `app` on this machine (its replicas and what they own).
+    With `started_only`, a group's actors count only once its start-up is over (it owns its muxer, made after
+    its ranks joined): a group killed while it starts is no fault of a serving group."""
     from ray._private import state
     actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
     replicas = {f"ServeReplica:{app}:Ingress": "ingress", f"ServeReplica:{app}:WorldGroup": "group"}
     roles = {"RankWorker": "rank", "Muxer": "muxer", "ControlMailbox": "mailbox", "SnapshotKeeper": "keeper"}
     owners = {a["Address"]["Port"] for a in actors if a["ActorClassName"] in replicas}
+    if started_only:
+        owners = {a["OwnerAddress"]["Port"] for a in actors
+                  if a["ActorClassName"] == "Muxer" and a["OwnerAddress"]["Port"] in owners}
     out: dict[str, list[int]] = {}
     for a in actors:
         role = replicas.get(a["ActorClassName"])
@@ -96,9 +101,11 @@ async def run_session(url: str, image: bytes, inputs: dict, chunks: int, api_key
 
 
 def chaos(stop: threading.Event, interval: float, kills: list, rng: random.Random, app: str = "soak") -> None:
-    """Every `interval` s, SIGKILL a random rank or the muxer of the group."""
+    """Every `interval` s, SIGKILL a random rank or the muxer of a group that has started (a group still starting
+    is left alone: with a start as long as the interval, killing each new group before it serves would be a
+    test of Serve's restarts, not of sessions surviving a serving group's fault)."""
     while not stop.wait(interval):
-        procs = actor_processes(app)
+        procs = actor_processes(app, started_only=True)
         victims = [("rank", p) for p in procs.get("rank", [])] + [("muxer", p) for p in procs.get("muxer", [])]
         if victims:
             role, pid = rng.choice(victims)
