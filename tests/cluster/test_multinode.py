@@ -134,15 +134,22 @@ def test_load_brings_a_second_group_on_the_free_node(cluster):
     assert len(state("placement_groups", state="CREATED")) == 1
 
     async def scenario():
-        a = (await open_session(HEAD_PROXY, seed=1))[0]                      # takes the first group
+        a, start_a = await open_session(HEAD_PROXY, seed=1)                  # takes the first group
+        reading = asyncio.ensure_future(a.receive_session(timeout=300))     # a watches on meanwhile
+        t0 = time.monotonic()
         b, start_b = await open_session(HEAD_PROXY, seed=2)                  # admitted once the second is up
+        print(f"b admitted after {time.monotonic() - t0:.1f} s")
+        await a.send({"type": "session.stop"})
+        await b.send({"type": "session.stop"})
+        ends = [await reading, await b.receive_session(timeout=120)]
         for c in (a, b):
-            await c.send({"type": "session.stop"})
-            await c.receive_session(timeout=120)
             await c.__aexit__()
-        return start_b
+        return start_a, start_b, ends
 
-    assert asyncio.run(scenario())["type"] == "video.start"
+    start_a, start_b, ends = asyncio.run(scenario())
+    for end in ends:                                   # each stopped by its client, not ended by the server
+        assert end.error is None and end.done is not None, (end.error, end.close_code, len(end.chunks))
+    assert start_a["config"]["group"] != start_b["config"]["group"]
     groups = state("placement_groups", state="CREATED")
     assert len(groups) == 2
     nodes = []
