@@ -23,10 +23,12 @@ from .io.weights import (
 )
 from .models.vae import FrameDecoder
 from .parallel import Comm, apply_sequence_parallel
+from .parallel.condition import share_condition_encoder
 from .parallel.pixels import DEFAULT_PIXEL_MODE
 from .parallel.text import share_text_encoder
 from .parallel.vae_shard import shard_decoder
 from .runtime.compile import compile_blocks, compile_default
+from .runtime.condition import ChunkEncoder
 from .runtime.dit_runner import DiTRunner
 from .runtime.pipeline import WorldPipeline
 
@@ -97,8 +99,9 @@ def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None
                    dtype: Optional[str | torch.dtype] = None, **runner_kwargs) -> WorldPipeline:
     """DiT runner + VAE: from `model_path` (transformer/, vae/, text_encoder/, tokenizer/) or seeded random
     weights (see build_dit_runner). With `comm` (world size > 1) the decoder is sharded by width and its
-    frames reach the root by `pixel_mode`. `dtype` overrides the preset's DiT dtype (DiT and text encoder);
-    the VAE keeps the preset's `vae_dtype` (config.with_dtype)."""
+    frames reach the root by `pixel_mode`, and the condition encoder runs on rank 0 only (broadcast). `dtype`
+    overrides the preset's DiT dtype (DiT and text encoder); the VAE keeps the preset's `vae_dtype`
+    (config.with_dtype)."""
     preset = with_dtype(get_preset(preset) if isinstance(preset, str) else preset, dtype)
     comm = comm or Comm(device=device)
     runner = build_dit_runner(preset, model_path, device=device, comm=comm, compile=compile,
@@ -110,4 +113,6 @@ def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None
         seed = preset.weights_seed if seed is None else seed
         vae = build_random_vae(preset.vae, seed, vae_dtype).to(device)
     decoder = shard_decoder(FrameDecoder(vae), comm, preset.latent_hw[1], pixel_mode)
-    return WorldPipeline(runner, vae, skip_fixed_point, decoder)
+    condition = share_condition_encoder(ChunkEncoder(vae), comm,
+                                        (preset.vae.z_dim, preset.transformer.num_frames_per_block, *preset.latent_hw))
+    return WorldPipeline(runner, vae, skip_fixed_point, decoder, condition_encoder=condition)

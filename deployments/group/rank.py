@@ -109,7 +109,7 @@ class RankWorker:
         s = self.settings
         t0 = time.monotonic()
         life = RankLifecycle(self.rank, self.world_size, self.device)
-        self.comm = life.connect(init_method, s.collective_timeout_s)
+        self.comm = life.connect(init_method, s.collective_timeout_s, start_timeout_s=s.group_start_timeout_s)
         self.pipeline = life.load(s.preset, s.model_path, dtype=s.dtype, pixel_mode=s.pixel_mode,
                                   skip_fixed_point=s.skip_fixed_point, compile=s.compile, cuda_graphs=s.cuda_graphs)
         warmup = life.warm_up()

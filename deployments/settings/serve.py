@@ -125,7 +125,8 @@ class ServeSettings:
         from lingbot.runtime.budget import sessions_that_fit
         if self.budget_bytes is None:
             return self.max_sessions_per_group
-        return sessions_that_fit(self.model.model_preset, self.sp, self.budget_bytes, self.max_sessions_per_group)
+        return sessions_that_fit(self.model.model_preset, self.sp, self.budget_bytes, self.max_sessions_per_group,
+                                 cuda_graphs=self.cuda_graphs)
 
     @property
     def rank_accelerators(self) -> dict[str, float]:

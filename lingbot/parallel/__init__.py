@@ -1,7 +1,8 @@
-"""Sequence parallelism: process groups, Ulysses DiT, width-sharded VAE decode, pixel output modes.
+"""Sequence parallelism: process groups, Ulysses DiT, width-sharded VAE decode, pixel output modes, and the
+text and condition encoders run once per group (rank 0, then a broadcast).
 
 Applied to the models after they are built (`apply_sequence_parallel` for the DiT, `shard_decoder` for
-the VAE decode); no model file calls a collective."""
+the VAE decode, `share_text_encoder` and `share_condition_encoder`); no model file calls a collective."""
 from .comm import Comm, ParallelError, backend_for_device, split_range, split_sizes
 from .ulysses import apply_sequence_parallel
 from .vae_shard import shard_decoder

@@ -7,6 +7,7 @@ can pin where communication happens and benchmarks can report bytes per chunk.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -23,6 +24,31 @@ log = logging.getLogger(__name__)
 
 class ParallelError(RuntimeError):
     """A sequence-parallel group failed (a peer raised, died or timed out); names rank and operation."""
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERROR_HANDLING_ENDS_PROCESS = ("1", "3")     # tear down; skip clean-up (torch's default)
+
+
+def nccl_failures_end_the_process(environ=os.environ) -> None:
+    """Make an NCCL failure end this process, so that it reaches the group's failure path.
+
+    NCCL collectives are asynchronous: the call returns once the kernel is queued, and a peer that died or
+    hangs shows only in the process group's watchdog, which aborts the communicator after the collective
+    timeout. With error handling 1 (tear down) or 3 (skip clean-up, torch's default) the watchdog then ends
+    the process: the rank actor dies, every call in flight to it raises in the group (RankExecutor), and
+    the group fails and its sessions resume elsewhere; the surviving ranks learn it at their next control
+    collective (gloo: the closed connection raises at once). With 0 (no handling) or 2 (clean up only) the
+    process would live on an aborted communicator and the chunk would return whatever the aborted kernels
+    left, as if it had succeeded. Those two are overridden, with a warning. Read by torch when the process
+    group is made: call this before."""
+    value = environ.get(NCCL_ERROR_HANDLING, environ.get("NCCL_ASYNC_ERROR_HANDLING"))   # (the old name)
+    if value is not None and value.strip() in NCCL_ERROR_HANDLING_ENDS_PROCESS:
+        return
+    if value is not None:
+        log.warning("%s=%s would let a rank run on after an NCCL failure; using 3 (end the process)",
+                    NCCL_ERROR_HANDLING, value)
+    environ[NCCL_ERROR_HANDLING] = "3"
 
 
 def backend_for_device(device: torch.device | str) -> str:
@@ -82,23 +108,56 @@ class Comm:
         self.bytes_sent: Counter = Counter()
         self.by_module: dict[str, Counter] = defaultdict(Counter)
         self._module_stack: list[str] = []
+        self.start_group = None                # a gloo group with the start timeout (Comm.init makes it)
+        self.start_timeout_s = 60.0            # wait_for_group's limit (Comm.init sets the group's)
 
     # ---- set-up -------------------------------------------------------------------------------
     @classmethod
     def init(cls, rank: int, world_size: int, init_method: str, device: torch.device | str = "cpu",
-             timeout_s: float = 60.0) -> Comm:
-        """Join the default process group (every rank calls this concurrently)."""
+             timeout_s: float = 60.0, start_timeout_s: Optional[float] = None) -> Comm:
+        """Join the default process group (every rank calls this concurrently). Two timeouts: `timeout_s` for
+        the collectives of chunks, `start_timeout_s` (default the same) for the group's start: the
+        rendezvous here and `wait_for_group` (ranks that start or load at different speeds)."""
         backend = backend_for_device(device)
+        start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
+        start = timedelta(seconds=start_timeout_s)
         log.info("rank %d/%d joining %s group at %s", rank, world_size, backend, init_method)
+        if backend == "nccl":
+            nccl_failures_end_the_process()
+        # A process group's timeout is fixed when it is made, and applies to every collective on it. So the
+        # rendezvous gets its own store with the start timeout (actors of a group may come up minutes apart),
+        # the groups of chunk collectives the short timeout, and the waits of the start a gloo group of their
+        # own made with the start timeout (wait_for_group).
+        store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=start))
         # with the device given, NCCL forms its communicator here (eagerly) instead of at the first chunk's
         # all-to-all, so transport errors show at join, not in the middle of a session
         device_id = torch.device(device) if backend == "nccl" else None
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), device_id=device_id)
         # host-side decisions (stop between steps) go over a CPU group: no device sync on the step path
         control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo",
                                                                             timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world_size, dist.group.WORLD, device, control)
+        comm = cls(rank, world_size, dist.group.WORLD, device, control)
+        comm.start_group = dist.new_group(backend="gloo", timeout=start)
+        comm.start_timeout_s = start_timeout_s
+        return comm
+
+    def wait_for_group(self, after: str) -> None:
+        """Return once every rank of the group has called this (`after`: the step, for the error), waiting up
+        to the group's start timeout, not the chunk collectives' one: rank 0 also loads the text encoder
+        (UMT5-XXL, ~11 GB), and ranks read their weights at the speed of their storage, so the others
+        would otherwise wait for it inside their first collective and give up after the collective timeout.
+
+        The wait is a monitored_barrier (rank 0's error names the ranks that did not arrive) on a gloo group
+        made with the start timeout (`start_group`). Its `timeout` argument alone is not enough: it bounds
+        rank 0's waits only, while the other ranks wait for rank 0 with their group's own timeout (measured
+        on gloo: on the short-timeout group, rank 1 gave up after the collective timeout while rank 0 was
+        still loading)."""
+        if self.world_size == 1:
+            return
+        with self._op(f"wait for every rank after {after}"):
+            dist.monitored_barrier(group=self.start_group, timeout=timedelta(seconds=self.start_timeout_s),
+                                   wait_all_ranks=True)
 
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

@@ -36,13 +36,16 @@ def _unpack(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _rank_main(fn, rank, world_size, init_method, device, timeout_s, args, results, threads):
+def _rank_main(fn, rank, world_size, init_method, device, timeout_s, args, results, threads, join):
     import torch
     torch.set_num_threads(threads)
     comm = None
     try:
-        comm = Comm.init(rank, world_size, init_method, device, timeout_s)
-        value = fn(comm, *args)
+        if join:
+            comm = Comm.init(rank, world_size, init_method, device, timeout_s)
+            value = fn(comm, *args)
+        else:                        # the rank joins on its own (RankLifecycle, RankWorker)
+            value = fn(rank, world_size, init_method, *args)
         results.put((rank, True, _pack(value)))
     except BaseException as e:       # report, then exit non-zero: peers see the closed connection
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
@@ -58,14 +61,26 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, device: str = "cpu
               threads_per_rank: int | None = None) -> list[Any]:
     """Run fn(comm, *args) on `world_size` spawned ranks; return their results in rank order.
 
-    Raises ParallelError naming every failed rank (with its error) if any rank failed; waits at most
-    timeout_s plus start-up for the whole group."""
+    Raises ParallelError naming every failed rank (with its error) if any rank failed (`rank_errors`; the
+    values of the ranks that did not fail in `results`); waits at most timeout_s plus start-up for the
+    whole group."""
+    return _launch(fn, world_size, args, device, timeout_s, threads_per_rank, join=True)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 60.0,
+              threads_per_rank: int | None = None) -> list[Any]:
+    """As run_local, but each rank joins the group on its own: fn(rank, world_size, init_method, *args)."""
+    return _launch(fn, world_size, args, "cpu", timeout_s, threads_per_rank, join=False)
+
+
+def _launch(fn, world_size: int, args: tuple, device: str, timeout_s: float, threads_per_rank: int | None,
+            join: bool) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(fn, r, world_size, init_method, device, timeout_s, args, results, threads))
+                         args=(fn, r, world_size, init_method, device, timeout_s, args, results, threads, join))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -96,5 +111,6 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, device: str = "cpu
         lines = "; ".join(f"rank {r}: {str(v).splitlines()[0]}" for r, v in sorted(failed.items()))
         error = ParallelError(f"{len(failed)} of {world_size} ranks failed: {lines}")
         error.rank_errors = failed
+        error.results = {r: _unpack(v) for r, (ok, v) in outcomes.items() if ok}
         raise error
     return [_unpack(outcomes[r][1]) for r in range(world_size)]

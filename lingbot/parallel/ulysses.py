@@ -46,6 +46,13 @@ class UlyssesWindowAttention(nn.Module):
         self.comm = comm
         self.local = WindowAttention()
 
+    @staticmethod
+    def received_qkv(rows: Tensor, tokens: int, b: int, hn: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused all-to-all's received rows [L, B*3*H/N*D] -> q, k, v [B, L, H/N, D]: views into the rows,
+        so q's strides are (3*H/N*D, B*3*H/N*D, D, 1), not those of a [B, L, H/N, D] tensor. The attention
+        kernel is chosen on exactly this view (lingbot/runtime/attention.py, `kernel_inputs`)."""
+        return rows.view(tokens, b, 3, hn, d).permute(1, 0, 2, 3, 4).unbind(2)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: KVWindowLike, layer: int) -> Tensor:
         n, r = self.comm.world_size, self.comm.rank
         sizes = split_sizes(kv.chunk_tokens, n)                                  # every rank's token count
@@ -54,8 +61,7 @@ class UlyssesWindowAttention(nn.Module):
         # 1. fused q/k/v all-to-all: [B, L_r, 3, N, H/N, D] -> rows [N (dest), L_r, B, 3, H/N, D]
         qkv = torch.stack([q, k, v], dim=2).view(b, lr, 3, n, hn, d).permute(3, 1, 0, 2, 4, 5)
         got = self.comm.all_to_all(qkv.reshape(n * lr, -1), [lr] * n, sizes, kind="all_to_all")
-        got = got.view(sum(sizes), b, 3, hn, d).permute(1, 0, 2, 3, 4)            # [B, L, 3, H/N, D]
-        q_all, k_all, v_all = got.unbind(2)
+        q_all, k_all, v_all = self.received_qkv(got, sum(sizes), b, hn, d)        # [B, L, H/N, D] each
         # 2. attention of every token over the window, for this rank's heads
         out = self.local(q_all, k_all, v_all, kv, layer)                           # [B, L, H/N, D]
         # 3. all-to-all back: rows by token range -> [N (source head group), L_r, B, H/N, D]

@@ -3,7 +3,9 @@
 The call is one chunk of queries against the visible window: q [1, H_local, L, 128], k/v [1, H_local, S, 128]
 in the model's dtype, no mask. Candidates (those this machine has): PyTorch SDPA restricted to its cuDNN,
 flash or memory-efficient backend (CUDA), FlashAttention 3 when its package (`flash_attn_interface`) is
-installed, and SDPA as PyTorch dispatches it. Each candidate runs on a probe of the steady-state shape;
+installed, and SDPA as PyTorch dispatches it. Each candidate runs on a probe of the steady-state shape
+in the layout this model's attention passes at its sequence-parallel degree (`kernel_inputs`: under
+Ulysses q is a strided view into the all-to-all's buffer, not the SP-1 layout);
 one that fails or disagrees with SDPA's math backend beyond the tolerance is dropped, the fastest of the
 rest is set on every layer's window attention, and the table is logged.
 """
@@ -111,26 +113,50 @@ def window_attentions(model) -> list:
     return [getattr(block.self_attn.attn, "local", block.self_attn.attn) for block in model.blocks]
 
 
-def choose_for_model(model, tokens: int, window_tokens: int, device: torch.device | str) -> tuple[str, list[Trial]]:
-    """Probe the steady-state shape of `model` (this device's heads, all `tokens` queries of a chunk against
-    `window_tokens` keys), set the fastest kernel on every layer, log the table."""
+def kernel_inputs(model, tokens: int, window_tokens: int, device: torch.device | str,
+                  generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Random q [B, H_local, L, D] and k, v [B, H_local, S, D] (B = 1) in the model's dtype, with the strides
+    the kernel gets from this model's window attention, not just its shapes (a kernel may refuse, copy or
+    slow down on other strides):
+    - q as the block's attention module hands it to WindowAttention, which transposes it to [B, H, L, D]:
+      on one device the projections' [B, L, H, D] output (strides (L*H*D, H*D, D, 1)); under Ulysses a
+      view into the fused all-to-all's received rows (`UlyssesWindowAttention.received_qkv`: strides
+      (3*H/N*D, 3*H/N*D, D, 1) with B = 1), the same function the forward calls;
+    - k, v the visible prefix of one layer's K/V slab [B, H, S, D] (at the steady state the whole window)."""
     device = torch.device(device)
-    heads, dim = model.local_heads, model.config.attention_head_dim
-    g = torch.Generator(device=device).manual_seed(0)
-    # the layouts of the real call: q a [B, L, H, D] -> [B, H, L, D] view, k/v prefixes of a [B, H, S, D] slab
-    q = torch.randn(1, tokens, heads, dim, generator=g, device=device).to(model.dtype).transpose(1, 2)
-    k, v = (torch.randn(1, heads, window_tokens, dim, generator=g, device=device).to(model.dtype) for _ in range(2))
-    name, trials = choose(candidates(device), q, k, v)
-    attend = candidates(device)[name]
+    heads, dim, dtype = model.local_heads, model.config.attention_head_dim, model.dtype
+    g = generator or torch.Generator(device=device).manual_seed(0)
+    attention = model.blocks[0].self_attn.attn
+    received = getattr(attention, "received_qkv", None)
+    if received is None:
+        q = torch.randn(1, tokens, heads, dim, generator=g, device=device).to(dtype)
+    else:
+        rows = torch.randn(tokens, 3 * heads * dim, generator=g, device=device).to(dtype)
+        q = received(rows, tokens, 1, heads, dim)[0]
+    k, v = (torch.randn(1, heads, window_tokens, dim, generator=g, device=device).to(dtype) for _ in range(2))
+    return q.transpose(1, 2), k, v
+
+
+def choose_for_model(model, tokens: int, window_tokens: int, device: torch.device | str,
+                     kernels: Optional[dict[str, Attend]] = None) -> tuple[str, list[Trial]]:
+    """Probe the steady-state shape of `model` in the layout its window attention passes (`kernel_inputs`:
+    this device's heads, all `tokens` queries of a chunk against `window_tokens` keys), set the fastest
+    kernel on every layer, log the table. `kernels`: the candidates (default: this device's)."""
+    device = torch.device(device)
+    kernels = kernels if kernels is not None else candidates(device)
+    q, k, v = kernel_inputs(model, tokens, window_tokens, device)
+    name, trials = choose(kernels, q, k, v)
+    attend = kernels[name]
     for attention in window_attentions(model):
         attention.attend = attend
-    log.info("attention kernel: %s (%s)", name, ", ".join(
+    log.info("attention kernel: %s for q %s strides %s (%s)", name, tuple(q.shape), q.stride(), ", ".join(
         f"{t.name} {t.seconds * 1e3:.3f} ms" if t.seconds is not None else f"{t.name} dropped: {t.error}"
         for t in trials))
     return name, trials
 
 
-def choose_for_steady_state(model, preset, device: torch.device | str) -> tuple[str, list[Trial]]:
+def choose_for_steady_state(model, preset, device: torch.device | str,
+                            kernels: Optional[dict[str, Attend]] = None) -> tuple[str, list[Trial]]:
     """choose_for_model at `preset`'s steady-state shape: one chunk's queries against a full window."""
     chunk_tokens = preset.transformer.num_frames_per_block * preset.tokens_per_frame
-    return choose_for_model(model, chunk_tokens, preset.transformer.window_chunks * chunk_tokens, device)
+    return choose_for_model(model, chunk_tokens, preset.transformer.window_chunks * chunk_tokens, device, kernels)

@@ -2,6 +2,11 @@
 
 Computed before any session is admitted, from the config alone: a session that does not fit is refused,
 never half-admitted. The VAE cache sizes come from a decode/encode on the meta device (shapes only).
+
+Two kinds of bytes: what each session holds between its chunks (`SessionFootprint`, counted per session)
+and what a rank holds once whatever its number of sessions (`RankFootprint`): the shared caches, the
+transient memory of the one chunk that runs at a time (chunks of a group run one after another), and
+the CUDA graphs' static input buffers (one set of graphs serves every session).
 """
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ from .kv_cache import KVWindow
 
 @dataclass(frozen=True)
 class SessionFootprint:
+    """What one session holds on a rank between its chunks."""
     kv_window: int             # self-attention K/V slab, this rank's heads
     text_kv: int               # cross-attention K/V of one prompt (replicated on every rank)
-    camera_modulation: int     # per-chunk camera scale/shift for every layer, this rank's tokens
     decoder_cache: int         # VAE decoder causal-conv cache, this rank's columns
     condition_cache: int       # condition-encoder cache (freed at the fixed point)
     condition_history: int     # the chunk latents kept until the fixed point (for the cross-session cache)
@@ -42,19 +47,79 @@ def _vae_cache_bytes(preset: Preset, latent_width: int, dtype: torch.dtype) -> t
     return decoder.nbytes(), encoder.nbytes()
 
 
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def rank_tokens(preset: Preset, world_size: int = 1) -> int:
+    """A chunk's tokens on the rank with the most of them (rank 0 under Ulysses' uneven split)."""
+    return math.ceil(preset.transformer.num_frames_per_block * preset.tokens_per_frame / world_size)
+
+
 def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
     cfg = preset.transformer
     dtype = preset.torch_dtype
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = _esize(dtype)
     heads = cfg.num_attention_heads // world_size
-    tokens = cfg.num_frames_per_block * preset.tokens_per_frame
     kv = KVWindow.nbytes_for(cfg, preset.tokens_per_frame, heads, dtype)
     text = (2 * cfg.num_layers * cfg.dim + cfg.text_dim) * preset.text.max_length * esize    # K/V + embedding
-    camera = 2 * cfg.num_layers * math.ceil(tokens / world_size) * cfg.dim * esize
     decoder, condition = _vae_cache_bytes(preset, math.ceil(preset.latent_hw[1] / world_size),
                                           parse_dtype(preset.vae_dtype))
     history = CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
-    return SessionFootprint(kv, text, camera, decoder, condition, history)
+    # the condition encoder's cache is on rank 0 only under SP (lingbot/parallel/condition.py): counted on
+    # every rank, since the group admits what its fullest rank holds
+    return SessionFootprint(kv, text, decoder, condition, history)
+
+
+@dataclass(frozen=True)
+class RankFootprint:
+    """What a rank holds once, whatever its number of sessions."""
+    prompt_cache: int          # the runner's prompt LRU at its full size
+    condition_cache: int       # the first-frame condition LRU at its full size
+    chunk_camera_modulation: int    # the running chunk's camera scale/shift for every layer, this rank's tokens
+    graph_static: int          # CUDA graphs' static input buffers (0 without graphs)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def chunk_camera_modulation_bytes(preset: Preset, world_size: int = 1) -> int:
+    """The camera modulation a chunk computes once and its five forwards reuse: (scale, shift) [1, L_r, dim]
+    per layer in the model's dtype (3.6 GiB at 14B dims on one device). Made when a chunk starts and
+    dropped when it ends: the group runs one chunk at a time, so a rank needs it once, not per session."""
+    cfg = preset.transformer
+    return 2 * cfg.num_layers * rank_tokens(preset, world_size) * cfg.dim * _esize(preset.torch_dtype)
+
+
+def graph_static_bytes(preset: Preset, world_size: int = 1) -> int:
+    """The static input buffers of the DiT's CUDA graphs (lingbot/runtime/compile.py, graphs=True).
+
+    CUDA graph trees record each call of a compiled region as one graph (per forward: 2 regions x layers;
+    every forward replays the same ones) and give it its own copy of every tensor input that is neither a
+    parameter nor the output of an earlier graph of the tree; each replay copies the inputs into them. Per
+    layer and rank (L_r tokens, T text tokens, fp32 where the model keeps the residual stream):
+    - attention_inputs: RoPE cos and sin [L_r, D/2] fp32, the time projection [1, 6, dim] fp32;
+    - attention_output: the window attention's output y [1, L_r, H, D] (eager, between the regions), the
+      time projection again, the prompt's K and V [1, H, T, D] (all heads: text K/V is replicated), the
+      camera scale and shift [1, L_r, dim];
+    and in the first layer both regions take the residual stream x [1, L_r, dim] fp32 from eager code
+    (later layers take the previous graph's output). About 6.0 GiB at 14B dims on one device, mostly the
+    camera modulation (a second copy of it) and y."""
+    cfg = preset.transformer
+    esize = _esize(preset.torch_dtype)
+    tokens, dim, text = rank_tokens(preset, world_size), cfg.dim, preset.text.max_length
+    rope = 2 * tokens * (cfg.attention_head_dim // 2) * 4
+    time = 6 * dim * 4
+    per_layer = (rope + time) + (tokens * dim * esize + time + 2 * text * dim * esize + 2 * tokens * dim * esize)
+    return cfg.num_layers * per_layer + 2 * tokens * dim * 4
+
+
+def rank_footprint(preset: Preset, world_size: int = 1, cuda_graphs: bool = False) -> RankFootprint:
+    return RankFootprint(prompt_cache_bytes(preset),
+                         CONDITION_CACHE_IMAGES * CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset),
+                         chunk_camera_modulation_bytes(preset, world_size),
+                         graph_static_bytes(preset, world_size) if cuda_graphs else 0)
 
 
 @dataclass(frozen=True)
@@ -79,7 +144,7 @@ class SnapshotFootprint:
 
 def snapshot_footprint(preset: Preset, world_size: int = 1) -> SnapshotFootprint:
     cfg = preset.transformer
-    esize = torch.empty((), dtype=preset.torch_dtype).element_size()
+    esize = _esize(preset.torch_dtype)
     footprint = session_footprint(preset, world_size)
     slot = footprint.kv_window // cfg.window_chunks
     # the condition: its fixed point, or up to CONDITION_CACHE_CHUNKS replayed chunks of a first frame seen before
@@ -98,23 +163,26 @@ def prompt_cache_bytes(preset: Preset, prompts: int = PROMPT_CACHE_SIZE) -> int:
     """A runner's prompt LRU at its full size (+2: a prompt transition's start and blend): per prompt the
     K/V of every layer and the encoder output they came from."""
     cfg = preset.transformer
-    esize = torch.empty((), dtype=preset.torch_dtype).element_size()
+    esize = _esize(preset.torch_dtype)
     per_prompt = (2 * cfg.num_layers * cfg.dim + cfg.text_dim) * preset.text.max_length * esize
     return (prompts + 2) * per_prompt
 
 
 def shared_cache_bytes(preset: Preset) -> int:
     """What the sessions of a rank share, at full size: the prompt LRU and the first-frame condition LRU."""
-    return prompt_cache_bytes(preset) + CONDITION_CACHE_IMAGES * CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
+    footprint = rank_footprint(preset)
+    return footprint.prompt_cache + footprint.condition_cache
 
 
 def group_capacity(budget_bytes: int, footprint: SessionFootprint, max_sessions: int) -> int:
-    """Sessions that fit in `budget_bytes` (what is left on one rank after weights and activations),
-    capped at max_sessions."""
+    """Sessions that fit in `budget_bytes` (what is left on one rank after weights, activations and what
+    the rank holds once), capped at max_sessions."""
     return max(0, min(max_sessions, budget_bytes // footprint.total))
 
 
-def sessions_that_fit(preset: Preset, world_size: int, budget_bytes: int, max_sessions: int) -> int:
-    """Sessions one group admits: what is left of a rank's budget after the shared caches, per session."""
-    return group_capacity(budget_bytes - shared_cache_bytes(preset), session_footprint(preset, world_size),
-                          max_sessions)
+def sessions_that_fit(preset: Preset, world_size: int, budget_bytes: int, max_sessions: int,
+                      cuda_graphs: bool = False) -> int:
+    """Sessions one group admits: what is left of a rank's budget after what the rank holds once (shared
+    caches, the running chunk's camera modulation, the graphs' static buffers), per session."""
+    held_once = rank_footprint(preset, world_size, cuda_graphs).total
+    return group_capacity(budget_bytes - held_once, session_footprint(preset, world_size), max_sessions)

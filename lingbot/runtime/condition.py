@@ -19,6 +19,10 @@ resized image; a later session from the same image replays them and never runs t
 
 A snapshot takes the encoder's state between chunks (`state_dict`) and a new encoder continues from it
 (`load_state`).
+
+Under sequence parallelism the encoder runs once per group (lingbot/parallel/condition.py): rank 0 encodes
+and broadcasts each chunk's latents and its fixed-point flag; the other ranks hold no encoder state. The
+step that differs is `ChunkEncoder.encode`; everything else here is the same on every rank.
 """
 from __future__ import annotations
 
@@ -102,15 +106,40 @@ class ConditionCache:
             self.entries.put(key, latents)
 
 
+class ChunkEncoder:
+    """One chunk of the causal encoder on this device, in the VAE's dtype: float32 in every preset.
+
+    Not bf16, by measurement (`python -m perf.condition_dtype --preset tiny --chunks 12 --dit`, CPU, random
+    weights, 4 first frames): a bf16 copy of the encoder gives conditions off by max |d| 1.2-1.4e-2 (1.0-
+    1.2e-2 of the largest value, rms 4.8e-3 relative), about 3x the rounding a bf16 DiT applies to the
+    float32 condition anyway at its input (max 3.6-3.9e-3, rms 1.6e-3), and moves the DiT's chunk latents
+    by 1.4-1.7e-3 (relative max) against 4.1-4.4e-4 for that rounding. The tolerance is that rounding:
+    within it the DiT could not tell the two apart. The fixed point comes at the same chunk (10) in both."""
+
+    def __init__(self, vae: WanVAE):
+        self.vae = vae
+
+    def encode(self, video: Callable[[], Tensor], state: CausalCache,
+               check_fixed_point: bool) -> tuple[Tensor, CausalCache, bool]:
+        """`video()`: the chunk's pixels [1, 3, T, H, W]; `state`: the committed encoder state (left as it
+        is). Returns the chunk's latents [16, F, h, w] float32, the state after it (pending until the chunk
+        commits), and with `check_fixed_point` whether that state equals `state` bit for bit."""
+        pending = state.copy()
+        latents = self.vae.encode(video(), pending)[0]
+        return latents, pending, check_fixed_point and pending.bitwise_equal(state)
+
+
 class CausalConditionEncoder:
     """ConditionSource of a session: image [3, H, W] in [-1, 1] -> per-chunk [20, 3, h, w]. With a
-    `shared` ConditionCache (and the fixed-point switch on) it replays a cached first frame's latents."""
+    `shared` ConditionCache (and the fixed-point switch on) it replays a cached first frame's latents.
+    `encoder`: the chunk step (default this device's ChunkEncoder of `vae`; a group's under SP)."""
 
     def __init__(self, vae: WanVAE, image: Tensor, frames_per_chunk: int = 3, skip_fixed_point: bool = True,
-                 shared: Optional[ConditionCache] = None):
+                 shared: Optional[ConditionCache] = None, encoder: Optional[ChunkEncoder] = None):
         if image.dim() != 3 or image.shape[0] != 3:
             raise ValueError(f"image must be [3, H, W], got {list(image.shape)}")
         self.vae = vae
+        self.encoder = encoder if encoder is not None else ChunkEncoder(vae)
         self.image = image
         self.frames_per_chunk = frames_per_chunk
         self.skip_fixed_point = skip_fixed_point
@@ -129,10 +158,12 @@ class CausalConditionEncoder:
         self.encoded_chunks = 0                              # encoder runs (for reports and tests)
         self._pending = None
         self.history: list[Tensor] = []                      # committed latents, until the fixed point
-        self.replay = self.shared.get(self.key) if self.shared is not None else None
-        if self.replay is not None:                          # a first frame seen before: no encoder at all
-            self.fixed_latents = self.replay[-1]
-            self.fixed_point_chunk = len(self.replay) - 1
+        self.replay = None
+        # the shared cache is read at the first chunk, not here: a read marks its entry recent, and under SP
+        # every rank's cache must see the same reads in the same order, or their evictions differ and one
+        # rank replays while another waits in the encoder's broadcast. Chunk calls run in the same order on
+        # every rank; the opening and reset of a session may not (a stop can reach one rank first).
+        self._look_up = self.shared is not None
 
     def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
         """The encoder's state between chunks: the chunks committed, the fixed point (its chunk and latents
@@ -156,6 +187,7 @@ class CausalConditionEncoder:
         self.cache.load_state(state["cache"], device)
         self.replay = None if state["replay"] is None else tuple(t.to(device) for t in state["replay"])
         self.history, self._pending = [], None
+        self._look_up = self.shared is not None and self.committed_chunks == 0
 
     def _chunk_video(self, chunk: int) -> Tensor:
         c, h, w = self.image.shape
@@ -170,16 +202,21 @@ class CausalConditionEncoder:
         if chunk != self.committed_chunks:
             raise ValueError(f"condition for chunk {chunk} asked; the encoder is at chunk {self.committed_chunks}")
         first_frame = chunk * self.frames_per_chunk
+        if self._look_up:
+            self._look_up = False
+            self.replay = self.shared.get(self.key)
+            if self.replay is not None:                      # a first frame seen before: no encoder at all
+                self.fixed_latents = self.replay[-1]
+                self.fixed_point_chunk = len(self.replay) - 1
         if self.replay is not None and chunk < len(self.replay):
             self._pending = None
             return make_condition(self.replay[chunk], first_frame)
         if self.fixed_latents is not None:
             self._pending = None
             return make_condition(self.fixed_latents, first_frame)
-        pending = self.cache.copy()
-        latents = self.vae.encode(self._chunk_video(chunk), pending)[0]           # [16, 3, h, w]
-        self.encoded_chunks += 1
-        reached = self.skip_fixed_point and chunk > 0 and pending.bitwise_equal(self.cache)
+        latents, pending, reached = self.encoder.encode(lambda: self._chunk_video(chunk), self.cache,
+                                                        self.skip_fixed_point and chunk > 0)   # [16, 3, h, w]
+        self.encoded_chunks += 1                             # by this device, or by its group's rank 0
         self._pending = (pending, latents, reached)
         return make_condition(latents, first_frame)
 

@@ -1,7 +1,10 @@
 """A rank's life before its first session, in named steps (the serving actor only calls them, in order):
 
     connect  -> the device and the group's process group (NCCL communicators formed here, not mid-session)
-    load     -> weights straight to the device in their dtype, parallelism, regional compile
+    load     -> weights straight to the device in their dtype, parallelism, regional compile; then wait for
+                every rank of the group to have loaded, within the group start timeout (rank 0 also loads
+                the text encoder, and storage may be slow): the first collective after load (the warm-up's
+                prompt broadcast) then waits for no rank's load under the short chunk-collective timeout
     warm_up  -> the attention kernel is chosen at the steady-state shape; then a throwaway session runs
                 through every window length a session passes through (chunks 0 to window_chunks), so
                 compiles, kernel choices and allocator growth happen here, never in a viewer's time to
@@ -10,9 +13,12 @@
     capacity -> sessions this rank can hold
 
 Capacity on an accelerator comes from the measured memory: what is free on the device after warm-up (the
-allocator's unused cache handed back first), less the activations the warm-up needed beyond one
-session, the shared caches (prompts, first-frame conditions) and a safety margin, divided by the
-per-session footprint, capped by the config. A configured budget overrides the measurement, and is the rule on CPU.
+allocator's unused cache handed back first; what the rank holds for good, CUDA graphs and their static
+buffers included, is not free), less the transient memory of one chunk (the warm-up's peak beyond what
+it held after warm-up and one session: activations, the chunk's camera modulation; once, as a group runs
+one chunk at a time), the shared caches at full size and a safety margin, divided by the per-session
+footprint, capped by the config. A configured budget overrides the measurement, and is the rule on CPU:
+there what the rank holds once is counted from the config (budget.rank_footprint).
 """
 from __future__ import annotations
 
@@ -62,17 +68,21 @@ class RankLifecycle:
         self.comm: Optional[Comm] = None
         self.pipeline: Optional[WorldPipeline] = None
         self.loaded_bytes = 0
+        self.cuda_graphs = False
+        self.waited_for_group_s = 0.0       # after load, for the slowest rank (the group start timeout)
         self.warmup: Optional[WarmupReport] = None
         self.attention_kernel: Optional[str] = None
         self.memory: Optional[MemoryReport] = None
 
     # ---- 1. connect ---------------------------------------------------------------------------
-    def connect(self, init_method: Optional[str], timeout_s: float) -> Comm:
-        """The device, then the process group (every rank calls this concurrently; world size 1 needs none)."""
+    def connect(self, init_method: Optional[str], timeout_s: float, start_timeout_s: Optional[float] = None) -> Comm:
+        """The device, then the process group (every rank calls this concurrently; world size 1 needs none).
+        `timeout_s`: the collectives of chunks; `start_timeout_s` (default the same): the rendezvous and the
+        wait for every rank after load."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.backends.cudnn.benchmark = True          # the VAE's convolutions: fixed shapes, pick once
-        self.comm = Comm.init(self.rank, self.world_size, init_method, self.device, timeout_s) \
+        self.comm = Comm.init(self.rank, self.world_size, init_method, self.device, timeout_s, start_timeout_s) \
             if self.world_size > 1 else Comm(device=self.device)
         return self.comm
 
@@ -81,10 +91,16 @@ class RankLifecycle:
         from ..builder import build_pipeline
         torch.set_grad_enabled(False)
         self.pipeline = build_pipeline(preset, model_path, device=self.device, comm=self.comm, **pipeline_kwargs)
+        self.cuda_graphs = bool(pipeline_kwargs.get("cuda_graphs")) and self.device.type == "cuda"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.loaded_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        self.comm.wait_for_group(after="load")
+        self.waited_for_group_s = time.perf_counter() - t0
+        if self.world_size > 1:
+            log.info("rank %d loaded; waited %.1f s for the other ranks to load", self.rank, self.waited_for_group_s)
         return self.pipeline
 
     # ---- 3. warm up ---------------------------------------------------------------------------
@@ -137,15 +153,18 @@ class RankLifecycle:
         if budget_bytes is None and self.memory is None:
             budget_bytes = CPU_BUDGET_BYTES
         if budget_bytes is not None:
-            return sessions_that_fit(preset, self.world_size, budget_bytes, max_sessions)
+            return sessions_that_fit(preset, self.world_size, budget_bytes, max_sessions, self.cuda_graphs)
         return measured_capacity(self.memory, session_footprint(preset, self.world_size).total,
                                  shared_cache_bytes(preset), max_sessions)
 
 
 def measured_capacity(memory: MemoryReport, session_bytes: int, shared_caches: int, max_sessions: int) -> int:
-    """Sessions that fit the memory measured after warm-up. The warm-up peak minus what was loaded is one
-    session plus the activations of a chunk; chunks of a group run one at a time, so those activations are
-    needed once, not per session."""
-    activations = max(0, memory.peak - memory.loaded - session_bytes)
-    usable = memory.free - activations - shared_caches - int(MEMORY_MARGIN * memory.total)
+    """Sessions that fit the memory measured after warm-up. The warm-up's peak is what the rank held after
+    warm-up (weights, CUDA graphs and their static buffers, what the caches kept) plus one session plus
+    the transient memory of its chunk (activations, the chunk's camera modulation); chunks of a group run
+    one at a time, so the transient part is needed once, not per session. What the rank still holds is
+    already out of the free memory: subtracting it again (from the peak less what was loaded) would count
+    the graphs twice."""
+    transient = max(0, memory.peak - max(memory.allocated, memory.loaded) - session_bytes)
+    usable = memory.free - transient - shared_caches - int(MEMORY_MARGIN * memory.total)
     return max(0, min(max_sessions, usable // session_bytes))

@@ -21,7 +21,7 @@ from ..camera import CameraRig, Controls
 from ..io.images import model_image
 from ..io.transfer import to_device
 from ..models.vae import CausalCache, FrameDecoder, WanVAE
-from .condition import CausalConditionEncoder, ConditionCache
+from .condition import CausalConditionEncoder, ChunkEncoder, ConditionCache
 from .dit_runner import ChunkResult, DiTRunner, StageTimer
 
 
@@ -34,14 +34,17 @@ class VideoChunk:
 
 class WorldPipeline:
     """DiT runner + VAE (the condition encoder) + frame decoder. Under sequence parallelism every rank runs
-    this with the DiT and the decoder already wrapped (lingbot/builder.py); other ranks than the root get
-    chunks with frames=None in the root pixel modes."""
+    this with the DiT, the decoder and the condition encoder already wrapped (lingbot/builder.py); other
+    ranks than the root get chunks with frames=None in the root pixel modes."""
 
     def __init__(self, runner: DiTRunner, vae: WanVAE, skip_fixed_point: bool = True,
-                 decoder: Optional[FrameDecoder] = None, condition_cache: bool = True):
+                 decoder: Optional[FrameDecoder] = None, condition_cache: bool = True,
+                 condition_encoder: Optional[ChunkEncoder] = None):
         self.runner = runner
         self.vae = vae
         self.decoder = decoder if decoder is not None else FrameDecoder(vae)
+        # one chunk of the condition encoder: on this device, or once per group (lingbot/parallel/condition.py)
+        self.condition_encoder = condition_encoder if condition_encoder is not None else ChunkEncoder(vae)
         self.skip_fixed_point = skip_fixed_point
         # first frame -> its conditions up to the fixed point, shared by the sessions (needs the fixed point)
         self.condition_cache = ConditionCache() if condition_cache else None
@@ -71,7 +74,8 @@ class WorldSession:
                  text_embedding: Optional[Tensor] = None):
         self.pipeline = pipeline
         self.condition = CausalConditionEncoder(pipeline.vae, image, pipeline.runner.config.num_frames_per_block,
-                                                pipeline.skip_fixed_point, pipeline.condition_cache)
+                                                pipeline.skip_fixed_point, pipeline.condition_cache,
+                                                pipeline.condition_encoder)
         self.dit = pipeline.runner.new_session(self.condition, prompt=prompt, seed=seed, rig=rig, shift=flow_shift,
                                                text_embedding=text_embedding)
         self.decoder_cache = CausalCache()

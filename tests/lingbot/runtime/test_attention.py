@@ -46,3 +46,35 @@ def test_the_choice_is_set_on_every_layer_also_under_sequence_parallelism(tiny):
     assert name == "sdpa" and [t.name for t in trials] == ["sdpa"]
     assert all(a.attend is F.scaled_dot_product_attention for a in window_attentions(model))
     assert len(window_attentions(model)) == tiny.transformer.num_layers
+
+
+def _packed_rows_only(q, k, v):
+    """A kernel that reads q as [B, L, H, D] rows (as FlashAttention's layout is): it refuses any other."""
+    if not q.transpose(1, 2).is_contiguous():
+        raise RuntimeError(f"q must be [B, L, H, D] rows, got strides {q.stride()}")
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_the_kernel_is_checked_on_the_layout_each_degree_passes(tiny):
+    """The probe's q has the strides the window attention passes at the model's degree: the projections'
+    rows on one device, a view into the all-to-all's buffer under Ulysses (the forward's own function makes
+    it); a kernel that only takes the first is kept at SP-1 and dropped at SP-2. (tests/lingbot/parallel/
+    test_group_once.py checks these strides against the ones a real SP-2 chunk passes.)"""
+    from lingbot.runtime.attention import kernel_inputs
+    tokens, window = 168, 6 * 168
+    kernels = {"sdpa": F.scaled_dot_product_attention, "packed_rows_only": _packed_rows_only}
+    one = build_random_transformer(tiny.transformer, 0)
+    two = apply_sequence_parallel(build_random_transformer(tiny.transformer, 0), Comm(rank=0, world_size=2))
+    heads, dim = tiny.transformer.num_attention_heads, tiny.transformer.attention_head_dim
+    q1, k1, _ = kernel_inputs(one, tokens, window, "cpu")
+    q2, k2, _ = kernel_inputs(two, tokens, window, "cpu")
+    assert q1.shape == (1, heads, tokens, dim) and q1.stride() == (tokens * heads * dim, dim, heads * dim, 1)
+    hn = heads // 2
+    assert q2.shape == (1, hn, tokens, dim) and q2.stride() == (3 * hn * dim, dim, 3 * hn * dim, 1)
+    assert k1.shape == (1, heads, window, dim) and k2.shape == (1, hn, window, dim)
+    name1, trials1 = choose_for_model(one, tokens, window, "cpu", kernels=kernels)
+    name2, trials2 = choose_for_model(two, tokens, window, "cpu", kernels=kernels)
+    assert {t.name: t.error for t in trials1}["packed_rows_only"] is None            # runs at SP-1
+    dropped = {t.name: t.error for t in trials2}["packed_rows_only"]
+    assert name2 == "sdpa" and "q must be [B, L, H, D] rows" in dropped              # refused at SP-2
+    assert name1 in kernels and all(a.attend is F.scaled_dot_product_attention for a in window_attentions(two))

@@ -106,16 +106,19 @@ def test_a_first_frame_seen_before_replays_its_conditions_bitwise(tiny, tiny_run
     assert cold.condition.fixed_point_chunk is not None and cold.condition.encoded_chunks > 0
     assert len(pipeline.condition_cache.entries) == 1
     warm = pipeline.new_session(image.clone(), "a harbour", seed=3)
-    assert warm.condition.replay is not None
+    assert warm.condition.replay is None                     # the cache is read in the first chunk, not before
     warm_frames = [warm.step().frames for _ in range(14)]
-    assert warm.condition.encoded_chunks == 0                                       # the encoder never ran
+    assert warm.condition.replay is not None and warm.condition.encoded_chunks == 0   # the encoder never ran
     assert all(torch.equal(a, b) for a, b in zip(cold_frames, warm_frames))
     other = pipeline.new_session(random_image(tiny, seed=9), "a harbour", seed=3)
+    other.step()
     assert other.condition.replay is None
     replayed = len(pipeline.condition_cache.get(warm.condition.key))
     assert replayed == cold.condition.fixed_point_chunk + 1 <= pipeline.condition_cache.max_chunks
     off = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True, condition_cache=False)
-    assert off.new_session(image, "a harbour", seed=3).condition.replay is None
+    uncached = off.new_session(image, "a harbour", seed=3)
+    uncached.step()
+    assert uncached.condition.replay is None and uncached.condition.encoded_chunks == 1
 
 
 def _round_trip(encoder, new, chunks_after=2):
