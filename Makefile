@@ -22,7 +22,7 @@ lint: install
 	$(PY) -m ruff check .
 
 test: lint browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The browser tests drive Debian's Chromium (root installs it; elsewhere install `chromium` yourself).
 browser:
