@@ -34,20 +34,21 @@ def test_chunked_condition_equals_whole_clip_encode(tiny, tiny_vae):
 
 
 def test_fixed_point_is_detected_and_changes_nothing(tiny, tiny_pipeline):
+    chunks = FIXED_POINT_CHUNK_TINY + 3        # the fixed point, then chunks that skip the encoder
     image = random_image(tiny, seed=5)
     outputs = {}
     for skip in (True, False):
         tiny_pipeline.skip_fixed_point = skip
         session = tiny_pipeline.new_session(image, "a desert road", seed=8)
-        frames = [session.step().frames for _ in range(20)]
+        frames = [session.step().frames for _ in range(chunks)]
         outputs[skip] = (torch.cat(frames), session.condition)
     tiny_pipeline.skip_fixed_point = True
     on, off = outputs[True], outputs[False]
     assert on[1].fixed_point_chunk == FIXED_POINT_CHUNK_TINY
     assert on[1].encoded_chunks == FIXED_POINT_CHUNK_TINY + 1          # no encoder runs after the fixed point
-    assert off[1].fixed_point_chunk is None and off[1].encoded_chunks == 20
-    assert on[0].shape == (20 * 12 - 3, tiny.height, tiny.width, 3)
-    assert torch.equal(on[0], off[0])                                   # 20 chunks, bit-identical
+    assert off[1].fixed_point_chunk is None and off[1].encoded_chunks == chunks
+    assert on[0].shape == (chunks * 12 - 3, tiny.height, tiny.width, 3)
+    assert torch.equal(on[0], off[0])                                   # bit-identical, after the fixed point too
 
 
 def test_reset_re_encodes(tiny, tiny_vae):
@@ -102,12 +103,12 @@ def test_a_first_frame_seen_before_replays_its_conditions_bitwise(tiny, tiny_run
     pipeline = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True)         # its own, empty cache
     image = random_image(tiny, seed=8)
     cold = pipeline.new_session(image, "a harbour", seed=3)
-    cold_frames = [cold.step().frames for _ in range(14)]
+    cold_frames = [cold.step().frames for _ in range(FIXED_POINT_CHUNK_TINY + 2)]
     assert cold.condition.fixed_point_chunk is not None and cold.condition.encoded_chunks > 0
     assert len(pipeline.condition_cache.entries) == 1
     warm = pipeline.new_session(image.clone(), "a harbour", seed=3)
     assert warm.condition.replay is None                     # the cache is read in the first chunk, not before
-    warm_frames = [warm.step().frames for _ in range(14)]
+    warm_frames = [warm.step().frames for _ in range(FIXED_POINT_CHUNK_TINY + 2)]
     assert warm.condition.replay is not None and warm.condition.encoded_chunks == 0   # the encoder never ran
     assert all(torch.equal(a, b) for a, b in zip(cold_frames, warm_frames))
     other = pipeline.new_session(random_image(tiny, seed=9), "a harbour", seed=3)
