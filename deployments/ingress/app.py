@@ -26,9 +26,10 @@ from ..session.events import ModelFacts, SessionRequest
 from ..session.life import SessionLife
 from ..session.ports import ClientGone
 from ..session.requests import Interaction
-from ..session.waiting import WaitingRoom
+from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import sglang
+from .census import GroupCensus
 from .door import TenantLimits, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .keeper import KeeperSupervisor
@@ -49,6 +50,7 @@ class ServeGroups:
         self.group = group
         self.settings = settings
         self.keepers = KeeperSupervisor() if settings.snapshots else None
+        self.census = GroupCensus(settings.max_groups)
         self._facts: Optional[ModelFacts] = None
         self._facts_lock = asyncio.Lock()
 
@@ -75,6 +77,9 @@ class ServeGroups:
 
     async def keeper(self):
         return None if self.keepers is None else await self.keepers.current()
+
+    async def growth(self) -> Growth:
+        return await self.census.growth()
 
 
 class IngressMetrics:
@@ -107,6 +112,10 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.live = 0
+        try:                                     # the first group's start, measured for the first burst's estimate
+            self.census_task = asyncio.get_running_loop().create_task(self.groups.census.follow_first_start())
+        except RuntimeError:                     # constructed off an event loop: the first burst has no estimate
+            self.census_task = None
 
     # ---- HTTP ---------------------------------------------------------------------------------
     @app.get("/healthz")
