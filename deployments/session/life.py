@@ -49,7 +49,7 @@ from .events import (
 from .ledger import ContinuityLedger
 from .ports import ACTIVITY, STOP, ClientGone, GroupLink, SessionMetrics, Wire
 from .requests import Interaction, StartRequest
-from .waiting import WaitingRoom
+from .waiting import WaitingRoom, may_wait
 
 log = logging.getLogger("ray.serve")
 
@@ -224,12 +224,9 @@ class SessionLife:
         when they changed since it was last told."""
         growth = await self.groups.growth()
         now = time.monotonic()
-        if growth.can_grow:
-            self.stuck_since = None
-        else:
-            self.stuck_since = self.stuck_since or now
-            if now - self.stuck_since >= self.settings.admission_wait_s:
-                return False
+        self.stuck_since = None if growth.can_grow else (self.stuck_since or now)
+        if not may_wait(growth, now - self.stuck_since if self.stuck_since else None, self.settings.admission_wait_s):
+            return False
         position = self.room.position(self.session_id)
         told = (position, self.room.eta_s(position, now, growth, self.session_id))
         if position and told != self.told:

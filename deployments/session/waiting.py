@@ -29,6 +29,12 @@ class Growth:
         return self.starting > 0 or self.running < self.max_groups
 
 
+def may_wait(growth: Growth, stuck_for_s: Optional[float], admission_wait_s: float) -> bool:
+    """Whether a waiting session waits on: yes while a group may still come; once none can (`stuck_for_s` since
+    then), for admission_wait_s more (0: the refusal is immediate)."""
+    return growth.can_grow or stuck_for_s is None or stuck_for_s < admission_wait_s
+
+
 class WaitingRoom:
     def __init__(self, lookback_s: float = LOOKBACK_S):
         self.lookback_s = lookback_s
