@@ -29,7 +29,7 @@ from ..session.requests import Interaction
 from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import sglang
-from .census import GroupCensus
+from .census import GroupCensus, serve_counts
 from .door import TenantLimits, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .keeper import KeeperSupervisor
@@ -125,15 +125,13 @@ class Ingress:
     @app.get("/readyz")
     def readyz(self):
         try:
-            status = serve.status()
-            groups = [d for a in status.applications.values() for name, d in a.deployments.items()
-                      if name == "WorldGroup"]
-            running = sum(d.replica_states.get("RUNNING", 0) for d in groups)
+            running, starting = serve_counts()
         except Exception as e:
             return JSONResponse({"ready": False, "reason": f"{type(e).__name__}"}, status_code=503)
         if running < 1:
-            return JSONResponse({"ready": False, "reason": "no model group is running yet"}, status_code=503)
-        return {"ready": True, "groups": running}
+            return JSONResponse({"ready": False, "reason": "no model group is running yet", "starting": starting},
+                                status_code=503)
+        return {"ready": True, "groups": running, "starting": starting}
 
     @app.get("/")
     def index(self):

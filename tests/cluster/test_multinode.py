@@ -96,7 +96,7 @@ def cluster(tmp_path_factory):
         while not ready and time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{HEAD_PROXY}/readyz", timeout=5) as r:
-                    ready = json.loads(r.read()) == {"ready": True, "groups": 1}
+                    ready = json.loads(r.read()) == {"ready": True, "groups": 1, "starting": 0}
             except OSError:
                 pass
             time.sleep(2)
