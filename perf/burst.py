@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import time
 
+from deployments.group.scaling import wanted_groups
 from perf.local import ensure_serve, first_frame_png, wait_for_groups
 
 PORT = 18797
@@ -94,10 +94,10 @@ def measure(n: int, max_groups: int, spare: int, chunks: int, generation: int) -
 
     from deployments.app import build_app
     serve.run(build_app(settings(max_groups, spare, generation)), name="lingbot", route_prefix="/")
-    wait_for_groups(1 + spare)
+    wait_for_groups(max(1, wanted_groups(0, 2, spare)))       # the idle size: the spare groups hold no session
     time.sleep(15)                                  # settled: the autoscaler's window holds no earlier demand
     sessions, seen = asyncio.run(burst(n, chunks))
-    wanted = min(math.ceil(n / 2) + spare, max_groups)
+    wanted = min(wanted_groups(n, 2, spare), max_groups)
     firsts = [s["first_chunk_s"] for s in sessions if s["first_chunk_s"] is not None]
     row = {"burst": n, "max_groups": max_groups, "spare_groups": spare, "chunks": chunks,
            "groups_wanted": wanted, "groups_seen": seen, "asked_s": seen.get(wanted),
@@ -112,11 +112,13 @@ def measure(n: int, max_groups: int, spare: int, chunks: int, generation: int) -
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=4, help="chunks per session (at 16 fps, 0.75 s of video each)")
+    ap.add_argument("--rows", default=None, help="only these rows, e.g. 4:2:0,8:4:1 (burst:max_groups:spare)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
+    table = ROWS if args.rows is None else [tuple(int(x) for x in row.split(":")) for row in args.rows.split(",")]
     ensure_serve(PORT, cpus=4)
     rows = []
-    for generation, (n, max_groups, spare) in enumerate(ROWS, start=1):
+    for generation, (n, max_groups, spare) in enumerate(table, start=1):
         print(f"burst of {n}, max_groups {max_groups}, spare_groups {spare} ...", file=sys.stderr, flush=True)
         rows.append(measure(n, max_groups, spare, args.chunks, generation))
     from ray import serve

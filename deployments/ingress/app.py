@@ -55,10 +55,11 @@ class ServeGroups:
         self._facts_lock = asyncio.Lock()
 
     async def facts(self, wait_s: Optional[float] = None) -> ModelFacts:
-        """What the groups run; the first call waits (at most admission_wait_s) for a group to answer."""
+        """What the groups run; the first call waits (at most max_queue_wait_s: a group may still be starting)
+        for a group to answer."""
         if self._facts is not None:
             return self._facts
-        wait_s = self.settings.admission_wait_s if wait_s is None else wait_s
+        wait_s = self.settings.max_queue_wait_s if wait_s is None else wait_s
         async with self._facts_lock:
             if self._facts is None:
                 try:

@@ -43,14 +43,9 @@ def test_make_serve_prints_the_url_when_ready_and_stops_on_ctrl_c(tmp_path):
         assert ready, "\n".join(lines[-30:])
         assert f"open http://127.0.0.1:{PORT}/ in a browser" in ready[0]
         assert f"ws://127.0.0.1:{PORT}/v1/realtime/video" in ready[0]
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/config", timeout=10) as r:
-            served = json.loads(r.read())
-        assert served["preset"] == "tiny" and served["random_weights"] is True
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/", timeout=10) as r:
-            assert b"random weights" in r.read()
         args = config["applications"][0]["args"]
         assert (args["max_groups"], args["max_sessions_per_group"], args["admission_wait_s"]) == (2, 2, 0)
-        results, asked_s = asyncio.run(burst(4))
+        results, asked_s = asyncio.run(burst(4))         # first: nothing asked the groups anything before
         print(f"the second group was being added {asked_s:.1f} s after the burst began")
         assert asked_s < 15, asked_s            # the autoscaler asked for the second group within seconds
         for r in results:                       # every session served whole: none refused
@@ -61,6 +56,11 @@ def test_make_serve_prints_the_url_when_ready_and_stops_on_ctrl_c(tmp_path):
             told = [m for m in r.messages if m["type"] == "session.queued"]
             assert {m["position"] for m in told} <= {1, 2, 3, 4}, told
             assert any(m["eta_s"] is not None and m["eta_s"] >= 1 for m in told), told   # the first start's measure
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/config", timeout=10) as r:
+            served = json.loads(r.read())
+        assert served["preset"] == "tiny" and served["random_weights"] is True
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/", timeout=10) as r:
+            assert b"random weights" in r.read()
         assert not any(" GET /" in line or "WS /" in line for line in lines)    # no access lines
     finally:
         proc.send_signal(signal.SIGINT)
