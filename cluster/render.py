@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.local import PROXY_ENV
+from deployments.local import CLUSTER_ENV
 
 from .profiles import PROFILES, HardwareProfile, get_profile
 
@@ -53,9 +53,9 @@ def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, d
         "resources": {"limits": dict(limits), "requests": dict(limits)},
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
-        # the Serve proxy's WebSocket handshake limits (deployments/local.py), PROXY_ENV less the local-only auth
+        # the proxy's WebSocket handshake limit and the autoscaler's metric pushes (deployments/local.py)
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
-                {"name": "WEBSOCKETS_MAX_LINE_LENGTH", "value": PROXY_ENV["WEBSOCKETS_MAX_LINE_LENGTH"]}],
+                *({"name": k, "value": v} for k, v in CLUSTER_ENV.items())],
         "ports": [{"containerPort": SERVE_PORT, "name": "serve"}],
     }
     if name == "ray-head":

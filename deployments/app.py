@@ -11,6 +11,20 @@ from .group.replica import WorldGroup
 from .ingress.app import Ingress
 from .settings import ServeSettings
 
+LOOK_BACK_S = 12.0       # Serve's autoscaling window, past its 10 s metrics interval: its largest demand counts (max);
+#                          the handles record every 0.2 of it and push every second (CLUSTER_ENV)
+
+
+def group_autoscaling(s: ServeSettings, capacity: int) -> dict:
+    """Serve's autoscaling config of the WorldGroup deployment. The demand is every session holding or waiting
+    for a lease (deployments/group/scaling.py); a short look-back and the 1 s metric pushes (deployments/local.py
+    CLUSTER_ENV) let a burst ask for its groups within seconds."""
+    return {"min_replicas": s.min_groups, "max_replicas": s.max_groups, "target_ongoing_requests": capacity,
+            "look_back_period_s": LOOK_BACK_S, "aggregation_function": "max",
+            "upscale_delay_s": 1.0, "downscale_delay_s": 120.0,
+            "policy": {"policy_function": "deployments.group.scaling:GroupScaling",
+                       "policy_kwargs": {"capacity": capacity, "spare_groups": s.headroom_groups}}}
+
 
 def build_app(args: dict | None = None) -> Application:
     s = ServeSettings.from_args(args)
@@ -24,9 +38,7 @@ def build_app(args: dict | None = None) -> Application:
         ray_actor_options={"num_cpus": s.replica_cpus},
         placement_group_bundles=s.placement_bundles, placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=capacity,
-        autoscaling_config={"min_replicas": s.min_groups, "max_replicas": s.max_groups,
-                            "target_ongoing_requests": capacity,
-                            "upscale_delay_s": 2.0, "downscale_delay_s": 120.0},
+        autoscaling_config=group_autoscaling(s, capacity),
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
         health_check_period_s=10.0,
     ).bind(settings)

@@ -1,7 +1,8 @@
 """Serving on this machine: `python -m deployments.local [serve_config.yaml]` (what `make serve` runs) starts a local
 Ray, deploys the config's app, and prints one line with the URL once the first model group is ready; Ctrl-C
 stops it. It also holds what every local start shares (the tests' and the benchmarks' too): the environment
-Ray's HTTP proxy must start with (`prepare_environment`).
+Ray's processes must start with (`prepare_environment`: the proxy's handshake limit, the autoscaler's metric
+pushes).
 
 The proxy's WebSocket handshake is parsed by the `websockets` library, which reads header lines of at most
 WEBSOCKETS_MAX_LINE_LENGTH bytes (8 KiB by default) and never answers a longer one: the client waits until it
@@ -19,15 +20,21 @@ import sys
 import time
 import urllib.request
 
-PROXY_ENV = {
+# what every node's Ray processes start with, here and in the cluster manifests (cluster/render.py)
+CLUSTER_ENV = {
     "WEBSOCKETS_MAX_LINE_LENGTH": str(256 * 2 ** 10),   # see the module docstring
-    "RAY_AUTH_MODE": "disabled",                        # a local cluster: no token (Ray 2.60 turns it on)
+    # handles and replicas push the autoscaler's metrics every second (Serve's default is 10 s): a waiting
+    # session is seen by the autoscaler within about a second (deployments/group/scaling.py)
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
 }
+RAY_ENV = {**CLUSTER_ENV,
+           "RAY_AUTH_MODE": "disabled"}                # a local cluster: no token (Ray 2.60 turns it on)
 
 
 def prepare_environment() -> None:
-    """Set the proxy's environment for a Ray about to start in this process (a started one keeps its own)."""
-    os.environ.update(PROXY_ENV)
+    """Set the environment for a Ray about to start in this process (a started one keeps its own)."""
+    os.environ.update(RAY_ENV)
 
 
 def wait_ready(url: str, timeout_s: float) -> float:

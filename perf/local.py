@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 
 
-def ensure_serve(port: int) -> None:
-    """Ray and Serve on this machine, started on the first call (later calls reuse them)."""
+def ensure_serve(port: int, cpus: int = 2) -> None:
+    """Ray and Serve on this machine, started on the first call (later calls reuse them); `cpus` logical CPUs."""
     from deployments.local import prepare_environment
     prepare_environment()
     import ray
     from ray import serve
     if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=cpus, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
 
 

@@ -26,9 +26,10 @@ from ..session.events import ModelFacts, SessionRequest
 from ..session.life import SessionLife
 from ..session.ports import ClientGone
 from ..session.requests import Interaction
-from ..session.waiting import WaitingRoom
+from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import sglang
+from .census import GroupCensus, serve_counts
 from .door import TenantLimits, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .keeper import KeeperSupervisor
@@ -49,14 +50,16 @@ class ServeGroups:
         self.group = group
         self.settings = settings
         self.keepers = KeeperSupervisor() if settings.snapshots else None
+        self.census = GroupCensus(settings.max_groups)
         self._facts: Optional[ModelFacts] = None
         self._facts_lock = asyncio.Lock()
 
     async def facts(self, wait_s: Optional[float] = None) -> ModelFacts:
-        """What the groups run; the first call waits (at most admission_wait_s) for a group to answer."""
+        """What the groups run; the first call waits (at most max_queue_wait_s: a group may still be starting)
+        for a group to answer."""
         if self._facts is not None:
             return self._facts
-        wait_s = self.settings.admission_wait_s if wait_s is None else wait_s
+        wait_s = self.settings.max_queue_wait_s if wait_s is None else wait_s
         async with self._facts_lock:
             if self._facts is None:
                 try:
@@ -75,6 +78,9 @@ class ServeGroups:
 
     async def keeper(self):
         return None if self.keepers is None else await self.keepers.current()
+
+    async def growth(self) -> Growth:
+        return await self.census.growth()
 
 
 class IngressMetrics:
@@ -107,6 +113,10 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.live = 0
+        try:                                     # the first group's start, measured for the first burst's estimate
+            self.census_task = asyncio.get_running_loop().create_task(self.groups.census.follow_first_start())
+        except RuntimeError:                     # constructed off an event loop: the first burst has no estimate
+            self.census_task = None
 
     # ---- HTTP ---------------------------------------------------------------------------------
     @app.get("/healthz")
@@ -116,15 +126,13 @@ class Ingress:
     @app.get("/readyz")
     def readyz(self):
         try:
-            status = serve.status()
-            groups = [d for a in status.applications.values() for name, d in a.deployments.items()
-                      if name == "WorldGroup"]
-            running = sum(d.replica_states.get("RUNNING", 0) for d in groups)
+            running, starting = serve_counts()
         except Exception as e:
             return JSONResponse({"ready": False, "reason": f"{type(e).__name__}"}, status_code=503)
         if running < 1:
-            return JSONResponse({"ready": False, "reason": "no model group is running yet"}, status_code=503)
-        return {"ready": True, "groups": running}
+            return JSONResponse({"ready": False, "reason": "no model group is running yet", "starting": starting},
+                                status_code=503)
+        return {"ready": True, "groups": running, "starting": starting}
 
     @app.get("/")
     def index(self):

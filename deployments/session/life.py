@@ -10,8 +10,10 @@ included (docs/architecture.md, "A session's life").
 1. WAITING_FOR_START: the first message must be a valid start within start_timeout_s (keepalives answered,
    bad messages refused: the first protocol closes, the second lets the client try again).
 2. ADMITTING: the tenant's limits, then a lease on a group: one long streaming call (`GroupLink.lease`) that
-   yields Admitted, then the session's events. A full or failed group is tried again (Serve routes each try
-   anew) until admission_wait_s; then the refusal (capacity_exhausted, 1013).
+   yields Admitted, then the session's events. While every group is full the call waits queued at Serve's
+   handle, where the autoscaler counts it; the client is told its place and an estimate. It waits while groups
+   may still be added (below max_groups, or one starting) up to max_queue_wait_s, and admission_wait_s (0 by
+   default) once none can; then the refusal (capacity_exhausted, 1013). A failed group is tried again.
 3. STREAMING: the pump relays each ChunkReady to the client (the ledger records it) while the control reader
    posts the client's interactions to the group's mailbox and minds the idle and lifetime limits.
 4. RESUMING: the group failed (SessionFailed) or is being stopped (Moving): the ledger's journal, interaction
@@ -33,7 +35,8 @@ import uuid
 from enum import Enum
 from typing import Optional
 
-from .codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, RETRYABLE, ErrorCode, ProtocolError
+from .admission import Admission
+from .codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 from .events import (
     Admitted,
     ChunkReady,
@@ -50,9 +53,6 @@ from .requests import Interaction, StartRequest
 from .waiting import WaitingRoom
 
 log = logging.getLogger("ray.serve")
-
-WAIT_TICK_S = 0.5            # a waiting session's client is told its place this often (when it changed)
-
 
 class Phase(Enum):
     WAITING_FOR_START = "waiting_for_start"
@@ -75,7 +75,7 @@ class PhaseError(RuntimeError):
     """A transition the session's life does not allow (a bug, never the client's doing)."""
 
 
-class SessionLife:
+class SessionLife(Admission):
     """One session at the ingress, whichever protocol: its phase, its ledger and the flows between them."""
 
     def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics,
@@ -101,6 +101,7 @@ class SessionLife:
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
         self.told: Optional[tuple] = None       # the last (position, eta_s) the client was told
+        self.stuck_since: Optional[float] = None  # since when no group could be added while it waited
 
     def enter(self, phase: Phase) -> None:
         if phase not in NEXT_PHASES[self.phase]:
@@ -199,69 +200,14 @@ class SessionLife:
                 if self.ended:
                     return None
 
-    # ---- 2. admission --------------------------------------------------------------------------
-    async def admit(self, request: SessionRequest, wait_s: float, queue: bool = False):
-        """Hold a lease on a group for the session: the Admitted event, or the last refusal (None: no answer)
-        within wait_s. A group that is full, failed or gone is tried again until the time is up; with `queue`
-        the session waits in the waiting room meanwhile, its client told its place and an estimate."""
-        if not queue:
-            return await self._lease_within(request, wait_s)
-        self.room.join(self.session_id)
-        answer = None
-        try:
-            answer = await self._lease_within(request, wait_s, self._tell_queued)
-            return answer
-        finally:
-            self.room.leave(self.session_id, admitted=isinstance(answer, Admitted) and self.told is not None)
-
-    async def _tell_queued(self) -> None:
-        """The client's place in the queue and the estimated wait, when they changed since it was last told."""
-        position = self.room.position(self.session_id)
-        told = (position, self.room.eta_s(position))
-        if position and told != self.told:
-            self.told = told
-            async with self.send_lock:
-                await self.wire.send(self.wire.queued_message(*told))
-
-    async def _lease_within(self, request: SessionRequest, wait_s: float, waiting=None):
-        """The admission loop. A lease call that a full deployment holds back (Serve queues it while every group
-        is at its limit) or a group that answers full both mean waiting: `waiting()` is called every
-        WAIT_TICK_S of it (the client is told), and a refused try is made again."""
-        deadline = time.monotonic() + wait_s
-        answer = None
-        while True:
-            self.lease = self.groups.lease(request)
-            first = asyncio.ensure_future(self.lease.__anext__())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({first}, timeout=min(WAIT_TICK_S, max(deadline - time.monotonic(),
-                                                                                      0.01)))
-                    if done:
-                        break
-                    if time.monotonic() >= deadline:
-                        first.cancel()
-                        return answer
-                    if waiting is not None:
-                        await waiting()
-                answer = first.result()
-            except Exception as e:                        # the replica died under the call
-                answer = SessionFailed(ErrorCode.GROUP_UNAVAILABLE, f"the group's replica is gone ({type(e).__name__})")
-            if isinstance(answer, Admitted):
-                return answer
-            self.lease.cancel()
-            if answer.code not in RETRYABLE or time.monotonic() >= deadline:
-                return answer
-            if waiting is not None:
-                await waiting()
-            await asyncio.sleep(min(WAIT_TICK_S, max(deadline - time.monotonic(), 0)))
-
+    # ---- 2. admission (admission.py: the lease loop and the queue) -----------------------------
     async def admit_and_stream(self, start: StartRequest) -> None:
         s = self.settings
         self.start = start
         self.scripted = start.trajectory is not None
         self.enter(Phase.ADMITTING)
         first = await self.admit(SessionRequest(self.group_sid, start, keeper=await self.groups.keeper()),
-                                 s.admission_wait_s, queue=True)
+                                 s.max_queue_wait_s, queue=True)
         if first is None or (isinstance(first, SessionFailed) and first.code == ErrorCode.CAPACITY_EXHAUSTED):
             await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))

@@ -10,6 +10,7 @@ from typing import Any, Optional, Protocol
 from .codes import ErrorCode, ProtocolError
 from .events import Admitted, ChunkReady, ModelFacts, Resumed, SessionRequest
 from .requests import Interaction, StartRequest
+from .waiting import Growth
 
 STOP = "stop"                  # Wire.control: the client stops the session
 ACTIVITY = "activity"          # Wire.control: a message that only says the client is there (a heartbeat)
@@ -82,6 +83,9 @@ class GroupLink(Protocol):
 
     async def keeper(self) -> Any:
         """The owner of the sessions' snapshots (None: no snapshots)."""
+
+    async def growth(self) -> Growth:
+        """The groups running and starting, and a measured group start (whether a waiting session may wait)."""
 
 
 class SessionMetrics(Protocol):

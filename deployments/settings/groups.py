@@ -109,8 +109,14 @@ class CapacitySettings(_Group):
     max_groups: int = setting(2, "groups Serve may run")
     graceful_shutdown_timeout_s: float = setting(600.0, "how long Serve lets a stopping replica's sessions go "
                                                         "on before it kills it")
-    admission_wait_s: float = setting(20.0, "how long a new session waits for a free group (the autoscaler) "
-                                            "before capacity_exhausted")
+    spare_groups: Optional[int] = setting(None, "groups kept running with every slot free beyond what the "
+                                                "sessions need (a burst or a resume finds one ready); null: 1 on "
+                                                "accelerators, 0 on cpu")
+    max_queue_wait_s: float = setting(600.0, "how long a new session waits in the queue while groups may still "
+                                             "be added (below max_groups, or one starting) before "
+                                             "capacity_exhausted")
+    admission_wait_s: float = setting(0.0, "how long a new session waits for a slot to free when no group can "
+                                           "be added (max_groups running, none starting); 0: refused at once")
     retry_after_s: float = setting(10.0, "the retry_after_s a refused client is told (capacity, key limits)")
     max_ingress_sessions: int = setting(64, "WebSockets one ingress replica holds")
 
@@ -121,8 +127,10 @@ class CapacitySettings(_Group):
             raise ConfigError("max_sessions_per_group must be >= 1")
         if self.memory_budget_gib is not None:
             self._positive("memory_budget_gib")
-        self._positive("admission_wait_s")
-        self._at_least(0, "graceful_shutdown_timeout_s", "retry_after_s")
+        self._positive("max_queue_wait_s")
+        self._at_least(0, "graceful_shutdown_timeout_s", "retry_after_s", "admission_wait_s")
+        if self.spare_groups is not None:
+            self._at_least(0, "spare_groups")
         self._at_least(1, "max_ingress_sessions")
 
 

@@ -143,6 +143,13 @@ class ServeSettings:
         return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [muxer]
 
     @property
+    def headroom_groups(self) -> int:
+        """spare_groups resolved: 1 on accelerators (a group start is minutes there), 0 on cpu."""
+        if self.spare_groups is not None:
+            return self.spare_groups
+        return 0 if self.device == "cpu" else 1
+
+    @property
     def in_flight_chunks(self) -> int:
         if self.max_in_flight_chunks is not None:
             return self.max_in_flight_chunks

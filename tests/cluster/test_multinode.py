@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from deployments.local import PROXY_ENV
+from deployments.local import RAY_ENV
 from lingbot.client import RealtimeClient
 from tests.deployments.test_app import H, W, png_url
 
@@ -37,7 +37,7 @@ SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_p
 
 
 def ray_cli(*args, env=None, timeout=180):
-    run_env = {**os.environ, **PROXY_ENV, **(env or {})}
+    run_env = {**os.environ, **RAY_ENV, **(env or {})}
     done = subprocess.run([str(BIN / "ray"), *args], env=run_env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     return done.stdout
@@ -96,7 +96,7 @@ def cluster(tmp_path_factory):
         while not ready and time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{HEAD_PROXY}/readyz", timeout=5) as r:
-                    ready = json.loads(r.read()) == {"ready": True, "groups": 1}
+                    ready = json.loads(r.read()) == {"ready": True, "groups": 1, "starting": 0}
             except OSError:
                 pass
             time.sleep(2)

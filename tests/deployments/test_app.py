@@ -274,7 +274,7 @@ def test_start_timeout(serve_app):
 
 def test_http_endpoints(serve_app):
     with urllib.request.urlopen(f"{HTTP}/readyz", timeout=10) as r:
-        assert json.loads(r.read()) == {"ready": True, "groups": 1}
+        assert json.loads(r.read()) == {"ready": True, "groups": 1, "starting": 0}
     with urllib.request.urlopen(f"{HTTP}/v1/config", timeout=10) as r:
         assert json.loads(r.read())["width"] == W
     with urllib.request.urlopen(f"{HTTP}/", timeout=10) as r:

@@ -36,7 +36,7 @@ FLAT_DEFAULTS = {
     "rank_devices": 0.0, "muxer_cpus": 0.1, "muxer_gpus": 0.0, "ingress_cpus": 0.05, "max_sessions_per_group": 2,
     "memory_budget_gib": None, "min_groups": 1, "max_groups": 2, "graceful_shutdown_timeout_s": 600.0,
     "fps": 16.0, "pacing_lead_s": 1.5, "pacing": "adaptive", "pacing_margin_s": 0.1, "pacing_quantile": 0.9,
-    "restart_stale_chunks": False, "admission_wait_s": 20.0, "resume_sessions": True, "resume_wait_s": 120.0,
+    "restart_stale_chunks": False, "admission_wait_s": 0.0, "resume_sessions": True, "resume_wait_s": 120.0,
     "max_resumes": 3, "snapshots": True, "drain_poll_s": 2.0, "drain_lead_s": 3.0, "retry_after_s": 10.0,
     "start_timeout_s": 10.0, "stall_timeout_s": 60.0, "idle_timeout_s": 300.0, "max_lifetime_s": 3600.0,
     "max_start_bytes": 4194304, "max_control_bytes": 131072, "max_queued_controls": 64,
@@ -50,7 +50,8 @@ FLAT_DEFAULTS = {
 DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_fill_max_s": 10.0,
                   "drain_wait_new_s": 30.0, "drain_new_group_slack_s": 10.0}
 # keys added since the split, with their defaults (the DiT dtype override: null, the preset's)
-NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": None}
+NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": None, "spare_groups": None,
+                "max_queue_wait_s": 600.0}
 
 
 def test_settings_validation(monkeypatch):
@@ -190,7 +191,9 @@ def test_each_group_is_a_frozen_dataclass_of_its_concern():
     (lambda: PlacementSettings(rank_cpus=-1), "rank_cpus must be >= 0, got -1"),
     (lambda: CapacitySettings(min_groups=3), r"need 1 <= min_groups \(3\) <= max_groups \(2\)"),
     (lambda: CapacitySettings(max_sessions_per_group=0), "max_sessions_per_group must be >= 1"),
-    (lambda: CapacitySettings(admission_wait_s=0), "admission_wait_s must be > 0, got 0"),
+    (lambda: CapacitySettings(admission_wait_s=-1), "admission_wait_s must be >= 0, got -1"),
+    (lambda: CapacitySettings(max_queue_wait_s=0), "max_queue_wait_s must be > 0, got 0"),
+    (lambda: CapacitySettings(spare_groups=-1), "spare_groups must be >= 0, got -1"),
     (lambda: CapacitySettings(memory_budget_gib=0), "memory_budget_gib must be > 0, got 0"),
     (lambda: PacingSettings(mode="eager"), "pacing 'eager' must be fixed or adaptive"),
     (lambda: PacingSettings(quantile=1.5), r"pacing_quantile must be in \(0, 1\] and pacing_margin_s >= 0"),

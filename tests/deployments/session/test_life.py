@@ -3,6 +3,7 @@ the end, driven by a wire and a group link of the test's own (the served tests i
 same life over real WebSockets and groups)."""
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from deployments.session.events import (
 from deployments.session.life import Phase, PhaseError, SessionLife
 from deployments.session.ports import ACTIVITY, STOP, ClientGone
 from deployments.session.requests import Interaction, StartRequest
-from deployments.session.waiting import WaitingRoom
+from deployments.session.waiting import Growth, WaitingRoom
 from deployments.settings import ServeSettings
 from lingbot.config import get_preset
 
@@ -123,12 +124,17 @@ class Lease:
         self.cancelled = True
 
 
-class Groups:
-    """Serve's routing stood in for by a list of leases, one per call; the requests are kept."""
+AT_MAX = Growth(running=1, starting=0, max_groups=1)
 
-    def __init__(self, *leases):
+
+class Groups:
+    """Serve's routing stood in for by a list of leases, one per call; the requests are kept. `growth` is what
+    Serve's status says about the groups (by default: at max_groups, none starting: no group can come)."""
+
+    def __init__(self, *leases, growth=AT_MAX):
         self.leases = list(leases)
         self.requests, self.posted = [], []
+        self.census = growth
 
     async def facts(self):
         return FACTS
@@ -142,6 +148,9 @@ class Groups:
 
     async def keeper(self):
         return "keeper"
+
+    async def growth(self):
+        return self.census(time.monotonic()) if callable(self.census) else self.census
 
 
 class Metrics:
@@ -300,3 +309,44 @@ def test_a_session_admitted_after_waiting_was_told_and_counts_for_the_estimate()
     life, _, _ = live(wire, groups)
     assert wire.log[0] == ("send", {"waiting": 1, "eta_s": None}) and wire.log[-1] == ("done", False, 1)
     assert len(life.room.admissions) == 1
+
+
+def test_while_a_group_may_still_come_a_session_waits_past_the_admission_wait_told_the_start_estimate():
+    """Below max_groups (or a group starting) the session waits in the queue (up to max_queue_wait_s), not
+    admission_wait_s; its client hears its place and what is left of a measured group start."""
+    wire = Wire([{"type": "start", "chunks": 1}])
+    growing = Growth(running=1, starting=1, max_groups=2, start_s=30.0)
+    groups = Groups(Lease([1.6, admitted("g2"), chunk(0), SessionDone(1)]), growth=growing)
+    t0 = time.monotonic()
+    life, phases, _ = live(wire, groups)                       # SETTINGS.admission_wait_s is 0.5
+    assert time.monotonic() - t0 >= 1.6 and phases == [Phase.ADMITTING, Phase.STREAMING, Phase.ENDED]
+    told = [data for kind, data, *_ in wire.log if kind == "send" and "waiting" in data]
+    assert told and all(t["waiting"] == 1 for t in told)
+    assert told[0]["eta_s"] in (29.0, 30.0) and told[-1]["eta_s"] in (28.0, 29.0)   # whole seconds, counting down
+    assert wire.log[-1] == ("done", False, 1) and life.metrics.refusals == []
+
+
+def test_with_no_group_to_come_the_refusal_is_immediate_by_default():
+    wire = Wire([{"type": "start"}])
+    t0 = time.monotonic()
+    _, phases, _ = live(wire, Groups(Lease([30.0, admitted("g1")]),
+                                     growth=Growth(running=2, starting=0, max_groups=2)),
+                        dataclasses.replace(SETTINGS, admission_wait_s=0.0))
+    assert time.monotonic() - t0 < 2.0                         # the first tick (0.5 s) saw no group could come
+    assert phases == [Phase.ADMITTING, Phase.ENDED] and wire.log[-1] == ("close", ErrorCode.CAPACITY_EXHAUSTED,
+                                                                         CLOSE_TRY_AGAIN)
+
+
+def test_the_queue_wait_is_bounded_and_a_deployment_that_stops_growing_refuses():
+    wire = Wire([{"type": "start"}])
+    settings = dataclasses.replace(SETTINGS, max_queue_wait_s=1.0)
+    t0 = time.monotonic()
+    live(wire, Groups(Lease([30.0, admitted("g1")]), growth=Growth(1, 1, 2, 20.0)), settings)
+    assert 1.0 <= time.monotonic() - t0 < 3.0 and wire.log[-1][1] == ErrorCode.CAPACITY_EXHAUSTED
+    # a group was starting, then its start failed at max_groups: refused admission_wait_s (0.5 s) after that
+    wire = Wire([{"type": "start"}])
+    flip = time.monotonic() + 1.0
+    groups = Groups(Lease([30.0, admitted("g1")]),
+                    growth=lambda now: Growth(1, 1, 2, 20.0) if now < flip else Growth(2, 0, 2, 20.0))
+    live(wire, groups)
+    assert flip + 0.5 <= time.monotonic() < flip + 2.0 and wire.log[-1][1] == ErrorCode.CAPACITY_EXHAUSTED

@@ -1,0 +1,83 @@
+"""Admission, the second phase of a session's life (life.py): hold a lease on a group, waiting in the ingress's
+queue while every group is full (docs/architecture.md, "A session's life" and "Autoscaling on the queue").
+
+A lease call that a full deployment holds back (Serve queues it at the handle, where the autoscaler counts it)
+and a group that answers full both mean waiting. Every WAIT_TICK_S of it the session asks whether it may wait
+on (a group may still come, or admission_wait_s has not passed since none can) and tells its client its place
+and the estimate when they changed. `SessionLife` takes these methods; they use its wire, groups, settings,
+room and send lock.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .codes import RETRYABLE, ErrorCode
+from .events import Admitted, SessionFailed, SessionRequest
+from .waiting import may_wait
+
+WAIT_TICK_S = 0.5            # a waiting session's client is told its place this often (when it changed)
+
+
+class Admission:
+    async def admit(self, request: SessionRequest, wait_s: float, queue: bool = False):
+        """Hold a lease on a group for the session: the Admitted event, or the last refusal (None: no answer)
+        within wait_s. A group that is full, failed or gone is tried again until the time is up; with `queue`
+        the session waits in the waiting room meanwhile, its client told its place and an estimate."""
+        if not queue:
+            return await self._lease_within(request, wait_s)
+        self.room.join(self.session_id)
+        self.stuck_since = None
+        answer = None
+        try:
+            answer = await self._lease_within(request, wait_s, self._queued_tick)
+            return answer
+        finally:
+            self.room.leave(self.session_id, admitted=isinstance(answer, Admitted) and self.told is not None)
+
+    async def _queued_tick(self) -> bool:
+        """One tick of waiting in the queue: False once no group can come and admission_wait_s has passed since
+        (the refusal is then immediate by default); otherwise the client is told its place and the estimate,
+        when they changed since it was last told."""
+        growth = await self.groups.growth()
+        now = time.monotonic()
+        self.stuck_since = None if growth.can_grow else (self.stuck_since or now)
+        if not may_wait(growth, now - self.stuck_since if self.stuck_since else None, self.settings.admission_wait_s):
+            return False
+        position = self.room.position(self.session_id)
+        told = (position, self.room.eta_s(position, now, growth, self.session_id))
+        if position and told != self.told:
+            self.told = told
+            async with self.send_lock:
+                await self.wire.send(self.wire.queued_message(*told))
+        return True
+
+    async def _lease_within(self, request: SessionRequest, wait_s: float, waiting=None):
+        """The admission loop. A lease call that a full deployment holds back (Serve queues it while every group
+        is at its limit) or a group that answers full both mean waiting: `waiting()` is called every
+        WAIT_TICK_S of it (the client is told; False ends the wait), and a refused try is made again."""
+        deadline = time.monotonic() + wait_s
+        answer = None
+        while True:
+            self.lease = self.groups.lease(request)
+            first = asyncio.ensure_future(self.lease.__anext__())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({first}, timeout=min(WAIT_TICK_S, max(deadline - time.monotonic(),
+                                                                                      0.01)))
+                    if done:
+                        break
+                    if time.monotonic() >= deadline or (waiting is not None and not await waiting()):
+                        first.cancel()
+                        return answer
+                answer = first.result()
+            except Exception as e:                        # the replica died under the call
+                answer = SessionFailed(ErrorCode.GROUP_UNAVAILABLE, f"the group's replica is gone ({type(e).__name__})")
+            if isinstance(answer, Admitted):
+                return answer
+            self.lease.cancel()
+            if answer.code not in RETRYABLE or time.monotonic() >= deadline:
+                return answer
+            if waiting is not None and not await waiting():
+                return answer
+            await asyncio.sleep(min(WAIT_TICK_S, max(deadline - time.monotonic(), 0)))

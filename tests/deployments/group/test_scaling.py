@@ -1,0 +1,51 @@
+"""The groups the deployment asks for: the policy Serve's autoscaler runs, called through Ray's own wrapper
+(bounds, delays) with Ray's own AutoscalingContext, as the controller calls it."""
+import pytest
+from ray.serve._private.autoscaling_state import _resolve_policy_callable
+from ray.serve._private.common import DeploymentID
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from deployments.app import group_autoscaling
+from deployments.group.scaling import GroupScaling, wanted_groups
+from deployments.settings import ServeSettings
+
+
+def context(config: AutoscalingConfig, sessions: float, replicas: int) -> AutoscalingContext:
+    return AutoscalingContext(
+        deployment_id=DeploymentID("WorldGroup", "lingbot"), deployment_name="WorldGroup", app_name="lingbot",
+        current_num_replicas=replicas, target_num_replicas=replicas, running_replicas=[],
+        total_num_requests=sessions, total_queued_requests=None, aggregated_metrics=None, raw_metrics=None,
+        capacity_adjusted_min_replicas=config.min_replicas, capacity_adjusted_max_replicas=config.max_replicas,
+        policy_state={}, last_scale_up_time=None, last_scale_down_time=None, current_time=None, config=config)
+
+
+def decide(settings: ServeSettings, sessions: float, replicas: int) -> int:
+    """One control-loop decision on the app's own autoscaling config (no delay: the decision itself)."""
+    config = AutoscalingConfig(**{**group_autoscaling(settings, settings.sessions_per_group()),
+                                  "upscale_delay_s": 0.0, "downscale_delay_s": 0.0})
+    policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+    groups, _ = policy(context(config, sessions, replicas))
+    return min(max(groups, config.min_replicas), config.max_replicas)
+
+
+def test_a_burst_asks_for_a_group_per_capacity_of_sessions_up_to_max_groups():
+    s = ServeSettings(max_sessions_per_group=2, min_groups=1, max_groups=4)
+    # running + queued sessions (a waiting session's lease call is queued at the handle) -> groups
+    assert [decide(s, n, replicas=1) for n in (0, 1, 2, 3, 4, 5, 8, 20)] == [1, 1, 1, 2, 2, 3, 4, 4]
+    assert decide(s, 4, replicas=2) == 2 and decide(s, 1, replicas=3) == 1      # and down when they end
+
+
+def test_spare_groups_keep_free_groups_beyond_the_sessions():
+    s = ServeSettings(max_sessions_per_group=2, min_groups=1, max_groups=8, spare_groups=1)
+    assert [decide(s, n, replicas=2) for n in (0, 1, 2, 3, 4)] == [1, 2, 2, 3, 3]
+    assert ServeSettings(device="cuda", rank_devices=1).headroom_groups == 1     # the default on accelerators
+    assert ServeSettings().headroom_groups == 0                                     # and on cpu
+
+
+def test_the_policy_refuses_nonsense_at_deploy_time():
+    assert wanted_groups(4.000001, 2, 0) == 2              # a float sum of metrics that is 4 is 2 groups
+    with pytest.raises(ValueError, match="capacity 0 must be >= 1"):
+        GroupScaling(capacity=0)
+    with pytest.raises(ValueError, match="spare_groups -1"):
+        GroupScaling(capacity=2, spare_groups=-1)
