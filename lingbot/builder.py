@@ -2,9 +2,9 @@
 preset's seeded random weights), then parallelism (Ulysses DiT, width-sharded Wan decoder, the tiny decoder
 on the root) when a `comm` of more than one rank is given, then the runtime objects that use them.
 
-Frame decoders: "wan" (the Wan VAE's decoder, exact) and "tae" (the tiny autoencoder for the same latents,
-approximate and ~25x cheaper; lingbot/models/tae.py). A pipeline loads one or both; its sessions pick
-among the loaded ones (WorldPipeline.new_session(decoder=...)).
+Frame decoders: "wan" (the Wan VAE's decoder, the reference) and "tae" (the tiny autoencoder for the same
+latents, approximate, 25x fewer FLOPs per chunk; lingbot/models/tae.py). A pipeline loads one or both; its
+sessions pick among the loaded ones (WorldPipeline.new_session(decoder=...)).
 """
 from __future__ import annotations
 

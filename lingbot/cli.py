@@ -189,7 +189,7 @@ def cmd_decode(args) -> None:
 def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoder", default="wan", choices=DECODERS,
                    help="latents -> pixels: wan (the Wan VAE's decoder, exact) or tae (the tiny autoencoder, "
-                        "approximate, ~25x fewer FLOPs)")
+                        "approximate, 25x fewer FLOPs)")
     p.add_argument("--tae-path", default=None,
                    help="the tiny decoder's weights: taew2_1.pth or taew2_1.safetensors (github.com/madebyollin/"
                         "taehv); random-weight presets use random ones without it")

@@ -140,7 +140,7 @@ class TinyFrameDecoder:
     def __init__(self, tae: TinyDecoder):
         self.tae = tae
 
-    def decode(self, latents: Tensor, cache: CausalCache) -> Optional[Tensor]:
+    def decode(self, latents: Tensor, cache: CausalCache) -> Tensor:
         """Normalised latents [C, t, h, w] -> pixels [3, T, H, W] in [-1, 1]."""
         return self.tae.decode(latents[None], cache)[0]
 

@@ -5,7 +5,7 @@ them without asking anyone: no collective at all, and no pixel gather (the frame
 where the muxer reads them). The other ranks skip the decode and go on to the next chunk's DiT work (they
 wait at its first collective anyway). Width sharding, as the Wan decoder does it, would add a halo
 exchange at each of the 32 3x3 convolutions of a latent frame step (96 per chunk) and a pixel gather, to
-split a decode that costs ~25x less than the Wan decoder's (docs/architecture.md, "The tiny decoder").
+split a decode of 25x fewer FLOPs than the Wan decoder's (docs/architecture.md, "The tiny decoder").
 
 Pixel modes: the root modes (root_float, root_uint8_allgather, root_uint8_p2p) are one and the same here,
 the root's frames; `native` (every rank ends with the frames) makes every rank decode the same latents
