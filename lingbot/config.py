@@ -365,8 +365,8 @@ PRESETS: dict[str, Preset] = {
         text=TextEncoderConfig(max_length=512, vocab_size=259, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                num_heads=4),
         vae=VAEConfig(base_dim=8), height=64, width=112, dtype="float32", weights_seed=0,
-        # the tiny decoder narrowed as the VAE is (96 -> 8, 1/12): the two decoders' FLOP ratio stays the
-        # real dims' (25x per chunk; perf/decode_time.py)
+        # the tiny decoder narrowed as the VAE is (96 -> 8, 1/12): the two decoders' FLOP ratio stays near the
+        # real dims' (24x per chunk here, 25x at 480x832; perf/decode_time.py)
         tae=TAEConfig(channels=(21, 11, 5, 5)),
         description="same architecture, small dims, random weights: CPU tests and the embedded default"),
 }
