@@ -1,7 +1,7 @@
 """Decode time per chunk, the Wan decoder against the tiny one (TAEHV taew2_1), side by side in one run, at the
 tiny preset's size (its narrowed decoders) and at 480x832 (the real decoders' dims, random weights).
 
-    python -m perf.decode_time [--device cpu] [--steps 6] [--wan-columns 8] [--tae-columns 0]
+    python -m perf.decode_time [--device cpu] [--threads N] [--steps 24] [--wan-columns 8] [--tae-columns 0]
 
 Both decoders run one latent frame per step (a steady chunk is 3 identical steps: lingbot/models/vae.py and
 tae.py), so a steady chunk costs 3 steady steps; the script times steady steps (after the stream's first
@@ -78,8 +78,11 @@ def time_steps(model, latent_hw: tuple[int, int], steps: int, device: torch.devi
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default torch's); on cores shared with other work 1 is the steady figure: the "
+                        "tiny decoder's many small kernels wait at every thread barrier for a descheduled thread")
     p.add_argument("--sizes", default="tiny,480x832", help=f"comma-separated of {list(SIZES)}")
-    p.add_argument("--steps", type=int, default=6, help="steady latent-frame steps timed at the tiny size")
+    p.add_argument("--steps", type=int, default=24, help="steady latent-frame steps timed at the tiny size")
     p.add_argument("--big-steps", type=int, default=1, help="steady steps timed at 480x832")
     p.add_argument("--wan-columns", type=int, default=None,
                    help="latent columns the Wan decoder decodes at 480x832 (0: the full width; default 8 on cpu, "
@@ -87,6 +90,8 @@ def main(argv=None) -> None:
     p.add_argument("--tae-columns", type=int, default=0, help="the same for the tiny decoder (default the full width)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     wan_columns = args.wan_columns if args.wan_columns is not None else (8 if device.type == "cpu" else 0)
     frames = get_preset("tiny").transformer.num_frames_per_block
     print(f"decode per steady chunk ({frames} latent frames) on {device}, {torch.get_num_threads()} threads, "
