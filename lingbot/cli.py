@@ -2,8 +2,11 @@
 
     lingbot presets                                   list the model presets
     lingbot write-checkpoint DIR [--preset tiny]      a random checkpoint in the real folder layout
-    lingbot generate --image I --prompt P -o out.mp4  image + prompt + key script -> H.264 MP4
+    lingbot generate --image I --prompt P -o out.mp4  image + prompt + key script -> H.264 MP4 (.npy: uint8 frames)
         [--dtype bfloat16]                            ... with the DiT in another dtype than the preset's
+        [--decoder tae --tae-path taew2_1.pth]        ... decoded by the tiny autoencoder
+        [--save-latents L.npy]                        ... and the session's latents, to decode again
+    lingbot decode --decoder wan|tae --latents L.npy -o out.mp4   saved latents -> frames, chunk by chunk
     lingbot trajectory --keys "w,wd,,i" [--json]      what the model receives for a key script
     lingbot trajectory --poses P.npy --intrinsics K.npy   ... for an offline camera path
 """
@@ -15,7 +18,7 @@ import math
 import sys
 from typing import Optional
 
-from .config import DTYPE_NAMES, LINGBOT_GEOMETRY, PRESETS, ConfigError
+from .config import DECODERS, DTYPE_NAMES, LINGBOT_GEOMETRY, PRESETS, ConfigError
 from .parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
 log = logging.getLogger("lingbot")
@@ -93,16 +96,19 @@ def positive_int(text: str) -> int:
 
 
 def _generate(comm, args) -> int:
-    """Generate on one rank (comm None: in process); rank 0 writes the MP4 and shows progress."""
+    """Generate on one rank (comm None: in process); rank 0 writes the frames (and the latents) and shows
+    progress."""
     from pathlib import Path
 
+    import numpy as np
+    import torch
     from tqdm import tqdm
 
     from .builder import build_pipeline
     from .camera import CameraRig, Controls, parse_key_script
     from .config import get_preset
     from .io.images import load_image
-    from .io.video import H264Writer
+    from .io.video import open_frame_writer
     root = comm is None or comm.is_root
     preset = get_preset(args.preset)
     frames_per_chunk = preset.transformer.num_frames_per_block
@@ -111,26 +117,33 @@ def _generate(comm, args) -> int:
     controls = [Controls(keys=keys) for keys in parse_key_script(args.keys, chunks, frames_per_chunk)]
     image = load_image(args.image, preset.width, preset.height)
     pipeline = build_pipeline(preset, args.model_path, device=args.device, comm=comm, pixel_mode=args.pixel_mode,
-                              skip_fixed_point=not args.no_fixed_point_skip, compile=args.compile, dtype=args.dtype)
+                              skip_fixed_point=not args.no_fixed_point_skip, compile=args.compile, dtype=args.dtype,
+                              decoder=args.decoder, tae_path=args.tae_path)
     session = pipeline.new_session(image, args.prompt, seed=args.seed,
                                    rig=CameraRig.default(preset.width, preset.height, offline))
-    writer = None
+    writer, latents = None, []
     if root:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        writer = H264Writer(out, preset.width, preset.height, args.fps)
+        writer = open_frame_writer(out, preset.width, preset.height, args.fps)
     with tqdm(total=chunks, unit="chunk", desc="generating", file=sys.stderr, disable=not root) as bar:
         for chunk_controls in controls:
-            chunk = session.step(chunk_controls)
+            chunk = session.step(chunk_controls, keep_latents=args.save_latents is not None)
             if writer is not None:
                 writer.write(chunk.frames.cpu().numpy())
                 bar.set_postfix(frames=writer.frames_written)
+                if args.save_latents is not None:
+                    latents.append(chunk.latents.float().cpu())
             bar.update()
     if writer is None:
         return 0
     writer.close()
     sp = f", SP-{comm.world_size} {args.pixel_mode}" if comm is not None else ""
-    print(f"wrote {writer.frames_written} frames ({preset.width}x{preset.height}, {args.fps} fps{sp}) to {args.output}")
+    print(f"wrote {writer.frames_written} frames ({preset.width}x{preset.height}, {args.fps} fps{sp}, "
+          f"{args.decoder} decoder) to {args.output}")
+    if args.save_latents is not None:                       # NCTHW float32, the chunks concatenated on T
+        np.save(args.save_latents, torch.cat(latents, dim=1)[None].numpy())
+        print(f"wrote the latents of {chunks} chunks to {args.save_latents}")
     return writer.frames_written
 
 
@@ -142,6 +155,44 @@ def cmd_generate(args) -> None:
     if args.device != "cpu":
         raise ValueError("--sp > 1 launches local CPU ranks; on GPUs run the Ray Serve app (deployments/)")
     run_local(_generate, args.sp, args, timeout_s=args.timeout)
+
+
+def cmd_decode(args) -> None:
+    """Saved latents (NCTHW float32, `generate --save-latents`) -> frames, chunk by chunk as a session does."""
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from .builder import build_frame_decoder
+    from .config import get_preset
+    from .io.video import open_frame_writer
+    from .runtime.pipeline import decode_latents
+    preset = get_preset(args.preset)
+    latents = np.load(args.latents, allow_pickle=False)
+    z = preset.vae.z_dim
+    if latents.ndim != 5 or latents.shape[:2] != (1, z):
+        raise ValueError(f"latents {args.latents} must be NCTHW [1, {z}, T, h, w], got {list(latents.shape)}")
+    decoder = build_frame_decoder(preset, args.decoder, args.model_path, args.tae_path, device=args.device)
+    stride = preset.vae.spatial_stride
+    height, width = latents.shape[3] * stride, latents.shape[4] * stride
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = open_frame_writer(out, width, height, args.fps)
+    x = torch.from_numpy(latents[0]).to(args.device, torch.float32)
+    for frames in decode_latents(decoder, x, preset.transformer.num_frames_per_block):
+        writer.write(frames.cpu().numpy())
+    writer.close()
+    print(f"wrote {writer.frames_written} frames ({width}x{height}, {args.decoder} decoder) to {args.output}")
+
+
+def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decoder", default="wan", choices=DECODERS,
+                   help="latents -> pixels: wan (the Wan VAE's decoder, exact) or tae (the tiny autoencoder, "
+                        "approximate, 25x fewer FLOPs)")
+    p.add_argument("--tae-path", default=None,
+                   help="the tiny decoder's weights: taew2_1.pth or taew2_1.safetensors (github.com/madebyollin/"
+                        "taehv); random-weight presets use random ones without it")
 
 
 def add_trajectory_arguments(p: argparse.ArgumentParser) -> None:
@@ -199,8 +250,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pixel-mode", default=DEFAULT_PIXEL_MODE, choices=PIXEL_MODES,
                    help="how decoded pixels reach rank 0 under --sp")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout (s) under --sp")
-    p.add_argument("-o", "--output", required=True, help="output .mp4")
+    add_decoder_arguments(p)
+    p.add_argument("--save-latents", default=None,
+                   help="also write the session's latents to this .npy (NCTHW float32, the DiT's normalised output, "
+                        "the chunks concatenated on T) for `lingbot decode`")
+    p.add_argument("-o", "--output", required=True, help="output .mp4 (H.264), or .npy for the exact uint8 frames")
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("decode", help="saved latents (generate --save-latents) -> .mp4 or .npy frames, decoded "
+                                      "chunk by chunk as a session decodes them")
+    p.add_argument("--latents", required=True, help=".npy of NCTHW float32 latents [1, 16, T, h, w]")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="the model the latents came from: its chunk length and random weights")
+    p.add_argument("--model-path", default=None, help="with --decoder wan: the model folder whose vae/ decodes")
+    add_decoder_arguments(p)
+    p.add_argument("--fps", type=float, default=16.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("-o", "--output", required=True, help="output .mp4 (H.264), or .npy for the exact uint8 frames")
+    p.set_defaults(func=cmd_decode)
     return parser
 
 

@@ -208,6 +208,20 @@ class VAEConfig:
 
 
 @dataclass(frozen=True)
+class TAEConfig:
+    """The tiny autoencoder's decoder (lingbot/models/tae.py): the widths of its conv-in and three stages and
+    its latent channels. The defaults are the published `taew2_1` file's; a random-weight preset narrows the
+    widths as it narrows the VAE. Time and space strides are fixed (4 and 8, the Wan 2.1 VAE's)."""
+    latent_channels: int = 16
+    channels: tuple[int, int, int, int] = (256, 128, 64, 64)
+
+    def __post_init__(self):
+        object.__setattr__(self, "channels", tuple(self.channels))
+        if len(self.channels) != 4 or min(self.channels) < 1:
+            raise ConfigError(f"TAE channels {list(self.channels)} must be 4 positive widths")
+
+
+@dataclass(frozen=True)
 class ChunkGeometry:
     """Frames per chunk. A chunk is `latent_frames` latent frames; the VAE gives `temporal_stride` pixel
     frames per latent frame, except the first latent frame of a clip, which gives one. For LingBot-World:
@@ -251,10 +265,14 @@ class Preset:
     vae_dtype: str = "float32"
     weights_seed: Optional[int] = None  # random-weight presets: the seed of their weights
     description: str = ""
+    tae: TAEConfig = TAEConfig()        # the tiny decoder (used when a pipeline loads it)
 
     def __post_init__(self):
         if self.height % 16 or self.width % 16:
             raise ConfigError(f"preset {self.name}: size {self.width}x{self.height} must be divisible by 16")
+        if self.tae.latent_channels != self.vae.z_dim:
+            raise ConfigError(f"preset {self.name}: the tiny decoder's {self.tae.latent_channels} latent channels "
+                              f"must be the VAE's z_dim {self.vae.z_dim}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -289,6 +307,19 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+# frame decoders a pipeline may load (lingbot/builder.py): the Wan VAE's, and the tiny autoencoder's
+DECODERS = ("wan", "tae")
+
+
+def tae_dtype(device: torch.device | str) -> torch.dtype:
+    """The tiny decoder's dtype on `device`: float32 on the CPU, bfloat16 on accelerators. Against float32,
+    on random weights at the published file's widths over 8 chunks, bf16 differs by at most 0.026 in [-1, 1]
+    (3 uint8 levels), 0.0034 on average (under half a level), with no growth from chunk to chunk: each
+    frame sees a bounded past (one frame per memory block), so rounding cannot compound
+    (tests/lingbot/models/test_tae.py holds it to 0.05 max, 0.01 mean)."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
 def with_dtype(preset: Preset, dtype: Optional[str | torch.dtype]) -> Preset:
@@ -334,6 +365,9 @@ PRESETS: dict[str, Preset] = {
         text=TextEncoderConfig(max_length=512, vocab_size=259, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                num_heads=4),
         vae=VAEConfig(base_dim=8), height=64, width=112, dtype="float32", weights_seed=0,
+        # the tiny decoder narrowed as the VAE is (96 -> 8, 1/12): the two decoders' FLOP ratio stays near the
+        # real dims' (24x per chunk here, 25x at 480x832; perf/decode_time.py)
+        tae=TAEConfig(channels=(21, 11, 5, 5)),
         description="same architecture, small dims, random weights: CPU tests and the embedded default"),
 }
 

@@ -94,6 +94,30 @@ class H264Writer:
         self.container.close()
 
 
+class NpyFrameWriter:
+    """Collects uint8 RGB frames [F, H, W, 3] and saves them, exact, as one .npy array when closed (the
+    lossless output of `lingbot generate` and `lingbot decode`, for comparing decoders bit for bit)."""
+
+    def __init__(self, target: Union[str, Path]):
+        self.target = Path(target)
+        self.parts: list[np.ndarray] = []
+        self.frames_written = 0
+
+    def write(self, frames: np.ndarray) -> None:
+        self.parts.append(np.asarray(frames, dtype=np.uint8))
+        self.frames_written += len(frames)
+
+    def close(self) -> None:
+        np.save(self.target, np.concatenate(self.parts) if self.parts else np.zeros((0, 0, 0, 3), np.uint8))
+
+
+def open_frame_writer(target: Union[str, Path], width: int, height: int, fps: float) -> H264Writer | NpyFrameWriter:
+    """A writer of uint8 frames by the file's extension: `.npy` (the exact frames), any other an H.264 MP4."""
+    if Path(target).suffix.lower() == ".npy":
+        return NpyFrameWriter(target)
+    return H264Writer(target, width, height, fps)
+
+
 def read_frames(source: Union[str, Path, bytes]) -> np.ndarray:
     """Decode every frame of an MP4 (path or bytes) to uint8 RGB [F, H, W, 3]."""
     target = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else str(source)

@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..config import ConfigError, Preset, TextEncoderConfig, TransformerConfig, VAEConfig, parse_dtype
+from ..config import ConfigError, Preset, TAEConfig, TextEncoderConfig, TransformerConfig, VAEConfig, parse_dtype
 from ..models.dit import CausalWanModel
+from ..models.tae import TinyDecoder
 from ..models.text_encoder import TextEncoder
 from ..models.vae import WanVAE
 
@@ -219,6 +220,84 @@ def load_vae(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     vae.latents_mean = torch.tensor(cfg.latents_mean, device=device).view(1, -1, 1, 1, 1)
     vae.latents_inv_std = 1.0 / torch.tensor(cfg.latents_std, device=device).view(1, -1, 1, 1, 1)
     return vae.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the tiny decoder: one file, taew2_1.pth or safetensors/taew2_1.safetensors of madebyollin/taehv
+# ---------------------------------------------------------------------------------------------------
+TAE_SUFFIXES = (".pth", ".pt", ".safetensors")
+
+
+def build_random_tae(cfg: TAEConfig, seed: int, dtype: torch.dtype = torch.float32, device="cpu") -> TinyDecoder:
+    """The tiny decoder with seeded random weights (the global RNG is not touched). PyTorch's default init
+    makes the signal vanish through its ReLU stack (the frames come out flat), so convs get He-uniform
+    bounds sqrt(6 / fan_in), the last conv of each memory block's branch a quarter of it (the residual sum
+    stays bounded), the RGB conv 0.1 / sqrt(fan_in) with its bias at 0.5: frames with texture, mostly inside
+    [0, 1], which the streaming and dtype tests need to mean anything."""
+    with torch.device("meta"):
+        model = TinyDecoder(cfg)
+    model = model.to_empty(device="cpu")                 # every tensor is drawn below, from `seed` alone
+    rgb = f"decoder.{len(model.decoder) - 1}."
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.uniform_(-0.02, 0.02, generator=generator)
+                if name.startswith(rgb):
+                    param.add_(0.5)
+                continue
+            fan_in = param[0].numel()
+            bound = 0.1 / math.sqrt(fan_in) if name.startswith(rgb) else math.sqrt(6.0 / fan_in)
+            param.uniform_(-bound, bound, generator=generator)
+            if name.endswith("conv.4.weight"):
+                param.mul_(0.25)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def read_tae_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a tiny-autoencoder file, on the CPU: a `.pth` through torch.load(weights_only=True)
+    (no pickled code runs), or a `.safetensors`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tiny decoder weights {path} do not exist (taew2_1.pth or taew2_1.safetensors "
+                                "from github.com/madebyollin/taehv)")
+    if path.suffix not in TAE_SUFFIXES:
+        raise WeightsError(f"tiny decoder weights {path}: expected one of {list(TAE_SUFFIXES)}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(f"{path} is not a state dict of tensors")
+    return state
+
+
+def load_tae(path: str | Path, cfg: Optional[TAEConfig] = None, dtype: torch.dtype = torch.float32,
+             device="cpu") -> TinyDecoder:
+    """Strictly load the tiny decoder from a TAEHV-family file. The file holds the whole autoencoder: its
+    `decoder.*` keys are our module names as they are; its `encoder.*` keys are set aside (the engine never
+    encodes with it). Any other key, a missing decoder key or a shape that differs is a WeightsError naming
+    the key."""
+    state = read_tae_file(path)
+    with torch.device("meta"):
+        model = TinyDecoder(cfg or TAEConfig())
+    expected = model.state_dict()
+    decoder = {k: v for k, v in state.items() if not k.startswith("encoder.")}
+    missing = sorted(set(expected) - set(decoder))
+    unknown = sorted(set(decoder) - set(expected))
+    for kind, keys in (("is missing", missing), ("has unknown", unknown)):
+        if keys:
+            raise WeightsError(f"tiny decoder file {path} {kind} key {keys[0]!r}"
+                               + (f" (and {len(keys) - 1} more: {keys[1:6]})" if len(keys) > 1 else ""))
+    for name, tensor in decoder.items():
+        if tensor.shape != expected[name].shape:
+            raise WeightsError(f"key {name!r} has shape {list(tensor.shape)} in {path}, the tiny decoder "
+                               f"expects {list(expected[name].shape)}")
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in decoder.items()}, strict=True,
+                          assign=True)
+    log.info("loaded the tiny decoder (%d tensors, %d encoder tensors set aside) from %s", len(decoder),
+             len(state) - len(decoder), path)
+    return model.eval().requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------------------------------

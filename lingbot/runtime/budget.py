@@ -11,11 +11,13 @@ the CUDA graphs' static input buffers (one set of graphs serves every session).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import Preset, parse_dtype
+from ..config import Preset, parse_dtype, tae_dtype
+from ..models.tae import TinyDecoder
 from ..models.vae import CausalCache, WanVAE
 from .condition import CONDITION_CACHE_CHUNKS, CONDITION_CACHE_IMAGES
 from .dit_runner import PROMPT_CACHE_SIZE
@@ -27,7 +29,7 @@ class SessionFootprint:
     """What one session holds on a rank between its chunks."""
     kv_window: int             # self-attention K/V slab, this rank's heads
     text_kv: int               # cross-attention K/V of one prompt (replicated on every rank)
-    decoder_cache: int         # VAE decoder causal-conv cache, this rank's columns
+    decoder_cache: int         # frame-decoder cache: the Wan decoder's (this rank's columns) or the tiny one's
     condition_cache: int       # condition-encoder cache (freed at the fixed point)
     condition_history: int     # the chunk latents kept until the fixed point (for the cross-session cache)
 
@@ -47,6 +49,17 @@ def _vae_cache_bytes(preset: Preset, latent_width: int, dtype: torch.dtype) -> t
     return decoder.nbytes(), encoder.nbytes()
 
 
+def _tae_cache_bytes(preset: Preset, dtype: torch.dtype) -> int:
+    """The tiny decoder's cache: one frame per memory block at its stage's size, whole width (it runs on the
+    root alone under SP, lingbot/parallel/root_decode.py); full after the first latent frame."""
+    lh, lw = preset.latent_hw
+    with torch.device("meta"):
+        tae = TinyDecoder(preset.tae).to(dtype)
+        cache = CausalCache()
+        tae.decode(torch.zeros(1, preset.tae.latent_channels, 1, lh, lw), cache)
+    return cache.nbytes()
+
+
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -56,15 +69,19 @@ def rank_tokens(preset: Preset, world_size: int = 1) -> int:
     return math.ceil(preset.transformer.num_frames_per_block * preset.tokens_per_frame / world_size)
 
 
-def session_footprint(preset: Preset, world_size: int = 1) -> SessionFootprint:
+def session_footprint(preset: Preset, world_size: int = 1, decoders: Sequence[str] = ("wan",),
+                      device: torch.device | str = "cpu") -> SessionFootprint:
+    """`decoders`: the frame decoders the pipeline loaded; a session may pick any, so the largest cache is
+    counted. `device`: where the ranks run (the tiny decoder's dtype depends on it, config.tae_dtype)."""
     cfg = preset.transformer
     dtype = preset.torch_dtype
     esize = _esize(dtype)
     heads = cfg.num_attention_heads // world_size
     kv = KVWindow.nbytes_for(cfg, preset.tokens_per_frame, heads, dtype)
     text = (2 * cfg.num_layers * cfg.dim + cfg.text_dim) * preset.text.max_length * esize    # K/V + embedding
-    decoder, condition = _vae_cache_bytes(preset, math.ceil(preset.latent_hw[1] / world_size),
-                                          parse_dtype(preset.vae_dtype))
+    wan, condition = _vae_cache_bytes(preset, math.ceil(preset.latent_hw[1] / world_size),
+                                      parse_dtype(preset.vae_dtype))
+    decoder = max(wan if name == "wan" else _tae_cache_bytes(preset, tae_dtype(device)) for name in decoders)
     history = CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
     # the condition encoder's cache is on rank 0 only under SP (lingbot/parallel/condition.py): counted on
     # every rank, since the group admits what its fullest rank holds
@@ -142,10 +159,11 @@ class SnapshotFootprint:
         return self.kept * self.kv_slot + self.state
 
 
-def snapshot_footprint(preset: Preset, world_size: int = 1) -> SnapshotFootprint:
+def snapshot_footprint(preset: Preset, world_size: int = 1, decoders: Sequence[str] = ("wan",),
+                       device: torch.device | str = "cpu") -> SnapshotFootprint:
     cfg = preset.transformer
     esize = _esize(preset.torch_dtype)
-    footprint = session_footprint(preset, world_size)
+    footprint = session_footprint(preset, world_size, decoders, device)
     slot = footprint.kv_window // cfg.window_chunks
     # the condition: its fixed point, or up to CONDITION_CACHE_CHUNKS replayed chunks of a first frame seen before
     state = footprint.decoder_cache + cfg.text_dim * preset.text.max_length * esize \
@@ -181,8 +199,10 @@ def group_capacity(budget_bytes: int, footprint: SessionFootprint, max_sessions:
 
 
 def sessions_that_fit(preset: Preset, world_size: int, budget_bytes: int, max_sessions: int,
-                      cuda_graphs: bool = False) -> int:
+                      cuda_graphs: bool = False, decoders: Sequence[str] = ("wan",),
+                      device: torch.device | str = "cpu") -> int:
     """Sessions one group admits: what is left of a rank's budget after what the rank holds once (shared
     caches, the running chunk's camera modulation, the graphs' static buffers), per session."""
     held_once = rank_footprint(preset, world_size, cuda_graphs).total
-    return group_capacity(budget_bytes - held_once, session_footprint(preset, world_size), max_sessions)
+    return group_capacity(budget_bytes - held_once, session_footprint(preset, world_size, decoders, device),
+                          max_sessions)

@@ -152,9 +152,11 @@ class RankLifecycle:
         preset = self.pipeline.preset
         if budget_bytes is None and self.memory is None:
             budget_bytes = CPU_BUDGET_BYTES
+        decoders = tuple(self.pipeline.decoders)
         if budget_bytes is not None:
-            return sessions_that_fit(preset, self.world_size, budget_bytes, max_sessions, self.cuda_graphs)
-        return measured_capacity(self.memory, session_footprint(preset, self.world_size).total,
+            return sessions_that_fit(preset, self.world_size, budget_bytes, max_sessions, self.cuda_graphs,
+                                     decoders, self.device)
+        return measured_capacity(self.memory, session_footprint(preset, self.world_size, decoders, self.device).total,
                                  shared_cache_bytes(preset), max_sessions)
 
 

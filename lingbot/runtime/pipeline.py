@@ -4,14 +4,18 @@ A `WorldSession` owns a DiT session (its K/V window, camera, RNG), the causal co
 VAE decoder cache. One `step()` = condition encode + 4 probes + commit (the DiT session) + streaming
 decode to uint8 frames on the device (chunk 0 gives 9 frames, every later chunk 12). The pipeline runs
 the same code on one device and on every rank of a sequence-parallel group: parallelism lives in the
-modules it is given (the DiT, the frame decoder), never here. A session's state between chunks, all but
+modules it is given (the DiT, the frame decoders), never here. A session's state between chunks, all but
 its K/V window's slots, is one `state_dict` (what snapshot.py copies to the host) and `load_state`.
+
+A pipeline holds one or more frame decoders by name ("wan": the Wan VAE; "tae": the tiny autoencoder,
+lingbot/models/tae.py); each session picks one when it is made and keeps it for its life (its decoder
+cache is that decoder's).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 import numpy as np
 import torch
@@ -25,24 +29,51 @@ from .condition import CausalConditionEncoder, ChunkEncoder, ConditionCache
 from .dit_runner import ChunkResult, DiTRunner, StageTimer
 
 
+class ChunkDecoder(Protocol):
+    """A chunk's latents -> its uint8 frames in two timed stages (`vae.FrameDecoder`, `tae.TinyFrameDecoder`
+    and their sequence-parallel wrappers)."""
+
+    def decode(self, latents: Tensor, cache: CausalCache) -> Optional[Tensor]:
+        """Normalised latents [16, t, h, w] -> pixels in [-1, 1] (this rank's share; None: none here)."""
+
+    def to_frames(self, video: Optional[Tensor]) -> Optional[Tensor]:
+        """Pixels from `decode` -> uint8 frames [T, H, W, 3] (None on ranks that hold no frames)."""
+
+
+class DecoderNotLoaded(ValueError):
+    """A session asked for a decoder its pipeline did not load; the message names the loaded ones."""
+
+
 @dataclass
 class VideoChunk:
     index: int
     frames: Optional[Tensor]                         # [F, H, W, 3] uint8 on the device; None off-root under SP
     timings: dict[str, float] = field(default_factory=dict)
+    latents: Optional[Tensor] = None                 # [16, t, h, w] the DiT's normalised output (keep_latents)
 
 
 class WorldPipeline:
-    """DiT runner + VAE (the condition encoder) + frame decoder. Under sequence parallelism every rank runs
-    this with the DiT, the decoder and the condition encoder already wrapped (lingbot/builder.py); other
-    ranks than the root get chunks with frames=None in the root pixel modes."""
+    """DiT runner + VAE (the condition encoder) + frame decoders. Under sequence parallelism every rank runs
+    this with the DiT, the decoders and the condition encoder already wrapped (lingbot/builder.py); other
+    ranks than the root get chunks with frames=None in the root pixel modes.
+
+    `decoders`: the frame decoders by name, the first the sessions' default (None: `decoder`, or the Wan
+    decoder of `vae`, as "wan")."""
 
     def __init__(self, runner: DiTRunner, vae: WanVAE, skip_fixed_point: bool = True,
-                 decoder: Optional[FrameDecoder] = None, condition_cache: bool = True,
-                 condition_encoder: Optional[ChunkEncoder] = None):
+                 decoder: Optional[ChunkDecoder] = None, condition_cache: bool = True,
+                 condition_encoder: Optional[ChunkEncoder] = None,
+                 decoders: Optional[dict[str, ChunkDecoder]] = None):
         self.runner = runner
         self.vae = vae
-        self.decoder = decoder if decoder is not None else FrameDecoder(vae)
+        if decoders is not None and decoder is not None:
+            raise ValueError("give a pipeline `decoder` or `decoders`, not both")
+        if decoders is None:
+            decoders = {"wan": decoder if decoder is not None else FrameDecoder(vae)}
+        if not decoders:
+            raise ValueError("a pipeline needs at least one frame decoder")
+        self.decoders: dict[str, ChunkDecoder] = dict(decoders)
+        self.default_decoder = next(iter(self.decoders))
         # one chunk of the condition encoder: on this device, or once per group (lingbot/parallel/condition.py)
         self.condition_encoder = condition_encoder if condition_encoder is not None else ChunkEncoder(vae)
         self.skip_fixed_point = skip_fixed_point
@@ -53,26 +84,45 @@ class WorldPipeline:
     def preset(self):
         return self.runner.preset
 
+    @property
+    def decoder(self) -> ChunkDecoder:
+        """The default frame decoder (the first loaded)."""
+        return self.decoders[self.default_decoder]
+
+    def decoder_name(self, name: Optional[str] = None) -> str:
+        """`name` if this pipeline loaded it (None: the default); else DecoderNotLoaded."""
+        if name is None:
+            return self.default_decoder
+        if name not in self.decoders:
+            raise DecoderNotLoaded(f"decoder {name!r} is not loaded here; loaded: {list(self.decoders)}")
+        return name
+
     def new_session(self, image: Union[np.ndarray, Tensor], prompt: Optional[str], seed: int = 0,
                     rig: Optional[CameraRig] = None, flow_shift: Optional[float] = None,
-                    text_embedding: Optional[Tensor] = None) -> WorldSession:
+                    text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None) -> WorldSession:
         """`image`: the first frame at the preset's size, uint8 [H, W, 3] or float [3, H, W] in [-1, 1];
         `flow_shift`: the sampler's shift for this session (None: the preset's); `text_embedding`: a ready
-        encoder output [1, T, text_dim] instead of a prompt (a runner built without a text encoder)."""
+        encoder output [1, T, text_dim] instead of a prompt (a runner built without a text encoder);
+        `decoder`: the name of a loaded frame decoder (None: the default; else DecoderNotLoaded). Under
+        sequence parallelism every rank makes the session with the same arguments."""
+        name = self.decoder_name(decoder)
         image = model_image(image)
         h, w = self.preset.height, self.preset.width
         if tuple(image.shape) != (3, h, w):
             raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
-        return WorldSession(self, to_device(image, self.runner.device), prompt, seed, rig, flow_shift, text_embedding)
+        return WorldSession(self, to_device(image, self.runner.device), prompt, seed, rig, flow_shift, text_embedding,
+                            name)
 
 
 class WorldSession:
-    """One user's world: the DiT session, the condition encoder and the decoder cache."""
+    """One user's world: the DiT session, the condition encoder, its frame decoder and that decoder's cache."""
 
     def __init__(self, pipeline: WorldPipeline, image: Tensor, prompt: Optional[str], seed: int,
                  rig: Optional[CameraRig], flow_shift: Optional[float] = None,
-                 text_embedding: Optional[Tensor] = None):
+                 text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None):
         self.pipeline = pipeline
+        self.decoder_name = pipeline.decoder_name(decoder)
+        self.decoder = pipeline.decoders[self.decoder_name]
         self.condition = CausalConditionEncoder(pipeline.vae, image, pipeline.runner.config.num_frames_per_block,
                                                 pipeline.skip_fixed_point, pipeline.condition_cache,
                                                 pipeline.condition_encoder)
@@ -93,16 +143,20 @@ class WorldSession:
     def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
         """The session's state after its last chunk, but for its K/V window's slots (`dit.kv.slot_state`):
         the DiT session's, the condition encoder's and the decoder cache's (this rank's share of it), each
-        tensor through `copy`."""
+        tensor through `copy`, and the name of the decoder the cache belongs to."""
         if self.failed:
             raise ValueError(f"session failed ({self.failed}): its DiT and decoder are not at one chunk")
         return {"dit": self.dit.state_dict(copy), "condition": self.condition.state_dict(copy),
-                "decoder": self.decoder_cache.state_dict(copy)}
+                "decoder": self.decoder_cache.state_dict(copy), "decoder_name": self.decoder_name}
 
     def load_state(self, state: dict) -> None:
         """Continue from `state` (as `state_dict` gave it, from a session of the same pipeline, image, prompt,
         seed and flow shift, on the same rank of a group of the same size), its tensors on any device. The
-        K/V window is put back on its own (`dit.kv.load_slots`, up to the same chunk)."""
+        K/V window is put back on its own (`dit.kv.load_slots`, up to the same chunk). The session must use
+        the decoder the state's cache belongs to."""
+        if state.get("decoder_name") != self.decoder_name:
+            raise ValueError(f"a state of a session with the {state.get('decoder_name')!r} decoder cannot continue "
+                             f"a session with the {self.decoder_name!r} one")
         self.dit.load_state(state["dit"])
         self.condition.load_state(state["condition"])
         self.decoder_cache.load_state(state["decoder"], self.pipeline.runner.device)
@@ -110,25 +164,43 @@ class WorldSession:
 
     @torch.no_grad()
     def step(self, controls: Optional[Controls] = None, should_stop: Callable[[], bool] = lambda: False,
-             prompt: Optional[tuple[str, int]] = None, profile: bool = False) -> Optional[VideoChunk]:
+             prompt: Optional[tuple[str, int]] = None, profile: bool = False,
+             keep_latents: bool = False) -> Optional[VideoChunk]:
         """One chunk. A stopped or failed DiT chunk changes nothing lasting; a failure after it (decode,
         pixels) leaves the DiT one chunk ahead of the decoder, so the session is marked failed (reset() clears).
-        `profile` synchronises the device at stage boundaries (exact stage times, slower)."""
+        `profile` synchronises the device at stage boundaries (exact stage times, slower); `keep_latents`
+        returns the chunk's latents with its frames (to decode them again, `lingbot generate --save-latents`)."""
         if self.failed:
             raise RuntimeError(f"session failed earlier ({self.failed}); reset it")
         result = self.dit.run_chunk(controls, should_stop, prompt, profile)
         if result is None:
             return None
         try:
-            return self._decode(result, StageTimer(self.pipeline.runner.device, profile))
+            chunk = self._decode(result, StageTimer(self.pipeline.runner.device, profile))
+            if keep_latents:
+                chunk.latents = result.latents
+            return chunk
         except BaseException as e:
             self.failed = f"{type(e).__name__} while decoding chunk {result.index}"
             raise
 
     def _decode(self, result: ChunkResult, timer: StageTimer) -> VideoChunk:
-        decoder = self.pipeline.decoder
+        decoder = self.decoder
         video = decoder.decode(result.latents, self.decoder_cache)       # pixels in [-1, 1] (this rank's share)
         timer.mark("decode")
         frames = decoder.to_frames(video)                                 # uint8 [F, H, W, 3] (None off-root)
         timer.mark("pixels")
         return VideoChunk(result.index, frames, {**result.timings, **timer.timings})
+
+
+@torch.no_grad()
+def decode_latents(decoder: ChunkDecoder, latents: Tensor, latent_frames: int) -> Iterator[Tensor]:
+    """A session's saved latents [16, T, h, w] -> the uint8 frames [F, H, W, 3] of each chunk in turn, decoded
+    chunk by chunk with one fresh cache, as the session decoded them (`lingbot decode`). T must be whole
+    chunks of `latent_frames`."""
+    total = latents.shape[1]
+    if total == 0 or total % latent_frames:
+        raise ValueError(f"{total} latent frames are not whole chunks of {latent_frames}")
+    cache = CausalCache()
+    for start in range(0, total, latent_frames):
+        yield decoder.to_frames(decoder.decode(latents[:, start:start + latent_frames], cache))

@@ -169,7 +169,8 @@ def test_session_state_goes_through_copy_and_round_trips(tiny, tiny_pipeline):
         copied.append(host(t))
         return copied[-1]
     state = a.state_dict(copy=counted)
-    assert state.keys() == {"dit", "condition", "decoder"} and state["decoder"]
+    assert state.keys() == {"dit", "condition", "decoder", "decoder_name"} and state["decoder"]
+    assert state["decoder_name"] == "wan"
     tensors = StateSnapshot(1, 0, 1, state).tensors()
     assert [t for t in tensors if not any(t is c for c in copied)] == [state["dit"]["rng"]]
     b = tiny_pipeline.new_session(image, "a harbour", seed=4)
