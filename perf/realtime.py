@@ -10,6 +10,7 @@ the event. Writes JSON and prints a table. Metric definitions: perf/realtime_met
 
     python -m perf.realtime --url ws://127.0.0.1:8000/v1/realtime/video --num-chunks 16 --sessions 3 \\
         [--concurrency 2] [--warmup-sessions 1] [--fps 16] [--control-interval 2] [--profile-stages] \
+        [--decoder tae] \
         [--output-json out.json] [--plot p.png]
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ def default_image(width: int, height: int) -> str:
 async def run_session(args, index: int, image_url: str, width: int, height: int) -> dict:
     script = [PATTERNS[args.camera_pattern]] * args.num_chunks
     extra = {"flow_shift": args.flow_shift} if args.flow_shift is not None else {}
+    if args.decoder is not None:
+        extra["decoder"] = args.decoder
     if args.profile_stages:
         extra["profile_stages"] = True
     async with RealtimeClient(args.url, open_timeout=args.first_chunk_timeout) as client:
@@ -231,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-fps", type=float, default=None, help="real-time basis (default: --fps)")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--flow-shift", type=float, default=None)
+    ap.add_argument("--decoder", default=None, help="the frame decoder the sessions ask for (extra_params.decoder; "
+                                                    "default: the server's)")
     ap.add_argument("--camera-pattern", choices=sorted(PATTERNS), default="forward")
     ap.add_argument("--sessions", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=1, help="measured sessions run this many at once")

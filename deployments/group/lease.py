@@ -60,7 +60,7 @@ class Leases:
             restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
                 else [None] * len(self.ranks)
             opening = [(sid, start.image, start.prompt, start.seed, start.flow_shift, start.trajectory, request.keeper,
-                        share) for share in restore]
+                        share, start.decoder) for share in restore]
             opened = await self.ranks.call("open_session", per_rank=opening, timeout_s=0)
             if any(o is None for o in opened):
                 return                                 # cancelled while opening: the finally cleans up

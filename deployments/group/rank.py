@@ -111,15 +111,18 @@ class RankWorker:
         life = RankLifecycle(self.rank, self.world_size, self.device)
         self.comm = life.connect(init_method, s.collective_timeout_s, start_timeout_s=s.group_start_timeout_s)
         self.pipeline = life.load(s.preset, s.model_path, dtype=s.dtype, pixel_mode=s.pixel_mode,
-                                  skip_fixed_point=s.skip_fixed_point, compile=s.compile, cuda_graphs=s.cuda_graphs)
+                                  skip_fixed_point=s.skip_fixed_point, compile=s.compile, cuda_graphs=s.cuda_graphs,
+                                  decoder=s.decoder_names, tae_path=s.tae_path)
         warmup = life.warm_up()
         life.measure()
         capacity = life.capacity(s.max_sessions_per_group, s.budget_bytes)
         preset = self.pipeline.preset                # after any checkpoint config.json: what this rank runs
         log.info("rank %d/%d ready on %s in %.1f s (warm-up %.1f s); %d sessions fit", self.rank, self.world_size,
                  self.device, time.monotonic() - t0, warmup.seconds, capacity)
-        return RankInfo(capacity, session_footprint(preset, self.world_size).total, str(self.device),
-                        ModelFacts.of(preset, random_weights=s.model_path is None), warmup.seconds)
+        decoders = tuple(self.pipeline.decoders)
+        return RankInfo(capacity, session_footprint(preset, self.world_size, decoders, self.device).total,
+                        str(self.device), ModelFacts.of(preset, random_weights=s.model_path is None,
+                                                        decoders=decoders), warmup.seconds)
 
     def _device(self) -> torch.device:
         kind = self.settings.device
@@ -165,7 +168,7 @@ class RankWorker:
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
                      flow_shift: Optional[float], trajectory: Optional[Trajectory] = None, keeper=None,
-                     restore: Optional[RankRestore] = None) -> Optional[int]:
+                     restore: Optional[RankRestore] = None, decoder: Optional[str] = None) -> Optional[int]:
         """Build the session; the chunk it continues from (0, or after the chunk of `restore`, this rank's share
         of a resumed session's snapshots, when they could all be read); None (nothing kept) when it was
         stopped or closed meanwhile. With a `keeper`, every committed chunk is snapshotted and handed to it."""
@@ -178,16 +181,16 @@ class RankWorker:
                 log.warning("session %s: snapshots unavailable (%s); it will be replayed", session_id,
                             type(e).__name__)
         return self._on_device(self._open_session, session_id, image, prompt, seed, flow_shift, trajectory, keeper,
-                               restored)
+                               restored, decoder)
 
     def _open_session(self, session_id: str, image: np.ndarray, prompt: str, seed: int,
                       flow_shift: Optional[float], trajectory: Optional[Trajectory], keeper,
-                      restored: Optional[list]) -> Optional[int]:
+                      restored: Optional[list], decoder: Optional[str] = None) -> Optional[int]:
         if self._is_stopped(session_id):
             return None
         preset = self.pipeline.runner.preset
         rig = CameraRig.default(preset.width, preset.height, trajectory)
-        session = self.pipeline.new_session(image, prompt, seed, rig=rig, flow_shift=flow_shift)
+        session = self.pipeline.new_session(image, prompt, seed, rig=rig, flow_shift=flow_shift, decoder=decoder)
         if restored:
             try:
                 restore_snapshots(session, *restored, self.rank, self.world_size)

@@ -154,7 +154,8 @@ class Ingress:
         except ProtocolError as e:
             return JSONResponse({"error": e.code.value, "message": e.message}, status_code=503)
         return {"preset": facts.preset, "width": facts.width, "height": facts.height, "fps": s.fps, "sp": s.sp,
-                "default_chunks": s.default_chunks, "dtype": facts.dtype, "random_weights": facts.random_weights}
+                "default_chunks": s.default_chunks, "dtype": facts.dtype, "random_weights": facts.random_weights,
+                "decoders": list(facts.decoders)}
 
     # ---- WebSocket ----------------------------------------------------------------------------
     @app.websocket("/v1/realtime/video")

@@ -175,3 +175,15 @@ def parse_trajectory(value: Any, width: int, height: int, geometry: ChunkGeometr
                                             geometry.temporal_stride, max_video_frames=session_frames)
     except TrajectoryError as e:
         raise ProtocolError(e.code, f"{where}: {e}", close=CLOSE_POLICY) from None
+
+
+def pick_decoder(value, loaded: tuple[str, ...], where: str) -> Optional[str]:
+    """A session's frame decoder by name (None: the deployment's default); one it did not load is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} must be a string, one of {list(loaded)}")
+    if value not in loaded:
+        raise ProtocolError(ErrorCode.DECODER_NOT_LOADED, f"{where} {value[:40]!r} is not loaded here; loaded: "
+                                                          f"{list(loaded)}")
+    return value

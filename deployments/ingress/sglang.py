@@ -9,6 +9,7 @@ messages, and its connection (the wire of a session's life).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from typing import Any, Optional
@@ -23,7 +24,15 @@ from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
-from .parsing import ascii_int, check_size, checked_message, decode_image, parse_keys_list, too_deep
+from .parsing import (
+    ascii_int,
+    check_size,
+    checked_message,
+    decode_image,
+    parse_keys_list,
+    pick_decoder,
+    too_deep,
+)
 from .wire import WebSocketWire, close_quietly
 
 ROUTE = "/v1/realtime_video/generate"
@@ -317,8 +326,10 @@ class SglangWire(WebSocketWire):
 
     async def parse_start(self, msg: dict, facts: ModelFacts) -> StartRequest:
         s = self.settings
+        decoder = pick_decoder(msg.get("decoder"), facts.decoders, "init.decoder") if msg["type"] == "init" else None
         start = await asyncio.to_thread(parse_init, msg, facts.size, facts.geometry, s.max_chunks, s.fps, facts.steps,
                                         self.fetcher)
+        start = dataclasses.replace(start, decoder=decoder)
         self.output, self.size = start.output, facts.size
         return start
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from typing import Optional
@@ -24,6 +25,7 @@ from .parsing import (
     finite,
     parse_keys_list,
     parse_trajectory,
+    pick_decoder,
     require,
     too_deep,
 )
@@ -202,8 +204,12 @@ class VllmWire(WebSocketWire):
         s, kind = self.settings, msg["type"]
         if kind == "session.start":
             try:
-                return await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
-                                               s.max_chunks, s.fps, self.fetcher)
+                extra = msg.get("extra_params")
+                decoder = pick_decoder(extra.get("decoder") if isinstance(extra, dict) else None, facts.decoders,
+                                       "extra_params.decoder")
+                start = await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
+                                                s.max_chunks, s.fps, self.fetcher)
+                return dataclasses.replace(start, decoder=decoder)
             except ProtocolError as e:
                 if e.close is None:
                     e.close = CLOSE_POLICY

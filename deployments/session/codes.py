@@ -34,6 +34,7 @@ class ErrorCode(StrEnum):
     INVALID_IMAGE = "invalid_image"
     INVALID_SIZE = "invalid_size"
     UNSUPPORTED_SIZE = "unsupported_size"
+    DECODER_NOT_LOADED = "decoder_not_loaded"        # a frame decoder this deployment did not load
     INVALID_NUM_FRAMES = "invalid_num_frames"
     TRAJECTORY_SHAPE = "trajectory_shape"
     TRAJECTORY_NOT_FINITE = "trajectory_not_finite"

@@ -37,12 +37,13 @@ class ModelFacts:
     steps: int                     # denoising steps per chunk
     dtype: str
     random_weights: bool = False   # seeded random weights (no checkpoint): the video is noise by design
+    decoders: tuple[str, ...] = ("wan",)   # the frame decoders loaded, the first the sessions' default
 
     @classmethod
-    def of(cls, preset: Preset, random_weights: bool = False) -> ModelFacts:
+    def of(cls, preset: Preset, random_weights: bool = False, decoders: tuple[str, ...] = ("wan",)) -> ModelFacts:
         t = preset.transformer
         return cls(preset.name, preset.width, preset.height, preset.geometry, t.sink_chunks, t.window_chunks,
-                   len(preset.sampler.timesteps), preset.dtype, random_weights)
+                   len(preset.sampler.timesteps), preset.dtype, random_weights, tuple(decoders))
 
     @property
     def size(self) -> tuple[int, int]:

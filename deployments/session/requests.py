@@ -29,6 +29,7 @@ class StartRequest:
     profile: bool = False                 # stage timings with device synchronisation (extra_params.profile_stages)
     trajectory: Optional[Trajectory] = None   # offline camera path (extra_params.camera_trajectory)
     output: FrameFormat = FMP4                # fmp4 (this protocol) or the second protocol's frame format
+    decoder: Optional[str] = None             # a loaded frame decoder (extra_params.decoder); None: the default
 
 
 @dataclass

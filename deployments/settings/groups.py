@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lingbot.config import DTYPES, PRESETS, ConfigError, Preset, get_preset, with_dtype
+from lingbot.config import DECODERS, DTYPES, PRESETS, ConfigError, Preset, get_preset, with_dtype
 from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
@@ -54,6 +54,11 @@ class ModelSettings(_Group):
                                             "off for cpu")
     cuda_graphs: bool = setting(False, "the compiled regions as CUDA graphs (cuda only; off until the device "
                                        "check measures them faster on the target GPU)")
+    decoder: str = setting("wan", f"the frame decoders the ranks load, comma-separated, the first the sessions' "
+                                  f"default (a session may pick another loaded one), of {list(DECODERS)}: wan (the "
+                                  f"Wan VAE's), tae (the tiny autoencoder, about 25x fewer FLOPs)")
+    tae_path: Optional[str] = setting(None, "the tiny decoder's weights (taew2_1 .pth or .safetensors); null: seeded "
+                                            "random weights, allowed with the tiny preset only")
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -74,6 +79,17 @@ class ModelSettings(_Group):
             raise ConfigError(f"preset {self.preset} needs model_path (the diffusers-format checkpoint folder)")
         if self.cuda_graphs and self.device != "cuda":
             raise ConfigError(f"cuda_graphs needs device cuda, not {self.device}")
+        names = self.decoder_names
+        if not names or any(n not in DECODERS for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"decoder {self.decoder!r} must name decoders of {list(DECODERS)}, each once, "
+                              f"comma-separated (the first is the default)")
+        if "tae" in names and self.tae_path is None and self.model_path is not None:
+            raise ConfigError("decoder tae with a checkpoint needs tae_path (the taew2_1 weights); random tiny "
+                              "decoder weights go with the tiny preset only")
+
+    @property
+    def decoder_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.decoder.split(",") if n.strip())
 
     @property
     def model_preset(self) -> Preset:

@@ -1,7 +1,8 @@
 """One real Ray Serve app (tiny, CPU, SP-2 over gloo) for the serving tests of this package.
 
 Ray start-up dominates, so the cluster lives for the whole package; the port is fixed, so Serve tests
-run serially. Settings are the embedded default with short timeouts and one group of 2 sessions."""
+run serially. Settings are the embedded default with short timeouts and one group of 2 sessions; both frame decoders are
+loaded (the Wan decoder the default), so a session may pick the tiny one."""
 
 import pytest
 
@@ -11,7 +12,7 @@ URL = f"ws://127.0.0.1:{PORT}/v1/realtime/video"
 HTTP = f"http://127.0.0.1:{PORT}"
 TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2, min_groups=1, max_groups=1,
                      start_timeout_s=3, admission_wait_s=3, retry_after_s=7, stall_timeout_s=15,
-                     pacing_lead_s=30, graceful_shutdown_timeout_s=5,
+                     pacing_lead_s=30, graceful_shutdown_timeout_s=5, decoder="wan,tae",
                      max_in_flight_chunks=2)        # the GPU default, so the overlap is tested here too
 
 

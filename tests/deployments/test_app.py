@@ -438,13 +438,13 @@ def orbit_trajectory(frames):
 
 
 def in_process_frames(chunks, seed, prompt, flow_shift=None, trajectory_json=None, prompt_change=None,
-                      controls=None):
+                      controls=None, decoder="wan"):
     """The same session through the in-process pipeline (SP-1): the frames the served one should show.
     `prompt_change`: (chunk, text, transition_chunks) applied at that chunk; `controls`: per chunk."""
     from lingbot.builder import build_pipeline
     from lingbot.camera import CameraRig, Trajectory
     from lingbot.io.images import open_image, resize_image
-    pipeline = build_pipeline("tiny")
+    pipeline = build_pipeline("tiny", decoder=decoder)
     image = resize_image(open_image(base64.b64decode(png_url().partition(",")[2])), W, H)
     traj = None
     if trajectory_json is not None:

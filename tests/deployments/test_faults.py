@@ -44,7 +44,8 @@ def rank_pids_of_app():
 
 
 def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(faults_app):
-    """SIGKILL of the group's rank (SP-1) while two sessions stream, one per protocol. The group fails, exits,
+    """SIGKILL of the group's rank (SP-1) while two sessions stream, one per protocol (the raw one on the tiny
+    decoder, the fMP4 one on the Wan decoder). The group fails, exits,
     and Serve rebuilds it; both sessions resume on the new group without an error or a close: indices
     contiguous, nothing twice, a resumed event with the gap, and the raw frames of every chunk bitwise those
     of the same session run without a fault. It replaces the group."""
@@ -63,7 +64,7 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
 
     async def pair(kill_after=None):
         async with FramesClient(frames_url, api_key=KEY3) as raw, RealtimeClient(URL, api_key=KEY3) as fmp4:
-            await raw.init("a quiet street", png(), 8, 3, actions=actions)
+            await raw.init("a quiet street", png(), 8, 3, actions=actions, decoder="tae")   # the tiny decoder's cache
             await fmp4.start("a quiet street", png_url(), W, H, 8, seed=3, script=script)
 
             async def kill(result, chunk):

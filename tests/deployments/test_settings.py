@@ -51,6 +51,7 @@ DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_
                   "drain_wait_new_s": 30.0, "drain_new_group_slack_s": 10.0}
 # keys added since the split, with their defaults (the DiT dtype override: null, the preset's)
 NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": None, "spare_groups": None,
+                "decoder": "wan", "tae_path": None,
                 "max_queue_wait_s": 600.0}
 
 
@@ -186,6 +187,10 @@ def test_each_group_is_a_frozen_dataclass_of_its_concern():
     (lambda: ModelSettings(device="tpu"), "device 'tpu' must be cpu, cuda or npu"),
     (lambda: ModelSettings(pixel_mode="x"), "pixel_mode 'x' is not one of"),
     (lambda: ModelSettings(cuda_graphs=True), "cuda_graphs needs device cuda, not cpu"),
+    (lambda: ModelSettings(decoder="tae,vae"), r"decoder 'tae,vae' must name decoders of \['wan', 'tae'\]"),
+    (lambda: ModelSettings(decoder="wan,wan"), "each once"),
+    (lambda: ModelSettings(preset="lingbot-world-v2-14b", model_path="/m", decoder="tae"),
+     "decoder tae with a checkpoint needs tae_path"),
     (lambda: ModelSettings(dtype="int8"), r"dtype 'int8' is not one of \[.*'bfloat16'.*\]; null keeps the "
                                           r"preset's \(float32\)"),
     (lambda: PlacementSettings(rank_cpus=-1), "rank_cpus must be >= 0, got -1"),

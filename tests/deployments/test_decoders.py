@@ -1,0 +1,36 @@
+"""A session picks its frame decoder: the test app loads both (the Wan decoder the default), a session on the
+tiny decoder streams over both protocols with the in-process pipeline's frames for that decoder, a decoder
+the deployment did not load is refused with its own code, and GET /v1/config lists the loaded ones. (Its
+resume after a rank kill is in test_faults.py.)"""
+import json
+import urllib.request
+
+import numpy as np
+
+from lingbot.io.video import read_frames
+from tests.deployments.conftest import HTTP
+from tests.deployments.test_app import H, W, expect_error, in_process_frames, run, session, start_msg, through_h264
+from tests.deployments.test_sglang_app import frames_session, frames_url
+
+
+def test_the_config_lists_the_loaded_decoders(serve_app):
+    with urllib.request.urlopen(f"{HTTP}/v1/config", timeout=10) as r:
+        assert json.loads(r.read())["decoders"] == ["wan", "tae"]
+
+
+def test_a_tiny_decoder_session_shows_the_in_process_tiny_decoder_frames_on_both_protocols(serve_app):
+    tae = in_process_frames(3, seed=6, prompt="a forest path", decoder="tae")
+    wan = in_process_frames(3, seed=6, prompt="a forest path")
+    assert tae.shape == wan.shape == (33, H, W, 3) and np.abs(tae.astype(int) - wan).mean() > 2.0
+    raw = run(frames_session(frames_url(serve_app), 3, seed=6, decoder="tae"))
+    assert raw.errors == [] and raw.close_code == 1000
+    # the tiny decoder runs on the root from the replicated latents: SP-2's latents may round apart by an ulp
+    assert np.abs(raw.frames.astype(int) - tae).max() <= 1
+    served = run(session(serve_app, 3, seed=6, decoder="tae"))
+    assert served.error is None and served.done["chunks"] == 3, served.error
+    assert np.abs(read_frames(served.video).astype(float) - through_h264(tae)).mean() < 0.25
+
+
+def test_a_decoder_that_is_not_loaded_is_refused_with_its_code(serve_app):
+    run(expect_error(serve_app, [start_msg(extra_params={"decoder": "vae"})], "decoder_not_loaded", close=1008))
+    run(expect_error(serve_app, [start_msg(extra_params={"decoder": 7})], "invalid_field", close=1008))
