@@ -27,8 +27,8 @@ from .timing import _prime_conditions
 
 
 def _snapshot_tensors(snapshot) -> list:
-    slot, state = snapshot
-    return slot.tensors() + state.tensors()
+    slots, state = snapshot
+    return [t for slot in slots for t in slot.tensors()] + state.tensors()
 
 
 def stage_snapshots(c: Check) -> dict:
@@ -73,7 +73,7 @@ def stage_snapshots(c: Check) -> dict:
     if async_copier.last is not None:
         async_copier.last.synchronize()
     copy_async_s = time.perf_counter() - t0
-    nbytes = reference[0].nbytes() + reference[1].nbytes()
+    nbytes = sum(slot.nbytes() for slot in reference[0]) + reference[1].nbytes()
     return {"regions": c.mode, "bytes": nbytes, "budget_model_bytes": snapshot_footprint(c.preset).per_chunk,
             "asynchronous": async_copier.asynchronous, "chunk_s": alone, "chunk_sync_snapshot_s": synchronous,
             "chunk_async_snapshot_s": asynchronous, "sync_cost": synchronous / alone - 1,

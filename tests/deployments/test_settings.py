@@ -51,6 +51,8 @@ DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_
                   "drain_wait_new_s": 30.0, "drain_new_group_slack_s": 10.0}
 # keys added since the split, with their defaults (the DiT dtype override: null, the preset's)
 NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": None}
+# snapshots sized for the host: every chunk (as before), the host budget measured on the node
+NEW_DEFAULTS.update(snapshot_interval_chunks=1, snapshot_host_budget_gib=None)
 
 
 def test_settings_validation(monkeypatch):
