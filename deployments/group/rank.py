@@ -25,7 +25,7 @@ import torch
 from lingbot.camera import CameraRig, Controls, Trajectory
 from lingbot.runtime.kv_cache import slot_for_chunk
 from lingbot.runtime.pipeline import WorldSession
-from lingbot.runtime.snapshot import HostCopier, restore_snapshots, take_snapshot
+from lingbot.runtime.snapshot import SNAPSHOTS_IN_FLIGHT, HostCopier, restore_snapshots, take_snapshot
 
 from ..session.events import ChunkControls, ModelFacts, RankRestore, SnapshotRef
 from ..settings import ServeSettings
@@ -34,7 +34,6 @@ from .tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 
-MAX_SNAPSHOTS_IN_FLIGHT = 2      # per session: snapshots handed to the keeper and not stored yet
 SNAPSHOT_PUT_TIMEOUT_S = 60.0
 
 
@@ -297,7 +296,7 @@ class RankWorker:
             return ()
         session, keeper = self.sessions.get(session_id), self.keepers.get(session_id)
         if session is not None and keeper is not None:
-            self._on_device(self._take, session_id, session, keeper, puts)   # after any copy queued before
+            self._on_device(self._take, session_id, session, keeper, puts)   # after any take queued before
         wait([f for _, f in puts], timeout)
         return self._stored(session_id, puts)
 
@@ -331,17 +330,21 @@ class RankWorker:
         reply.snapshots = self._stored(session_id, puts)
         if session_id in self.snapshot_s:
             reply.timings["snapshot"] = self.snapshot_s.pop(session_id)
-        if index % self.settings.snapshot_interval_chunks:
-            return                                   # not due: the next due one copies this chunk's slot if needed
-        if len(puts) >= MAX_SNAPSHOTS_IN_FLIGHT:     # the keeper is behind: skip this one (resume replays more)
-            return
-        self.device_thread.submit(self._take, session_id, session, keeper, puts)
+        if index % self.settings.snapshot_interval_chunks == 0:    # due (else the next due one copies its slot)
+            self.device_thread.submit(self._take, session_id, session, keeper, puts, False)
 
-    def _take(self, session_id: str, session: WorldSession, keeper, puts: list) -> None:
+    def _take(self, session_id: str, session: WorldSession, keeper, puts: list, force: bool = True) -> None:
         """On the device thread: copy the session as it stands after its last chunk (the K/V slots no earlier
-        snapshot copied, and the state) and hand it to the put thread. Best effort: never fails a chunk."""
+        snapshot copied, and the state) and hand it to the put thread. Skipped (unless `force`) when the keeper
+        is behind: SNAPSHOTS_IN_FLIGHT of this session's snapshots not yet reported stored, or as many host
+        copies of this rank's sessions not yet put (their memory is counted once per rank: snapshot_budget.py);
+        a resume then replays more, and the next snapshot copies the slots this one would have. Best effort:
+        never fails a chunk."""
         index, since = session.chunk_index - 1, self.snapshotted.get(session_id, -1)
         if index <= since:                           # taken already (or nothing to take)
+            return
+        unput = sum(not put.done() for waiting in list(self.puts.values()) for _, put in list(waiting))
+        if not force and (len(puts) >= SNAPSHOTS_IN_FLIGHT or unput >= SNAPSHOTS_IN_FLIGHT):
             return
         try:
             t0 = time.perf_counter()

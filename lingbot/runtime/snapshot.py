@@ -42,6 +42,8 @@ from torch import Tensor
 
 from .kv_cache import visible_chunks
 
+SNAPSHOTS_IN_FLIGHT = 2     # per session and rank: snapshots taken and not yet reported stored, at most
+
 
 def _host(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach().to("cpu", copy=True)

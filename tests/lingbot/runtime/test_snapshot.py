@@ -39,6 +39,7 @@ def test_chunks_to_restore_follow_the_window():
 
 
 CHUNKS = 13
+IMAGE_SEED = 4321           # a first frame no other test runs: its condition is encoded, not replayed from the cache
 EVERY = 3                   # the snapshots of the interval test: after chunks 0, 3, 6, 9, 12
 
 
@@ -47,7 +48,7 @@ def whole(tiny, tiny_pipeline):
     """One session of CHUNKS chunks: its frames; a snapshot after every chunk (the odd ones through a copier
     that knows the session, the even ones without), and one every EVERY chunks copying only the slots no
     earlier one did."""
-    session = tiny_pipeline.new_session(random_image(tiny), "a harbour", seed=7)
+    session = tiny_pipeline.new_session(random_image(tiny, IMAGE_SEED), "a harbour", seed=7)
     frames, snapshots, every = [], {}, {}
     copier, sparse = HostCopier("cpu"), HostCopier("cpu")          # on CPU a plain copy, done when it returns
     for k in range(CHUNKS):
@@ -62,7 +63,7 @@ def whole(tiny, tiny_pipeline):
 def _continues(tiny_pipeline, tiny, whole, slots, state, replay_to=None):
     """A fresh session restored from `slots` and `state`, the chunks up to `replay_to` run again: its frames
     from there on are the whole session's, bitwise."""
-    fresh = tiny_pipeline.new_session(random_image(tiny), "a harbour", seed=7)
+    fresh = tiny_pipeline.new_session(random_image(tiny, IMAGE_SEED), "a harbour", seed=7)
     restore_snapshots(fresh, slots, state)
     for k in range(state.index + 1, CHUNKS):
         got = fresh.step(controls(k), prompt=prompt(k)).frames
@@ -130,3 +131,31 @@ def test_restore_refuses_what_cannot_continue(tiny, tiny_pipeline):
     with pytest.raises(ValueError, match="right after a committed chunk"):
         take_snapshot(tiny_pipeline.new_session(image, "a harbour", seed=7))
     assert np.isfinite(snaps[-1][1].nbytes())
+
+
+def test_the_budget_is_what_real_snapshots_hold(tiny, whole):
+    """snapshot_budget's bytes against the snapshots of a real session (SP-1; SP-2 in
+    tests/lingbot/parallel/test_group_once.py): a K/V slot, the state at its largest (chunks 4 and 5: a prompt
+    transition running, so three text embeddings, before the condition's fixed point, so the encoder's cache),
+    what one snapshot copies, and what a continuation needs (after chunk 5: the slots of 0-2, 4 and 5)."""
+    from lingbot.runtime.budget import condition_chunk_bytes
+    from lingbot.runtime.snapshot_budget import snapshot_footprint
+    snapshots = whole["snapshots"]
+    budget = snapshot_footprint(tiny)
+    assert all(slot.nbytes() == budget.slot for (slot,), _ in snapshots.values())
+    states = {k: state.nbytes() for k, (_, state) in snapshots.items()}
+    assert max(states.values()) == budget.state == states[4] == states[5]
+    # after the fixed point (chunk 10) and the transition: one text embedding, the fixed latents
+    assert states[12] == sum(budget.decoder_cache) + budget.text[0] + budget.rng + condition_chunk_bytes(tiny)
+    decoder = snapshots[5][1].state["decoder"]
+    assert tuple(t.nbytes for t in decoder.values()) == budget.decoder_cache
+    assert sum(t.nbytes for t in snapshots[5][1].state["condition"]["cache"].values()) == sum(budget.condition)
+    assert max(sum(s.nbytes() for s in slots) + state.nbytes() for slots, state in snapshots.values()) \
+        == budget.snapshot == budget.per_chunk
+    needed = chunks_to_restore(5, 3, 6)
+    assert sum(snapshots[c][0][0].nbytes() for c in needed) + states[5] == budget.held
+    # every 3 chunks: at most 3 slots a snapshot while the window fills, 2 once it is full
+    every = snapshot_footprint(tiny, interval=EVERY)
+    copied = [len(slots) for slots, _ in whole["every"].values()]
+    assert max(copied) == every.snapshot_slots == 3 and copied[-2:] == [every.steady_slots] * 2 == [2, 2]
+    assert every.per_chunk == (2 * budget.slot + budget.state) / 3
