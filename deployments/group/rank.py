@@ -120,7 +120,18 @@ class RankWorker:
         log.info("rank %d/%d ready on %s in %.1f s (warm-up %.1f s); %d sessions fit", self.rank, self.world_size,
                  self.device, time.monotonic() - t0, warmup.seconds, capacity)
         return RankInfo(capacity, session_footprint(preset, self.world_size).total, str(self.device),
-                        ModelFacts.of(preset, random_weights=s.model_path is None), warmup.seconds)
+                        ModelFacts.of(preset, random_weights=s.model_path is None), warmup.seconds,
+                        self._snapshot_sessions(preset) if s.snapshots else None)
+
+    def _snapshot_sessions(self, preset) -> int:
+        """Sessions whose snapshots this group's node holds (every rank counts the whole group: they share it)."""
+        from .snapshots import node_host, snapshot_sessions
+        sessions, budget, host = snapshot_sessions(self.settings, preset, *node_host())
+        if self.rank == 0:
+            log.info("snapshots: %d sessions fit in %.1f GiB of host memory (%.2f GiB per session, %.2f GiB once; "
+                     "every %d chunks)", sessions, budget / 2 ** 30, host.per_session / 2 ** 30, host.once / 2 ** 30,
+                     self.settings.snapshot_interval_chunks)
+        return sessions
 
     def _device(self) -> torch.device:
         kind = self.settings.device
