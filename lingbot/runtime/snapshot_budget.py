@@ -149,7 +149,9 @@ def snapshot_host(preset: Preset, world_size: int = 1, interval: int = 1, cuda: 
 def _size(nbytes: float) -> str:
     if nbytes >= GIB:
         return f"{nbytes / GIB:.2f} GiB"
-    return f"{nbytes / 2 ** 20:.1f} MiB"
+    if nbytes >= 2 ** 20:
+        return f"{nbytes / 2 ** 20:.1f} MiB"
+    return f"{nbytes / 2 ** 10:.0f} KiB"
 
 
 def budget_table(presets: list[Preset], degrees: list[int], interval: int = 1, sessions: tuple[int, ...] = (1, 2, 4, 8),
