@@ -315,8 +315,9 @@ class RankWorker:
         """Take the finished puts off `puts`: the references of each that succeeded, one per K/V slot (the
         state's with its newest one). A put that failed lost slots later snapshots would not copy again: the
         next one copies every slot its continuation needs."""
-        done = [(i, f) for i, f in puts if f.done()]
-        puts[:] = [(i, f) for i, f in puts if not f.done()]
+        finished = [(i, f, f.done()) for i, f in puts]          # asked once: a put may end meanwhile
+        done = [(i, f) for i, f, ended in finished if ended]
+        puts[:] = [(i, f) for i, f, ended in finished if not ended]
         refs = []
         for index, put in done:
             if put.exception() is not None:
