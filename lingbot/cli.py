@@ -9,6 +9,7 @@
     lingbot decode --decoder wan|tae --latents L.npy -o out.mp4   saved latents -> frames, chunk by chunk
     lingbot trajectory --keys "w,wd,,i" [--json]      what the model receives for a key script
     lingbot trajectory --poses P.npy --intrinsics K.npy   ... for an offline camera path
+    lingbot snapshot-budget [--sp 1,2,4,8] [--interval K]  host memory of the sessions' snapshots
 """
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def cmd_presets(args) -> None:
         print(f"{name:>22}: {p.width}x{p.height} {p.dtype}, dim {t.dim} ({t.num_attention_heads}x"
               f"{t.attention_head_dim}), {t.num_layers} layers, timesteps {list(p.sampler.timesteps)} "
               f"shift {p.sampler.shift} - {p.description}")
+
+
+def cmd_snapshot_budget(args) -> None:
+    from .config import get_preset, with_dtype
+    from .runtime.snapshot_budget import GIB, budget_table
+    presets = [with_dtype(get_preset(name), args.dtype) for name in (args.preset or list(PRESETS))]
+    host = None if args.host_gib is None else int(args.host_gib * GIB)
+    print(budget_table(presets, args.sp, args.interval, tuple(args.sessions), args.device == "cuda", host), end="")
 
 
 def cmd_write_checkpoint(args) -> None:
@@ -93,6 +102,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be positive integers separated by commas, got {text!r}") from None
 
 
 def _generate(comm, args) -> int:
@@ -207,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
+    p = sub.add_parser("snapshot-budget", help="host memory of the sessions' snapshots per preset and SP degree: "
+                                               "bytes per chunk, held per session, for N sessions")
+    p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="a preset (repeatable; default: all)")
+    p.add_argument("--sp", type=positive_int_list, default=[1, 2, 4, 8], help="SP degrees, e.g. 1,2,4,8")
+    p.add_argument("--interval", type=positive_int, default=1, help="snapshot_interval_chunks")
+    p.add_argument("--sessions", type=positive_int_list, default=[1, 2, 4, 8], help="session counts, e.g. 1,2,4,8")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda: the ranks' copies in pinned power-of-two blocks; cpu: plain copies")
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="the DiT's dtype instead of the preset's")
+    p.add_argument("--host-gib", type=float, default=None, help="also: sessions whose snapshots fit in this")
+    p.set_defaults(func=cmd_snapshot_budget)
     p = sub.add_parser("write-checkpoint", help="write a preset with random weights in the real folder layout")
     p.add_argument("output", help="folder to write (transformer/, text_encoder/, tokenizer/, model_index.json)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -13,11 +13,13 @@ from ..session.scheduler import ScheduledSession
 from .engine import ChunkLoop
 from .executor import RankExecutor
 from .phase import GroupState
+from .snapshots import SnapshotSeats
 
 
 class Leases:
     def __init__(self, group_id: str, settings, state: GroupState, capacity: int, model: ModelFacts,
-                 ranks: RankExecutor, muxer, mailbox, chunks: ChunkLoop, metrics):
+                 ranks: RankExecutor, muxer, mailbox, chunks: ChunkLoop, metrics,
+                 snapshot_seats: Optional[SnapshotSeats] = None):
         self.id = group_id
         self.settings = settings
         self.state = state
@@ -29,6 +31,7 @@ class Leases:
         self.chunks = chunks
         self.metrics = metrics
         self.reserved = 0                              # sessions admitted or being admitted
+        self.snapshot_seats = snapshot_seats           # which sessions keep snapshots (the host budget's)
 
     def _refusal(self) -> Optional[SessionFailed]:
         """Why this group takes no new session now (None: it takes one)."""
@@ -59,7 +62,8 @@ class Leases:
             mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
             restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
                 else [None] * len(self.ranks)
-            opening = [(sid, start.image, start.prompt, start.seed, start.flow_shift, start.trajectory, request.keeper,
+            keeper = request.keeper if self.snapshot_seats is None else self.snapshot_seats.take(sid, request.keeper)
+            opening = [(sid, start.image, start.prompt, start.seed, start.flow_shift, start.trajectory, keeper,
                         share, start.decoder) for share in restore]
             opened = await self.ranks.call("open_session", per_rank=opening, timeout_s=0)
             if any(o is None for o in opened):
@@ -90,6 +94,8 @@ class Leases:
                     break                              # an InteractionRefused leaves the session on
         finally:
             self.reserved -= 1
+            if self.snapshot_seats is not None:
+                self.snapshot_seats.give(sid)
             session.stopped = True
             self.ranks.tell("stop", sid)              # a running chunk ends at its next step, on every rank
             self.chunks.remove(sid)

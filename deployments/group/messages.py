@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from lingbot.io.frames import FrameBatch
 
@@ -22,6 +22,7 @@ class RankInfo:
     device: str
     facts: ModelFacts              # the model as loaded (after any checkpoint config.json)
     warmup_s: float = 0.0          # the warm-up run before the rank reported ready
+    snapshot_sessions: Optional[int] = None   # sessions whose snapshots fit the host budget (None: no snapshots)
 
 
 @dataclass

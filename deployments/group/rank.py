@@ -25,7 +25,7 @@ import torch
 from lingbot.camera import CameraRig, Controls, Trajectory
 from lingbot.runtime.kv_cache import slot_for_chunk
 from lingbot.runtime.pipeline import WorldSession
-from lingbot.runtime.snapshot import HostCopier, restore_snapshots, take_snapshot
+from lingbot.runtime.snapshot import SNAPSHOTS_IN_FLIGHT, HostCopier, restore_snapshots, take_snapshot
 
 from ..session.events import ChunkControls, ModelFacts, RankRestore, SnapshotRef
 from ..settings import ServeSettings
@@ -34,7 +34,6 @@ from .tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 
-MAX_SNAPSHOTS_IN_FLIGHT = 2      # per session: snapshots handed to the keeper and not stored yet
 SNAPSHOT_PUT_TIMEOUT_S = 60.0
 
 
@@ -69,9 +68,11 @@ class RankWorker:
         self.aborts: dict[str, int] = {}    # session -> index of a chunk to give up (it will be run again)
         self._last_cpu: Optional[tuple[float, float]] = None    # CPU device stats: the previous sample
         self.lock = threading.Lock()        # sessions / stopped
-        # snapshots (resume): each session's keeper (the owner of its snapshots) and the puts not yet reported
+        # snapshots (resume): each session's keeper (the owner of its snapshots), the puts not yet reported and
+        # the chunk of its last snapshot (-1: none; the next one copies every K/V slot a continuation needs)
         self.keepers: dict[str, object] = {}
         self.puts: dict[str, list] = {}
+        self.snapshotted: dict[str, int] = {}
         self.snapshot_s: dict[str, float] = {}      # the last host copy's time, reported with the next chunk
         self.copier = HostCopier(self.device)        # on CUDA the copy overlaps the next chunk (a side stream)
         self.snapshot_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-snapshots")
@@ -122,7 +123,18 @@ class RankWorker:
         decoders = tuple(self.pipeline.decoders)
         return RankInfo(capacity, session_footprint(preset, self.world_size, decoders, self.device).total,
                         str(self.device), ModelFacts.of(preset, random_weights=s.model_path is None,
-                                                        decoders=decoders), warmup.seconds)
+                                                        decoders=decoders), warmup.seconds,
+                        self._snapshot_sessions(preset) if s.snapshots else None)
+
+    def _snapshot_sessions(self, preset) -> int:
+        """Sessions whose snapshots this group's node holds (every rank counts the whole group: they share it)."""
+        from .snapshots import node_host, snapshot_sessions
+        sessions, budget, host = snapshot_sessions(self.settings, preset, *node_host())
+        if self.rank == 0:
+            log.info("snapshots: %d sessions fit in %.1f GiB of host memory (%.2f GiB per session, %.2f GiB once; "
+                     "every %d chunks)", sessions, budget / 2 ** 30, host.per_session / 2 ** 30, host.once / 2 ** 30,
+                     self.settings.snapshot_interval_chunks)
+        return sessions
 
     def _device(self) -> torch.device:
         kind = self.settings.device
@@ -204,13 +216,20 @@ class RankWorker:
             if keeper is not None:
                 self.keepers[session_id] = keeper
                 self.puts[session_id] = []
+                # restored: the keeper holds the slots its continuation attends (the ledger keeps them)
+                self.snapshotted[session_id] = session.chunk_index - 1
         return session.chunk_index
 
     def reset_session(self, session_id: str) -> None:
         """Back to before its first chunk (a resume whose snapshots only some ranks could restore)."""
         session = self.sessions.get(session_id)
         if session is not None:
-            self._on_device(session.reset)
+            self._on_device(self._reset, session_id, session)
+
+    def _reset(self, session_id: str, session: WorldSession) -> None:
+        session.reset()
+        if session_id in self.snapshotted:
+            self.snapshotted[session_id] = -1
 
     def _is_stopped(self, session_id: str) -> bool:
         with self.lock:
@@ -230,6 +249,7 @@ class RankWorker:
             self.keepers.pop(session_id, None)
             self.puts.pop(session_id, None)
             self.snapshot_s.pop(session_id, None)
+            self.snapshotted.pop(session_id, None)
         self.device_thread.submit(self.copier.forget, session_id)
 
     def abort_chunk(self, session_id: str, index: int) -> None:
@@ -282,50 +302,81 @@ class RankWorker:
         return reply
 
     def flush_snapshots(self, session_id: str, timeout: float = SNAPSHOT_PUT_TIMEOUT_S) -> tuple[SnapshotRef, ...]:
-        """The snapshots taken and not reported yet, once stored: a group
-        that hands its sessions on (drain) passes them along, so the next group restores the last chunk."""
+        """The snapshots taken and not reported yet, once stored, with one of the session's last chunk if the
+        interval (snapshot_interval_chunks) skipped it: a group that hands its sessions on (drain) passes them
+        along, so the next group restores the last chunk and replays nothing."""
         puts = self.puts.get(session_id)
         if puts is None:
             return ()
-        self._on_device(lambda: None)               # the copy queued behind the last chunk has been taken
+        session, keeper = self.sessions.get(session_id), self.keepers.get(session_id)
+        if session is not None and keeper is not None:
+            self._on_device(self._take, session_id, session, keeper, puts)   # after any take queued before
         wait([f for _, f in puts], timeout)
-        return self._stored(puts)
+        return self._stored(session_id, puts)
 
-    def _stored(self, puts: list) -> tuple[SnapshotRef, ...]:
-        """Take the finished puts off `puts`: the references of each that succeeded."""
-        done = [(i, f) for i, f in puts if f.done()]
-        puts[:] = [(i, f) for i, f in puts if not f.done()]
-        return tuple(SnapshotRef(i, self.rank, *f.result()) for i, f in done if f.exception() is None)
+    def _stored(self, session_id: str, puts: list) -> tuple[SnapshotRef, ...]:
+        """Take the finished puts off `puts`: the references of each that succeeded, one per K/V slot (the
+        state's with its newest one). A put that failed lost slots later snapshots would not copy again: the
+        next one copies every slot its continuation needs."""
+        finished = [(i, f, f.done()) for i, f in puts]          # asked once: a put may end meanwhile
+        done = [(i, f) for i, f, ended in finished if ended]
+        puts[:] = [(i, f) for i, f, ended in finished if not ended]
+        refs = []
+        for index, put in done:
+            if put.exception() is not None:
+                if session_id in self.snapshotted:
+                    self.snapshotted[session_id] = -1
+                continue
+            slots, state = put.result()
+            refs += [SnapshotRef(chunk, self.rank, slot, state if chunk == index else None) for chunk, slot in slots]
+        return tuple(refs)
 
     def _snapshot(self, session_id: str, session: WorldSession, index: int, reply: ChunkReply) -> None:
-        """Snapshot the session's state after this chunk: the copy to the host is queued on the device thread
-        right behind this call, so it runs after the reply has gone (before any next chunk of the device);
-        a thread of its own hands it to the session's keeper, which puts it in the object store as its owner
-        (so it outlives this process and its node). References of the puts done by now go back with the
-        reply, and the previous copy's time as its "snapshot" stage."""
+        """Snapshot the session's state after this chunk when it is due (every snapshot_interval_chunks-th
+        chunk: a resume then replays at most that many chunks less one): the copy to the host is queued on
+        the device thread right behind this call, so it runs after the reply has gone (before any next chunk
+        of the device); a thread of its own hands it to the session's keeper, which puts it in the object
+        store as its owner (so it outlives this process and its node). References of the puts done by now go
+        back with the reply, and the previous copy's time as its "snapshot" stage."""
         keeper = self.keepers.get(session_id)
         puts = self.puts.get(session_id)
         if keeper is None or puts is None:
             return
-        reply.snapshots = self._stored(puts)
+        reply.snapshots = self._stored(session_id, puts)
         if session_id in self.snapshot_s:
             reply.timings["snapshot"] = self.snapshot_s.pop(session_id)
-        if len(puts) >= MAX_SNAPSHOTS_IN_FLIGHT:     # the keeper is behind: skip this one (resume replays more)
+        if index % self.settings.snapshot_interval_chunks == 0:    # due (else the next due one copies its slot)
+            self.device_thread.submit(self._take, session_id, session, keeper, puts, False)
+
+    def _take(self, session_id: str, session: WorldSession, keeper, puts: list, force: bool = True) -> None:
+        """On the device thread: copy the session as it stands after its last chunk (the K/V slots no earlier
+        snapshot copied, and the state) and hand it to the put thread. Skipped (unless `force`) when the keeper
+        is behind: SNAPSHOTS_IN_FLIGHT of this session's snapshots not yet reported stored, or as many host
+        copies of this rank's sessions not yet put (their memory is counted once per rank: snapshot_budget.py);
+        a resume then replays more, and the next snapshot copies the slots this one would have. Best effort:
+        never fails a chunk."""
+        index, since = session.chunk_index - 1, self.snapshotted.get(session_id, -1)
+        if index <= since:                           # taken already (or nothing to take)
             return
+        unput = sum(not put.done() for waiting in list(self.puts.values()) for _, put in list(waiting))
+        if not force and (len(puts) >= SNAPSHOTS_IN_FLIGHT or unput >= SNAPSHOTS_IN_FLIGHT):
+            return
+        try:
+            t0 = time.perf_counter()
+            slots, state = take_snapshot(session, self.rank, self.world_size, self.copier, session_id, since)
+            self.snapshot_s[session_id] = time.perf_counter() - t0      # on CUDA: the time to queue it
+        except Exception as e:
+            log.warning("session %s: no snapshot of chunk %d (%s)", session_id, index, type(e).__name__)
+            return
+        self.snapshotted[session_id] = index
+        puts.append((index, self.snapshot_thread.submit(self._put, keeper, slots, state, self.copier.last)))
 
-        def put(slot, state, copied):
-            import ray
-            if copied is not None:                   # CUDA: the side stream's copies have landed
-                copied.synchronize()
-            return tuple(ray.get(keeper.keep.remote(slot, state), timeout=SNAPSHOT_PUT_TIMEOUT_S))
-
-        def take():                                  # on the device thread; best effort: never fails a chunk
-            try:
-                t0 = time.perf_counter()
-                slot, state = take_snapshot(session, self.rank, self.world_size, self.copier, session_id)
-                self.snapshot_s[session_id] = time.perf_counter() - t0      # on CUDA: the time to queue it
-            except Exception as e:
-                log.warning("session %s: no snapshot of chunk %d (%s)", session_id, index, type(e).__name__)
-                return
-            puts.append((index, self.snapshot_thread.submit(put, slot, state, self.copier.last)))
-        self.device_thread.submit(take)
+    @staticmethod
+    def _put(keeper, slots: list, state, copied) -> tuple[list, object]:
+        """On the put thread: once the copies have landed (CUDA: the side stream's event), the keeper puts the
+        slots and the state; their references, [(chunk, slot ref)] and the state's."""
+        import ray
+        if copied is not None:
+            copied.synchronize()
+        refs = ray.get(keeper.keep.remote(slots, state), timeout=SNAPSHOT_PUT_TIMEOUT_S)
+        return [(slot.index, ref) for slot, ref in zip(slots, refs)], refs[-1]

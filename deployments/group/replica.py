@@ -39,6 +39,7 @@ from .messages import DeviceStats, RankInfo
 from .muxer import Muxer
 from .phase import GroupPhase, GroupState
 from .rank import RankWorker
+from .snapshots import SnapshotSeats
 
 log = logging.getLogger("ray.serve")
 
@@ -108,7 +109,7 @@ class WorldGroup:
         self.chunks = ChunkLoop(self.id, s, self.state, self.ranks, self.muxer, self.mailbox, self.metrics,
                                 self._fail_group, self._maybe_report_devices)
         self.leases = Leases(self.id, s, self.state, self.capacity, self.model, self.ranks, self.muxer, self.mailbox,
-                             self.chunks, self.metrics)
+                             self.chunks, self.metrics, SnapshotSeats.of(self.id, [i.snapshot_sessions for i in infos]))
         self.last_metrics = 0.0
         self.event_loop: Optional[asyncio.AbstractEventLoop] = None
         self.drain_task: Optional[asyncio.Task] = None

@@ -11,17 +11,20 @@ log = logging.getLogger("ray.serve")
 
 class SnapshotKeeper:
     """Owns the sessions' snapshots in the object store, so they survive the group (and the node) that made
-    them: ranks hand each chunk's snapshot (its K/V slot and the state after it) to `keep`, which puts them
-    and returns their references (in a list, so that they travel as references). An object lives while
-    someone holds its reference: the ingress holds the ones a resume would need and lets the rest go. The
-    ingress creates one per replica (and another if it dies)."""
+    them: ranks hand each snapshot (the K/V slots it copied and the state after its chunk) to `keep`, which
+    puts each slot and the state apart (the ingress lets a slot go when no continuation attends it any more,
+    independently of the others) and returns their references (in a list, so that they travel as references).
+    An object lives while someone holds its reference: the ingress holds the ones a resume would need and
+    lets the rest go. What that costs per session: lingbot/runtime/snapshot_budget.py. The ingress creates
+    one per replica (and another if it dies)."""
 
     def ready(self) -> bool:
         return True
 
-    def keep(self, slot, state) -> list:
+    def keep(self, slots: list, state) -> list:
+        """[a reference per slot, in order, then the state's]."""
         import ray
-        return [ray.put(slot), ray.put(state)]
+        return [*(ray.put(slot) for slot in slots), ray.put(state)]
 
 
 def start_keeper():

@@ -56,12 +56,14 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class SnapshotRef:
-    """One rank's snapshot of a session after chunk `chunk`: object references to its K/V slot and to the
-    rest of its state (lingbot.runtime.snapshot), owned by the ingress's keeper."""
+    """One rank's snapshot of chunk `chunk` of a session: object references to the chunk's K/V slot and to
+    the rest of the session's state after it (lingbot.runtime.snapshot), owned by the ingress's keeper. A
+    snapshot taken every k chunks (snapshot_interval_chunks) also copies the slots of earlier chunks that no
+    snapshot copied yet: those come without a state."""
     chunk: int
     rank: int
     slot: Any                      # ray.ObjectRef[SlotSnapshot]
-    state: Any                     # ray.ObjectRef[StateSnapshot]
+    state: Any                     # ray.ObjectRef[StateSnapshot]; None: the slot of a chunk without a snapshot
 
 
 @dataclass(frozen=True)

@@ -66,16 +66,19 @@ class ContinuityLedger:
         """Hold the references a resume would restore from; older ones are let go."""
         for ref in refs:
             self.slots.setdefault(ref.chunk, {})[ref.rank] = ref.slot
-            self.states.setdefault(ref.chunk, {})[ref.rank] = ref.state
+            if ref.state is not None:                # None: a slot copied by a later chunk's snapshot
+                self.states.setdefault(ref.chunk, {})[ref.rank] = ref.state
         if self.facts is None:
             return
         newest = self.restorable()
         last = self.chunks - 1
         keep = set(self.facts.restore_chunks(newest)) if newest is not None else set()
-        # while no set is complete (a rank's snapshot is late or failed), still only the sink and the window's
-        # worth of recent chunks: memory stays bounded
+        # the newest set, and the slots newer than it (a later set in the making); while no set is complete (a
+        # rank's snapshot is late or failed), still only the sink and the window's worth of recent chunks:
+        # memory stays bounded (lingbot/runtime/snapshot_budget.py counts what a session holds)
         sink, window = self.facts.sink_chunks, self.facts.window_chunks
-        self.slots = {i: refs for i, refs in self.slots.items() if i in keep or i < sink or i > last - window}
+        self.slots = {i: refs for i, refs in self.slots.items()
+                      if i in keep or i < sink or (i > last - window and (newest is None or i > newest))}
         self.states = {i: refs for i, refs in self.states.items()
                        if i >= (newest if newest is not None else last - 2)}
 

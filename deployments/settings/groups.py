@@ -187,10 +187,21 @@ class ContinuitySettings(_Group):
                                   "ended; drain moves are not counted)")
     snapshots: bool = setting(True, "each chunk's state to the object store, so a resume restores it instead "
                                     "of replaying the session")
+    snapshot_interval_chunks: int = setting(1, "snapshot every k-th chunk (each copies the K/V slots no earlier one "
+                                               "did): a resume replays at most k - 1 delivered chunks after the "
+                                               "newest snapshot; 1: every chunk")
+    snapshot_host_budget_gib: Optional[float] = setting(
+        None, "host memory a group's snapshots may use (its ranks' pinned copies and what the keeper holds for its "
+              "sessions, `lingbot snapshot-budget`); sessions beyond it run without snapshots (a resume replays "
+              "them) and a warning says so; null: 30% of the node's memory (Ray's default object store), shared "
+              "among the node's groups by their part of its accelerators")
 
     def __post_init__(self):
         self._positive("resume_wait_s")
         self._at_least(0, "max_resumes")
+        self._at_least(1, "snapshot_interval_chunks")
+        if self.snapshot_host_budget_gib is not None:
+            self._at_least(0, "snapshot_host_budget_gib")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ never half-admitted. The VAE cache sizes come from a decode/encode on the meta d
 Two kinds of bytes: what each session holds between its chunks (`SessionFootprint`, counted per session)
 and what a rank holds once whatever its number of sessions (`RankFootprint`): the shared caches, the
 transient memory of the one chunk that runs at a time (chunks of a group run one after another), and
-the CUDA graphs' static input buffers (one set of graphs serves every session).
+the CUDA graphs' static input buffers (one set of graphs serves every session). What the sessions'
+snapshots cost on the host is snapshot_budget.py's.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 
 from ..config import Preset, parse_dtype, tae_dtype
 from ..models.tae import TinyDecoder
-from ..models.vae import CausalCache, WanVAE
+from ..models.vae import CausalCache, CausalConv3d, WanVAE
+from ..parallel.comm import split_sizes
 from .condition import CONDITION_CACHE_CHUNKS, CONDITION_CACHE_IMAGES
 from .dit_runner import PROMPT_CACHE_SIZE
 from .kv_cache import KVWindow
@@ -38,26 +40,51 @@ class SessionFootprint:
         return sum(getattr(self, f.name) for f in fields(self))
 
 
-def _vae_cache_bytes(preset: Preset, latent_width: int, dtype: torch.dtype) -> tuple[int, int]:
-    lh = preset.latent_hw[0]
+def vae_cache_entries(preset: Preset, world_size: int = 1, rank: int = 0) -> tuple[list[int], list[int]]:
+    """The bytes of each entry of a session's VAE decoder cache on `rank` (its columns of the latent width)
+    and of the condition encoder's (whole width: rank 0 runs it), after a chunk: a decode and an encode on
+    the meta device (shapes only). Under SP each 3x3 causal conv of the decoder caches its input with the
+    halo and the zero rows it was assembled with (lingbot/parallel/vae_shard.py): 2 rows and 2 columns
+    more than its share."""
+    lh, lw = preset.latent_hw
+    width = split_sizes(lw, world_size)[rank]
     with torch.device("meta"):
-        vae = WanVAE(preset.vae).to(dtype)
+        vae = WanVAE(preset.vae).to(parse_dtype(preset.vae_dtype))
         decoder, encoder = CausalCache(), CausalCache()
-        vae.decode(torch.zeros(1, 16, 1, lh, latent_width), decoder)
-        vae.decode(torch.zeros(1, 16, preset.transformer.num_frames_per_block, lh, latent_width), decoder)
+        vae.decode(torch.zeros(1, 16, 1, lh, width), decoder)
+        vae.decode(torch.zeros(1, 16, preset.transformer.num_frames_per_block, lh, width), decoder)
         vae.encode(torch.zeros(1, 3, preset.geometry.pixel_frames(0), preset.height, preset.width), encoder)
-    return decoder.nbytes(), encoder.nbytes()
+    halo = {f"decoder.{name}": m.space_pad for name, m in vae.decoder.named_modules()
+            if world_size > 1 and isinstance(m, CausalConv3d) and m.space_pad[0] > 0}
+    decoded = []
+    for key, t in decoder.entries.items():
+        shape = list(t.shape)                                     # [1, C, frames, H, W]
+        if key in halo:
+            pad_w, _, pad_h, _ = halo[key]
+            shape[-2:] = shape[-2] + 2 * pad_h, shape[-1] + 2 * pad_w
+        decoded.append(math.prod(shape) * t.element_size())
+    return decoded, [t.numel() * t.element_size() for t in encoder.entries.values()]
 
 
-def _tae_cache_bytes(preset: Preset, dtype: torch.dtype) -> int:
-    """The tiny decoder's cache: one frame per memory block at its stage's size, whole width (it runs on the
-    root alone under SP, lingbot/parallel/root_decode.py); full after the first latent frame."""
+def _vae_cache_bytes(preset: Preset, world_size: int = 1) -> tuple[int, int]:
+    decoder, encoder = vae_cache_entries(preset, world_size)
+    return sum(decoder), sum(encoder)
+
+
+def tae_cache_entries(preset: Preset, dtype: torch.dtype) -> list[int]:
+    """The bytes of each entry of the tiny decoder's cache: one frame per memory block at its stage's size,
+    whole width (it runs on the root alone under SP, lingbot/parallel/root_decode.py); full after the first
+    latent frame."""
     lh, lw = preset.latent_hw
     with torch.device("meta"):
         tae = TinyDecoder(preset.tae).to(dtype)
         cache = CausalCache()
         tae.decode(torch.zeros(1, preset.tae.latent_channels, 1, lh, lw), cache)
-    return cache.nbytes()
+    return [t.numel() * t.element_size() for t in cache.entries.values()]
+
+
+def _tae_cache_bytes(preset: Preset, dtype: torch.dtype) -> int:
+    return sum(tae_cache_entries(preset, dtype))
 
 
 def _esize(dtype: torch.dtype) -> int:
@@ -79,8 +106,7 @@ def session_footprint(preset: Preset, world_size: int = 1, decoders: Sequence[st
     heads = cfg.num_attention_heads // world_size
     kv = KVWindow.nbytes_for(cfg, preset.tokens_per_frame, heads, dtype)
     text = (2 * cfg.num_layers * cfg.dim + cfg.text_dim) * preset.text.max_length * esize    # K/V + embedding
-    wan, condition = _vae_cache_bytes(preset, math.ceil(preset.latent_hw[1] / world_size),
-                                      parse_dtype(preset.vae_dtype))
+    wan, condition = _vae_cache_bytes(preset, world_size)
     decoder = max(wan if name == "wan" else _tae_cache_bytes(preset, tae_dtype(device)) for name in decoders)
     history = CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
     # the condition encoder's cache is on rank 0 only under SP (lingbot/parallel/condition.py): counted on
@@ -137,38 +163,6 @@ def rank_footprint(preset: Preset, world_size: int = 1, cuda_graphs: bool = Fals
                          CONDITION_CACHE_IMAGES * CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset),
                          chunk_camera_modulation_bytes(preset, world_size),
                          graph_static_bytes(preset, world_size) if cuda_graphs else 0)
-
-
-@dataclass(frozen=True)
-class SnapshotFootprint:
-    """What keeping a session resumable costs on one rank, in host memory (the object store): per chunk a
-    snapshot of its K/V slot and of the session's state after it; a session keeps `kept` slots (the chunks
-    a continuation attends) and the newest state."""
-    kv_slot: int               # one chunk's K/V slot, this rank's heads
-    state: int                 # decoder cache, text embedding, condition latents, RNG (per snapshot)
-    kept: int
-
-    @property
-    def per_chunk(self) -> int:
-        """Bytes copied off the device after every chunk."""
-        return self.kv_slot + self.state
-
-    @property
-    def held(self) -> int:
-        """Bytes held per session (one more state while the next chunk's snapshot is on its way)."""
-        return self.kept * self.kv_slot + self.state
-
-
-def snapshot_footprint(preset: Preset, world_size: int = 1, decoders: Sequence[str] = ("wan",),
-                       device: torch.device | str = "cpu") -> SnapshotFootprint:
-    cfg = preset.transformer
-    esize = _esize(preset.torch_dtype)
-    footprint = session_footprint(preset, world_size, decoders, device)
-    slot = footprint.kv_window // cfg.window_chunks
-    # the condition: its fixed point, or up to CONDITION_CACHE_CHUNKS replayed chunks of a first frame seen before
-    state = footprint.decoder_cache + cfg.text_dim * preset.text.max_length * esize \
-        + CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
-    return SnapshotFootprint(slot, state, cfg.window_chunks - 1)
 
 
 def condition_chunk_bytes(preset: Preset) -> int:

@@ -16,25 +16,29 @@ import torch
 
 from lingbot.config import Preset, TextEncoderConfig
 from lingbot.io.weights import write_random_checkpoint
-from lingbot.runtime.budget import session_footprint, snapshot_footprint
+from lingbot.runtime.budget import session_footprint
 from lingbot.runtime.compile import compile_default
 from lingbot.runtime.condition import LatentCondition
 from lingbot.runtime.lifecycle import RankLifecycle
 from lingbot.runtime.snapshot import HostCopier, take_snapshot
+from lingbot.runtime.snapshot_budget import snapshot_footprint
 
 from .check import KEYS, LIFECYCLE_LAYERS, LIFECYCLE_MAX_SESSIONS, Check, _allocated, _free_memory, _sync, _timed
 from .timing import _prime_conditions
 
 
 def _snapshot_tensors(snapshot) -> list:
-    slot, state = snapshot
-    return slot.tensors() + state.tensors()
+    slots, state = snapshot
+    return [t for slot in slots for t in slot.tensors()] + state.tensors()
 
 
 def stage_snapshots(c: Check) -> dict:
     """The steady whole chunk with no snapshot, a synchronous one and an asynchronous one after each (median
     of `steady` each); the copies alone with the device idle; then one asynchronous snapshot copied while
-    the next chunk runs, against a synchronous snapshot of the same moment."""
+    the next chunk runs, against a synchronous snapshot of the same moment. Per chunk: the bytes copied (the
+    K/V slot and the state, against the budget's, lingbot/runtime/snapshot_budget.py), the copy's time and
+    what it adds to the chunk; and the copy time of the budget's largest snapshot at the measured rate (the
+    session here replays its first frame's conditions: it holds no encoder cache)."""
     if not c.conditions_primed:
         _prime_conditions(c)
     session = c.pipe.new_session(c.image, None, seed=0, text_embedding=c.text)
@@ -66,6 +70,7 @@ def stage_snapshots(c: Check) -> dict:
         async_copier.last.synchronize()
     pairs = list(zip(_snapshot_tensors(reference), _snapshot_tensors(copied)))
     exact = len(pairs) == len(_snapshot_tensors(reference)) and all(torch.equal(a, b) for a, b in pairs)
+    del copied                                          # as a rank's, put and gone: the next copies it all
     # the asynchronous copy alone, the device idle: from the call to the copy engine's last byte
     _sync(c.device)
     t0 = time.perf_counter()
@@ -73,8 +78,14 @@ def stage_snapshots(c: Check) -> dict:
     if async_copier.last is not None:
         async_copier.last.synchronize()
     copy_async_s = time.perf_counter() - t0
-    nbytes = reference[0].nbytes() + reference[1].nbytes()
-    return {"regions": c.mode, "bytes": nbytes, "budget_model_bytes": snapshot_footprint(c.preset).per_chunk,
+    slot_bytes, state_bytes = sum(slot.nbytes() for slot in reference[0]), reference[1].nbytes()
+    nbytes = slot_bytes + state_bytes
+    budget = snapshot_footprint(c.preset)
+    rate = nbytes / copy_async_s if async_copier.asynchronous else nbytes / copy_sync_s
+    return {"regions": c.mode, "bytes": nbytes, "slot_bytes": slot_bytes, "state_bytes": state_bytes,
+            "budget_slot_bytes": budget.slot, "budget_state_bytes": budget.state,
+            "budget_model_bytes": budget.per_chunk, "budget_held_bytes": budget.held,
+            "budget_copy_s": budget.per_chunk / rate, "budget_copy_fraction_of_chunk": budget.per_chunk / rate / alone,
             "asynchronous": async_copier.asynchronous, "chunk_s": alone, "chunk_sync_snapshot_s": synchronous,
             "chunk_async_snapshot_s": asynchronous, "sync_cost": synchronous / alone - 1,
             "async_cost": asynchronous / alone - 1, "copy_sync_s": copy_sync_s, "copy_async_s": copy_async_s,

@@ -110,7 +110,9 @@ def _checks(report: dict, modes: dict) -> list[tuple[str, str]]:
     if snap:
         how = "side stream, pinned" if snap["asynchronous"] else "no side stream on this device: a plain copy"
         rows.append((f"snapshot per chunk ({snap['regions']})",
-                     f"{_gib(snap['bytes'])} GiB (budget model {_gib(snap['budget_model_bytes'])} GiB); whole chunk "
+                     f"{_gib(snap['bytes'])} GiB: K/V slot {_gib(snap['slot_bytes'])} GiB, state "
+                     f"{_gib(snap['state_bytes'])} GiB (budget model {_gib(snap['budget_slot_bytes'])} + "
+                     f"{_gib(snap['budget_state_bytes'])} GiB at its largest); whole chunk "
                      f"{_ms(snap['chunk_s'])} ms alone, {_ms(snap['chunk_sync_snapshot_s'])} ms with a synchronous "
                      f"copy ({_pct(snap['sync_cost'])}), {_ms(snap['chunk_async_snapshot_s'])} ms with the "
                      f"asynchronous one ({_pct(snap['async_cost'])}; {how})"))
@@ -119,6 +121,10 @@ def _checks(report: dict, modes: dict) -> list[tuple[str, str]]:
                      f"{_ms(snap['copy_async_s'])} ms ({snap['copy_async_gb_per_s']:.1f} GB/s), queued in "
                      f"{_ms(snap['copy_async_queue_s'])} ms; copied during the next chunk, bitwise: "
                      f"{snap['async_bitwise']}"))
+        rows.append(("snapshot copy at the budget's largest, per chunk",
+                     f"{_gib(snap['budget_model_bytes'])} GiB in {_ms(snap['budget_copy_s'])} ms at the rate above "
+                     f"({snap['budget_copy_fraction_of_chunk']:.1%} of the chunk alone); the keeper holds "
+                     f"{_gib(snap['budget_held_bytes'])} GiB per session"))
     mem = _figures(report, "memory")
     if mem:
         dit, whole_s, budget = mem["dit_session"], mem["whole_session"], mem["budget_model"]

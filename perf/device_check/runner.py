@@ -18,9 +18,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lingbot.runtime.budget import snapshot_footprint
 from lingbot.runtime.compile import compile_default
 from lingbot.runtime.condition import CONDITION_CACHE_CHUNKS
+from lingbot.runtime.snapshot_budget import snapshot_footprint
 
 from .check import (
     COMPILE_TOLERANCE,

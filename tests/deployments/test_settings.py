@@ -53,6 +53,8 @@ DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_
 NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": None, "spare_groups": None,
                 "decoder": "wan", "tae_path": None,
                 "max_queue_wait_s": 600.0}
+# snapshots sized for the host: every chunk (as before), the host budget measured on the node
+NEW_DEFAULTS.update(snapshot_interval_chunks=1, snapshot_host_budget_gib=None)
 
 
 def test_settings_validation(monkeypatch):

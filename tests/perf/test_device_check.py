@@ -43,7 +43,11 @@ def test_device_check_runs_end_to_end_on_cpu_and_a_failed_stage_keeps_every_othe
     snapshot = figures["snapshots"]
     assert snapshot["async_bitwise"] and not snapshot["asynchronous"] and snapshot["bytes"] > 0
     assert {"chunk_s", "chunk_sync_snapshot_s", "chunk_async_snapshot_s", "sync_cost", "async_cost", "copy_sync_s",
-            "copy_async_s"} <= set(snapshot)
+            "copy_async_s", "budget_copy_s", "budget_copy_fraction_of_chunk"} <= set(snapshot)
+    # the bytes per chunk against the snapshot budget's: the slot exactly, the state (conditions replayed: no
+    # encoder cache) within its largest
+    assert snapshot["slot_bytes"] == snapshot["budget_slot_bytes"] > 0
+    assert 0 < snapshot["state_bytes"] < snapshot["budget_state_bytes"]
     # memory: like with like, part by part (no device allocator on CPU)
     memory = figures["memory"]
     budget, dit, whole_session = memory["budget_model"], memory["dit_session"], memory["whole_session"]
@@ -59,6 +63,7 @@ def test_device_check_runs_end_to_end_on_cpu_and_a_failed_stage_keeps_every_othe
     table = (tmp_path / "device_check.md").read_text()
     assert table.startswith("Device check: tiny 112x64 float32 on cpu") and "| compiled+graphs |" in table
     assert "| snapshot copy alone, device idle |" in table and "| lifecycle | ok |" in table
+    assert "| snapshot copy at the budget's largest, per chunk |" in table
     assert "| no_sync | failed |" in table and "InjectedFailure" in table
     printed = capsys.readouterr().out
     assert table.strip() in printed                                           # the table, printed at the end

@@ -37,9 +37,8 @@ def test_a_resume_restores_the_newest_complete_set_and_journals_the_rest():
     ledger = ledger_after(10)
     assert ledger.chunks == 10 and ledger.frames_delivered == 9 + 12 * 9
     assert ledger.restorable() == 9
-    # the sink and the window's recent chunks are kept (the continuation after 9 attends 0-2, 8 and 9), and only
-    # the newest state
-    assert sorted(ledger.slots) == [0, 1, 2, 4, 5, 6, 7, 8, 9] and sorted(ledger.states) == [9]
+    # only what the continuation after 9 attends (0-2, 8 and 9) is kept, and only the newest state
+    assert sorted(ledger.slots) == [0, 1, 2, 8, 9] and sorted(ledger.states) == [9]
     resume = ledger.resume(now=200.0, wall=5000.0)
     assert resume.snapshot_index == 9 and resume.next_index == 10
     assert [r.slots for r in resume.restore] == [tuple(f"slot{c}.{r}" for c in (0, 1, 2, 8, 9)) for r in (0, 1)]
@@ -54,6 +53,7 @@ def test_a_late_rank_keeps_the_previous_set_and_memory_stays_bounded():
     ledger = ledger_after(8)
     ledger.delivered(chunk(8, snapshots=refs(8, ranks=(0,))), FPS, now=200.0)    # rank 1's put is late
     assert ledger.restorable() == 7                                               # 8 is not complete
+    assert sorted(ledger.slots) == [0, 1, 2, 6, 7, 8]                              # 7's set, and 8 on its way
     ledger.keep(refs(8, ranks=(1,)))                                              # it arrives with the next event
     assert ledger.restorable() == 8
     # a rank whose snapshots keep failing: no set completes, and still only the sink and the window are held
@@ -81,3 +81,22 @@ def test_before_admission_nothing_is_restorable():
     ledger = ContinuityLedger(2)
     ledger.keep(refs(0))
     assert ledger.restorable() is None and ledger.resume().snapshot_index == -1
+
+
+def test_snapshots_every_k_chunks_restore_the_newest_and_journal_the_rest():
+    """Every 3 chunks (snapshot_interval_chunks 3) a snapshot carries the slots no earlier one did, the older
+    ones without a state: a resume restores the newest snapshot at or before the last delivered chunk from
+    the slots of several snapshots, and replays the chunks after it (at most 2)."""
+    carried = {0: [0], 3: [1, 2, 3], 6: [5, 6], 9: [8, 9]}
+    ledger = ContinuityLedger(2)
+    ledger.facts = FACTS
+    for i in range(9):
+        snaps = [SnapshotRef(c, r, f"slot{c}.{r}", f"state{i}.{r}" if c == i else None)
+                 for c in carried.get(i, []) for r in (0, 1)]
+        ledger.delivered(chunk(i, snapshots=snaps), FPS, now=100.0 + i)
+    assert ledger.restorable() == 6 and sorted(ledger.states) == [6]
+    assert sorted(ledger.slots) == [0, 1, 2, 5, 6]                  # 3's slot left the window: let go
+    resume = ledger.resume()
+    assert resume.snapshot_index == 6 and resume.next_index == 9           # 7 and 8 replayed from the journal
+    assert [r.slots for r in resume.restore] == [tuple(f"slot{c}.{r}" for c in (0, 1, 2, 5, 6)) for r in (0, 1)]
+    assert [r.state for r in resume.restore] == ["state6.0", "state6.1"]

@@ -2,7 +2,8 @@
 device: the condition encoder on rank 0 only (every rank's conditions bitwise those of one device, the
 fixed point found at the same chunk, snapshots of the encoder state restoring bitwise); the attention
 kernel probed in the layout a real chunk passes; and the budget's per-rank bytes (the chunk's camera
-modulation, the CUDA graphs' static inputs) equal to what a real chunk makes on each rank."""
+modulation, the CUDA graphs' static inputs, a snapshot's parts) equal to what a real chunk makes on each
+rank."""
 import pytest
 import torch
 
@@ -66,11 +67,13 @@ def _group_run(comm):
     ask = session.condition.chunk_condition
     session.condition.chunk_condition = lambda chunk: conditions.append(ask(chunk)) or conditions[-1]
     steady_calls = None
+    snapshots = []
     for k in range(CHUNKS):
         graph.armed = k == STEADY
         if k == STEADY:
             steady_calls = len(layouts.calls)
         session.step(_controls(k))
+        snapshots.append(_snapshot_bytes(session, comm))
     chunk_tokens = TINY.transformer.num_frames_per_block * TINY.tokens_per_frame
     probe = layout(*kernel_inputs(model, chunk_tokens, TINY.transformer.window_chunks * chunk_tokens, "cpu"))
     condition = session.condition
@@ -80,11 +83,24 @@ def _group_run(comm):
         again.step(_controls(k))
     replayed = again.condition.replay is not None and again.condition.encoded_chunks == 0 \
         and comm.counts["condition"] == broadcasts
+    snapshots.append(_snapshot_bytes(again, comm))
     round_trip = _encoder_round_trip(pipeline, random_image(TINY, seed=32))
     return {"conditions": conditions, "fixed_point": condition.fixed_point_chunk, "encoded": condition.encoded_chunks,
             "encoder_runs": len(encoder_runs), "broadcasts": comm.counts["condition"], "replayed": replayed,
             "kernel_layout": layouts.calls[steady_calls], "probe_layout": probe,
-            "graph_bytes": graph.bytes, "camera_bytes": transient.bytes, "round_trip": round_trip}
+            "graph_bytes": graph.bytes, "camera_bytes": transient.bytes, "round_trip": round_trip,
+            "snapshots": snapshots}
+
+
+def _snapshot_bytes(session, comm) -> dict:
+    """The bytes of a snapshot of the session after its last chunk, by part."""
+    from lingbot.runtime.snapshot import take_snapshot
+    [slot], state = take_snapshot(session, comm.rank, comm.world_size)
+    condition = state.state["condition"]
+    latents = {id(t): t.nbytes for t in [condition["fixed_latents"], *(condition["replay"] or ())] if t is not None}
+    return {"slot": slot.nbytes(), "state": state.nbytes(),
+            "decoder": tuple(t.nbytes for t in state.state["decoder"].values()),
+            "encoder": sum(t.nbytes for t in condition["cache"].values()), "latents": sum(latents.values())}
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +149,27 @@ def test_per_rank_bytes_are_what_a_real_chunk_makes(one_device, two_ranks):
         for rank, run in enumerate(runs):
             assert run["graph_bytes"] == graph_static_bytes(TINY, world_size), (world_size, rank)
             assert run["camera_bytes"] == [chunk_camera_modulation_bytes(TINY, world_size)] * (CHUNKS + 2), rank
+
+
+def test_snapshot_bytes_are_what_the_budget_counts_on_every_rank(one_device, two_ranks):
+    """snapshot_budget's per-rank bytes against every chunk's snapshot on one device and on both ranks of SP-2:
+    the K/V slot (this rank's heads), the decoder cache (this rank's columns, with their halo under SP), the
+    encoder's cache (rank 0 only, until the fixed point at chunk 10) and the state they make, one prompt (the
+    budget's largest counts a transition's two more text embeddings); a first frame replayed from the cache
+    holds its latents up to the fixed point (11 chunks, at most the budget's 16)."""
+    from lingbot.runtime.budget import condition_chunk_bytes
+    from lingbot.runtime.snapshot_budget import snapshot_footprint
+    for world_size, runs in ((1, [one_device]), (2, two_ranks)):
+        for rank, run in enumerate(runs):
+            budget, where = snapshot_footprint(TINY, world_size, rank), (world_size, rank)
+            *chunks, replayed = run["snapshots"]
+            assert [c["slot"] for c in chunks] == [budget.slot] * CHUNKS, where
+            assert all(c["decoder"] == budget.decoder_cache for c in chunks), where
+            encoder = sum(budget.condition) if rank == 0 else 0
+            assert [c["encoder"] for c in chunks] == [encoder] * 10 + [0] * (CHUNKS - 10), where
+            state = budget.state - 2 * budget.text[0] - (0 if rank == 0 else sum(budget.condition))
+            assert [c["state"] for c in chunks[:10]] == [state] * 10, where      # with a continuation's 5 slots:
+            assert 5 * chunks[4]["slot"] + chunks[4]["state"] == budget.held - (budget.state - state)
+            assert replayed["latents"] == 11 * condition_chunk_bytes(TINY) <= 16 * condition_chunk_bytes(TINY)
+    # a group's slots are one device's, split by heads
+    assert sum(r["snapshots"][0]["slot"] for r in two_ranks) == one_device["snapshots"][0]["slot"]

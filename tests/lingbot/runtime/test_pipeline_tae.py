@@ -9,9 +9,10 @@ from lingbot.config import ConfigError
 from lingbot.io.weights import build_random_tae
 from lingbot.models.tae import TinyFrameDecoder
 from lingbot.models.vae import FrameDecoder
-from lingbot.runtime.budget import session_footprint, snapshot_footprint
+from lingbot.runtime.budget import session_footprint
 from lingbot.runtime.pipeline import DecoderNotLoaded, WorldPipeline
 from lingbot.runtime.snapshot import chunks_to_restore, restore_snapshots, take_snapshot
+from lingbot.runtime.snapshot_budget import snapshot_footprint
 from tests.conftest import random_image
 
 
@@ -75,7 +76,7 @@ def test_the_budget_counts_the_tiny_decoders_cache(tiny, both):
     assert session_footprint(tiny, decoders=("tae", "wan")).decoder_cache == max(tae.decoder_cache, wan.decoder_cache)
     assert session_footprint(tiny, decoders=("tae",), device="cuda").decoder_cache == tae.decoder_cache // 2
     assert tae.total - tae.decoder_cache == wan.total - wan.decoder_cache
-    assert snapshot_footprint(tiny, decoders=("tae",)).state - snapshot_footprint(tiny).state == \
+    assert snapshot_footprint(tiny, decoder="tae").state - snapshot_footprint(tiny).state == \
         tae.decoder_cache - wan.decoder_cache
 
 

@@ -1,0 +1,99 @@
+"""A rank's snapshots without Ray (one rank, CPU, the tiny pipeline): a keeper and a muxer that hand back what
+they are given, and ray.get that returns what it is given, so the snapshots the rank hands over are the
+objects themselves. With snapshot_interval_chunks 3, each snapshot copies the K/V slots no earlier one did; a
+session resumed from the continuity ledger restores the newest snapshot at or before its last delivered
+chunk, replays the chunks after it, and goes on bitwise as the session without the fault."""
+import types
+from concurrent.futures import wait
+
+import numpy as np
+import pytest
+
+from deployments.group.rank import RankWorker
+from deployments.session.events import ChunkControls, ChunkReady, InteractionState, ModelFacts
+from deployments.session.ledger import ContinuityLedger
+from deployments.settings import ServeSettings
+from lingbot.parallel import Comm
+
+INTERVAL = 3
+KEYS = (("w", "", "l"), ("i", "a", ""), ("", "d", "j"), ("s", "", "k"))
+
+
+class Keeper:
+    """keep.remote(slots, state) -> the objects themselves, as the references of SnapshotKeeper.keep are."""
+
+    def __init__(self, fail_first: bool = False):
+        self.kept, self.fail_first = [], fail_first
+        self.keep = types.SimpleNamespace(remote=self._keep)
+
+    def _keep(self, slots, state):
+        if self.fail_first:
+            self.fail_first = False
+            raise RuntimeError("the keeper's node is gone")
+        self.kept.append(([s.index for s in slots], state.index))
+        return [*slots, state]
+
+
+class Muxer:
+    def __init__(self):
+        self.frames = {}
+        self.encode = types.SimpleNamespace(remote=self._encode)
+
+    def _encode(self, session_id, index, frames, sent):
+        self.frames[session_id, index] = frames
+
+
+@pytest.fixture
+def worker(monkeypatch, tiny_pipeline):
+    import ray
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+    settings = ServeSettings(sp=1, snapshot_interval_chunks=INTERVAL)
+    worker = RankWorker(settings.to_dict(), rank=0, world_size=1)
+    worker.pipeline, worker.comm = tiny_pipeline, Comm()          # joined: the session-wide tiny pipeline
+    return worker
+
+
+def _run(worker, session_id, index, muxer):
+    """One chunk, then its snapshot's copy and put done (the next chunk's reply carries its references)."""
+    reply = worker.run_chunk(session_id, index, ChunkControls(keys=KEYS[index % len(KEYS)]), muxer)
+    assert not reply.stopped
+    worker._on_device(lambda: None)
+    wait([f for _, f in worker.puts[session_id]])
+    return reply
+
+
+def _delivered(ledger, index, reply):
+    frames = 9 if index == 0 else 12
+    ledger.delivered(ChunkReady(index, b"", frames, [], [], [], {}, 0.0,
+                                controls=ChunkControls(keys=KEYS[index % len(KEYS)]),
+                                interactions=InteractionState({}, None), snapshots=reply.snapshots), 16.0)
+
+
+def test_snapshots_every_3_chunks_resume_by_restore_and_replay_bitwise(worker, tiny_pipeline):
+    image = np.random.RandomState(3).randint(0, 256, (64, 112, 3), dtype=np.uint8)
+    muxer, keeper = Muxer(), Keeper()
+    ledger = ContinuityLedger(1)
+    ledger.facts = ModelFacts.of(tiny_pipeline.preset)
+    assert worker.open_session("a", image, "a harbour", 5, None, keeper=keeper) == 0
+    for index in range(9):                            # delivered up to chunk 8, then the group fails
+        _delivered(ledger, index, _run(worker, "a", index, muxer))
+    for index in (9, 10):                             # the session without the fault goes on
+        _run(worker, "a", index, muxer)
+    # every 3rd chunk, the slots its continuation attends that no earlier snapshot copied
+    assert keeper.kept == [([0], 0), ([1, 2, 3], 3), ([5, 6], 6), ([8, 9], 9)]
+    assert ledger.restorable() == 6 and sorted(ledger.slots) == [0, 1, 2, 5, 6] and sorted(ledger.states) == [6]
+    resume = ledger.resume()
+    assert (resume.snapshot_index, resume.next_index) == (6, 9)
+
+    # the new group: restored to chunk 6 from the slots of three snapshots, 7 and 8 replayed, then on
+    again = Keeper(fail_first=True)                   # its first put is lost: the next copies every slot again
+    assert worker.open_session("b", image, "a harbour", 5, None, keeper=again, restore=resume.restore[0]) == 7
+    for index in range(7, 11):
+        _run(worker, "b", index, muxer)
+        assert np.array_equal(muxer.frames["b", index], muxer.frames["a", index]), index
+    # a drain hands the last chunk over: snapshotted now though 10 is not due, with every slot it attends
+    refs = worker.flush_snapshots("b")
+    assert again.kept == [([0, 1, 2, 9, 10], 10)]
+    assert [(r.chunk, r.state is not None) for r in refs] == [(0, False), (1, False), (2, False), (9, False),
+                                                             (10, True)]
+    assert worker.flush_snapshots("b") == ()           # nothing newer to take
