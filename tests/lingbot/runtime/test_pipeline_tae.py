@@ -55,12 +55,13 @@ def test_a_tiny_decoder_session_resumes_bitwise(tiny, both):
     state = snapshots[1][1]
     assert state.state["decoder_name"] == "tae" and len(state.state["decoder"]) == 9      # one per memory block
     fresh = both.new_session(image, "a mill", seed=5)
-    restore_snapshots(fresh, [snapshots[c][0] for c in needed], state)
+    slots = {slot.index: slot for k in range(2) for slot in snapshots[k][0]}     # each chunk's slot, once
+    restore_snapshots(fresh, [slots[c] for c in needed], state)
     for k in (2, 3):
         assert torch.equal(fresh.step().frames, frames[k]), k
     other = both.new_session(image, "a mill", seed=5, decoder="wan")
     with pytest.raises(ValueError, match="with the 'tae' decoder cannot continue a session with the 'wan' one"):
-        restore_snapshots(other, [snapshots[c][0] for c in needed], state)
+        restore_snapshots(other, [slots[c] for c in needed], state)
 
 
 def test_the_budget_counts_the_tiny_decoders_cache(tiny, both):
