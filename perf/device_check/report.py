@@ -100,6 +100,13 @@ def _checks(report: dict, modes: dict) -> list[tuple[str, str]]:
     graphs = _figures(report, "graphs")
     if graphs and "graphs_vs_compiled_bitwise" in graphs:
         rows.append(("graph replay vs compiled latents, bitwise", str(graphs["graphs_vs_compiled_bitwise"])))
+    tiny = _figures(report, "tiny_decoder")
+    if tiny:
+        rows.append((f"tiny decoder at {tiny['size']} ({tiny['dtype']})",
+                     f"{_ms(tiny['chunk_s'])} ms per steady chunk ({tiny['gflop_per_chunk']:.4g} GFLOP, "
+                     f"{tiny['tflops']:.3g} TFLOP/s); peak {_gib(tiny['peak_bytes'])} GiB; cache "
+                     f"{_gib(tiny['cache_bytes'])} GiB a session; vs fp32 max {tiny['vs_fp32_max_abs']:.3g}, "
+                     f"mean {tiny['vs_fp32_mean_abs']:.3g} (pixels in [-1, 1])"))
     no_sync = _figures(report, "no_sync")
     if no_sync:
         rows.append((f"no host sync on the DiT step path ({no_sync['regions']})", no_sync["result"]))

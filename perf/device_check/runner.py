@@ -33,6 +33,7 @@ from .check import (
     _free_memory,
     _quietly,
 )
+from .decoders import stage_tiny_decoder
 from .memory import stage_lifecycle, stage_memory, stage_snapshots
 from .report import modes_of, render_table
 from .timing import (
@@ -95,6 +96,7 @@ STAGES = (
     Stage("eager_dit", "eager DiT chunk", stage_eager_dit, lambda c: (c.warm + c.steady) * c.chunk_s()[0],
           required=True),
     Stage("eager_whole", "eager whole chunk with decode", stage_eager_whole, _estimate_whole_session),
+    Stage("tiny_decoder", "the tiny decoder against fp32", stage_tiny_decoder, lambda c: 10.0),
     Stage("compiled", "regional compile", stage_compiled, lambda c: _estimate_compiled(c, 1.0),
           on_failure=Check.to_eager),
     Stage("no_sync", "no host sync on the DiT step path", stage_no_sync, lambda c: 3 * c.chunk_s()[0]),

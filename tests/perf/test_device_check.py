@@ -40,6 +40,9 @@ def test_device_check_runs_end_to_end_on_cpu_and_a_failed_stage_keeps_every_othe
     assert whole["condition_fixed_point_chunk"] is not None and whole["condition_encode_s"]
     for name in ("eager_whole", "compiled", "graphs"):
         assert figures[name]["condition_replayed"] and figures[name]["condition_encoded_chunks"] == 0
+    tiny = figures["tiny_decoder"]
+    assert tiny["dtype"] == "float32" and tiny["chunk_s"] > 0 and tiny["vs_fp32_max_abs"] == 0.0     # fp32 on CPU
+    assert tiny["cache_bytes"] > 0 and "tiny decoder at 112x64 (float32)" in (tmp_path / "device_check.md").read_text()
     snapshot = figures["snapshots"]
     assert snapshot["async_bitwise"] and not snapshot["asynchronous"] and snapshot["bytes"] > 0
     assert {"chunk_s", "chunk_sync_snapshot_s", "chunk_async_snapshot_s", "sync_cost", "async_cost", "copy_sync_s",
