@@ -110,6 +110,11 @@ class ServeSettings:
         return self.door.api_key_set
 
     @property
+    def decoder_names(self) -> tuple[str, ...]:
+        """The frame decoders the ranks load, the first the sessions' default."""
+        return self.model.decoder_names
+
+    @property
     def budget_bytes(self) -> Optional[int]:
         """The per-rank memory budget of the config rule; None where capacity is measured (accelerators
         without memory_budget_gib)."""

@@ -59,6 +59,7 @@ NEW_DEFAULTS.update(snapshot_interval_chunks=1, snapshot_host_budget_gib=None)
 
 def test_settings_validation(monkeypatch):
     s = ServeSettings.from_args({"sp": 2, "rank_cpus": "0.25"})
+    assert s.decoder_names == ("wan",) and ServeSettings(decoder="tae, wan").decoder_names == ("tae", "wan")
     assert s.placement_bundles == [{"CPU": 0.05}, {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.1}]
     assert (s.rank_bundle(0), s.rank_bundle(1), s.muxer_bundle) == (1, 2, 3)
     with pytest.raises(ConfigError, match="sp 3 does not divide the 4 attention heads"):
