@@ -51,7 +51,7 @@ DRAIN_DEFAULTS = {"drain_margin_s": 30.0, "drain_flush_timeout_s": 10.0, "drain_
                   "drain_wait_new_s": 30.0, "drain_new_group_slack_s": 10.0}
 # keys added since the split, with their defaults (the DiT dtype override: null, the preset's)
 NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": None, "spare_groups": None,
-                "decoder": "wan", "tae_path": None,
+                "decoder": None, "tae_path": None,
                 "max_queue_wait_s": 600.0}
 # snapshots sized for the host: every chunk (as before), the host budget measured on the node
 NEW_DEFAULTS.update(snapshot_interval_chunks=1, snapshot_host_budget_gib=None)
@@ -59,7 +59,8 @@ NEW_DEFAULTS.update(snapshot_interval_chunks=1, snapshot_host_budget_gib=None)
 
 def test_settings_validation(monkeypatch):
     s = ServeSettings.from_args({"sp": 2, "rank_cpus": "0.25"})
-    assert s.decoder_names == ("wan",) and ServeSettings(decoder="tae, wan").decoder_names == ("tae", "wan")
+    assert s.decoder_names == ("tae", "wan") and ServeSettings(decoder="wan").decoder_names == ("wan",)
+    assert ServeSettings(device="cuda", rank_devices=1).decoder_names == ("wan",)    # the Wan decoder on GPUs
     assert s.placement_bundles == [{"CPU": 0.05}, {"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.1}]
     assert (s.rank_bundle(0), s.rank_bundle(1), s.muxer_bundle) == (1, 2, 3)
     with pytest.raises(ConfigError, match="sp 3 does not divide the 4 attention heads"):
