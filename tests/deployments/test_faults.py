@@ -174,6 +174,7 @@ def test_a_rank_that_dies_without_sessions_is_replaced_at_once(faults_app):
     import os
     import signal
     import time
+    assert wait_for_group() < 120                 # the soak before may have left a group being replaced
     replicas = replica_pids()
     ranks = rank_pids_of_app()
     assert len(replicas) == 1 and len(ranks) == 1
@@ -189,14 +190,15 @@ def test_a_rank_that_dies_without_sessions_is_replaced_at_once(faults_app):
 
 
 def wait_for_group(timeout=120.0) -> float:
-    """Seconds until the strict app's group runs again (a new replica, RUNNING)."""
+    """Seconds until the strict app's group runs again (a new replica, RUNNING, its ranks alive: a group whose
+    rank a chaos kill just took is still RUNNING until its watcher sees it, seconds later)."""
     import time
 
     from ray import serve
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         status = serve.status().applications["faults"].deployments["WorldGroup"]
-        if status.replica_states.get("RUNNING", 0) >= 1 and replica_pids():
+        if status.replica_states.get("RUNNING", 0) >= 1 and replica_pids() and rank_pids_of_app():
             break
         time.sleep(0.5)
     return time.monotonic() - t0
