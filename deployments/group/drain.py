@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..session.events import Moving
-from .engine import ChunkLoop
+from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
 from .phase import GroupPhase, GroupState
 
@@ -144,12 +144,12 @@ async def drain(group_id: str, why: str, state: GroupState, chunks: ChunkLoop, r
     log.info("group %s: moving its %d sessions (%s)", group_id, len(chunks.sessions), why)
     if lead_s > 0 and chunks.wake is not None and why != "deadline":     # at the deadline there is no time
         for session in chunks.sessions.values():
-            session.pacer.hold_lead(lead_s)
+            session.clock.pacer.hold_lead(lead_s)
         chunks.poke()
 
         def filling() -> bool:
             now = time.monotonic()
-            return any(not s.finished and s.deadline() - now < lead_s for s in chunks.sessions.values())
+            return any(not s.finished and s.clock.deadline() - now < lead_s for s in chunks.sessions.values())
         while filling() and time.monotonic() - t0 < times.fill_max_s and not state.failed:
             await asyncio.sleep(0.05)
     filled = time.monotonic() - t0
@@ -160,14 +160,13 @@ async def drain(group_id: str, why: str, state: GroupState, chunks: ChunkLoop, r
 
     async def hand_on(session) -> None:
         try:
-            flushed = await ranks.call("flush_snapshots", session.id, timeout_s=times.flush_timeout_s,
-                                       what=f"the last snapshots of session {session.id}")
+            flushed = await ranks.flush_snapshots(session.id, times.flush_timeout_s)
         except Exception as e:                        # the next group replays a chunk or two more
             log.warning("group %s: session %s moves without its last snapshots (%s)", group_id, session.id,
                         type(e).__name__)
             flushed = []
-        session.take_snapshots(flushed)
-        chunks.post(session.id, Moving("group_stopping", session.give_snapshots()))
+        session.snapshots.take(flushed)
+        chunks.post(session.id, Moving("group_stopping", session.snapshots.give()))
     await asyncio.gather(*[hand_on(s) for s in sessions])
     log.info("group %s: %d sessions handed on in %.2f s (%.2f s of it running them ahead)", group_id,
              len(sessions), time.monotonic() - t0, filled)

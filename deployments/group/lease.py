@@ -9,10 +9,11 @@ from typing import Optional
 
 from ..session.codes import ErrorCode
 from ..session.events import FINAL_EVENTS, Admitted, ModelFacts, Resumed, SessionDone, SessionFailed, SessionRequest
-from ..session.scheduler import ScheduledSession
-from .engine import ChunkLoop
+from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
+from .messages import SnapshotPlan
 from .phase import GroupState
+from .scheduler import ScheduledSession
 from .snapshots import SnapshotSeats
 
 
@@ -44,6 +45,13 @@ class Leases:
             return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full")
         return None
 
+    def _snapshot_plan(self, session_id: str, keeper) -> Optional[SnapshotPlan]:
+        """How the session's ranks snapshot it: to its ingress's keeper every snapshot_interval_chunks, when it
+        has a keeper and a seat in the host budget (None: no snapshots; a resume replays it)."""
+        if self.snapshot_seats is not None:
+            keeper = self.snapshot_seats.take(session_id, keeper)
+        return None if keeper is None else SnapshotPlan(keeper, self.settings.snapshot_interval_chunks)
+
     async def run(self, request: SessionRequest):
         """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
         SessionDone (or SessionFailed, or Moving); a resumed session (request.resume) yields Resumed once its
@@ -62,17 +70,14 @@ class Leases:
             mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
             restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
                 else [None] * len(self.ranks)
-            keeper = request.keeper if self.snapshot_seats is None else self.snapshot_seats.take(sid, request.keeper)
-            opening = [(sid, start.image, start.prompt, start.seed, start.flow_shift, start.trajectory, keeper,
-                        share, start.decoder) for share in restore]
-            opened = await self.ranks.call("open_session", per_rank=opening, timeout_s=0)
+            opened = await self.ranks.open(sid, start, self._snapshot_plan(sid, request.keeper), restore)
             if any(o is None for o in opened):
                 return                                 # cancelled while opening: the finally cleans up
             if resume is not None:
                 restored = resume.snapshot_index + 1
                 if any(o != restored for o in opened):  # a snapshot was lost, or another group size: replay all
                     if any(o != 0 for o in opened):
-                        await self.ranks.call("reset_session", sid, timeout_s=0)
+                        await self.ranks.reset(sid)
                     restored = 0
                 session.resume_from(resume, restored)
             refusal = self._refusal()
@@ -97,9 +102,9 @@ class Leases:
             if self.snapshot_seats is not None:
                 self.snapshot_seats.give(sid)
             session.stopped = True
-            self.ranks.tell("stop", sid)              # a running chunk ends at its next step, on every rank
+            self.ranks.stop(sid)                      # a running chunk ends at its next step, on every rank
             self.chunks.remove(sid)
-            self.ranks.tell("close_session", sid)
+            self.ranks.close(sid)
             self.muxer.close.remote(sid)
             self.mailbox.close.remote(sid)
             self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})

@@ -1,8 +1,11 @@
-"""What crosses between a group's replica and its actors, typed (plain data, no Ray here).
+"""What crosses between a group's replica and its actors, typed (plain data, no Ray here). Each call from the
+group to its ranks is one method of RankExecutor (executor.py) with one of these as its argument or answer:
 
-    group --> RankWorker.join --RankInfo--> group;  RankWorker.device_stats --DeviceStats--> group
-    group --ChunkControls--> RankWorker.run_chunk --ChunkReply--> group
+    group --join(init_method)--> every rank --RankInfo--> group
+    group --OpenSession--> every rank --the chunk it continues from--> group
+    group --RunChunk(ChunkControls)--> every rank --ChunkReply--> group
     rank 0 --frames--> Muxer.encode --Fragment--> group         (the reply carries a reference to it)
+    group --device_stats--> every rank --DeviceStats--> group
 """
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lingbot.io.frames import FrameBatch
+from lingbot.runtime.snapshot_budget import SnapshotHost
 
-from ..session.events import ModelFacts, SnapshotRef
+from ..session.events import ChunkControls, ModelFacts, RankRestore, SnapshotRef
+from ..session.requests import StartRequest
 
 
 @dataclass(frozen=True)
@@ -22,7 +27,36 @@ class RankInfo:
     device: str
     facts: ModelFacts              # the model as loaded (after any checkpoint config.json)
     warmup_s: float = 0.0          # the warm-up run before the rank reported ready
-    snapshot_sessions: Optional[int] = None   # sessions whose snapshots fit the host budget (None: no snapshots)
+    snapshot_host: Optional[SnapshotHost] = None   # what one session's snapshots cost the group's host, at the
+    #                                                 served interval (rank 0 only, with snapshots on; else None)
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """How a session's ranks snapshot it: after every `every_chunks`-th chunk (the group's
+    snapshot_interval_chunks), handed to `keeper`, the ingress's actor that owns the snapshots."""
+    keeper: Any                    # ray.actor.ActorHandle[SnapshotKeeper]
+    every_chunks: int = 1
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """Build one session on a rank: from the client's start (image, prompt, seed, flow shift, camera trajectory,
+    frame decoder), restored from this rank's share of a resumed session's snapshots when there is one."""
+    session_id: str
+    start: StartRequest
+    snapshots: Optional[SnapshotPlan] = None       # None: the session keeps no snapshots
+    restore: Optional[RankRestore] = None
+
+
+@dataclass(frozen=True)
+class RunChunk:
+    """Run chunk `index` of a session with its controls; rank 0 hands the frames to `muxer` (None on the others,
+    and for a replayed chunk: nothing is delivered)."""
+    session_id: str
+    index: int
+    controls: ChunkControls
+    muxer: Any = None              # ray.actor.ActorHandle[Muxer]
 
 
 @dataclass

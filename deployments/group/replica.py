@@ -4,7 +4,7 @@ The replica owns a placement group [replica] + one bundle per rank + [muxer] (ST
 ServeSettings.placement_bundles), starts the rank actors pinned to their bundles, joins them in one
 process group (their join replies say what they run: ModelFacts), and starts the muxer (H.264) and the
 control mailbox (client controls). Each session is one long-lived streaming call (`session`): the lease
-that Serve counts for routing and autoscaling (lease.py). What runs the sessions is the chunk loop (engine.py); the
+that Serve counts for routing and autoscaling (lease.py). What runs the sessions is the chunk loop (chunk_loop.py); the
 group's own life (serving, stopping, draining, failed) is its GroupState (phase.py), moved by the liveness
 watcher here and the stop watcher in drain.py.
 """
@@ -30,8 +30,8 @@ from ..session.events import (
     SessionRequest,
 )
 from ..settings import ServeSettings
+from .chunk_loop import ChunkLoop, fresh_task
 from .drain import DrainTimes, StopWatcher, drain
-from .engine import ChunkLoop, fresh_task
 from .executor import RankExecutor
 from .lease import Leases
 from .mailbox import ControlMailbox
@@ -89,8 +89,7 @@ class WorldGroup:
                                                       scheduling_strategy=pinned(s.rank_bundle(r))
                                                       ).remote(settings, r, s.sp) for r in range(s.sp)],
                                   s.chunk_timeout_s)
-        init_method = ray.get(self.ranks.ranks[0].address.remote(), timeout=s.group_start_timeout_s)
-        infos: list[RankInfo] = self.ranks.call_blocking("join", init_method, timeout_s=s.group_start_timeout_s)
+        infos: list[RankInfo] = self.ranks.join(self.ranks.address(s.group_start_timeout_s), s.group_start_timeout_s)
         self.capacity = min(i.capacity for i in infos)
         if self.capacity < 1:
             raise RuntimeError(f"no session fits: one needs {infos[0].session_bytes / 2 ** 30:.2f} GiB per rank, "
@@ -109,7 +108,7 @@ class WorldGroup:
         self.chunks = ChunkLoop(self.id, s, self.state, self.ranks, self.muxer, self.mailbox, self.metrics,
                                 self._fail_group, self._maybe_report_devices)
         self.leases = Leases(self.id, s, self.state, self.capacity, self.model, self.ranks, self.muxer, self.mailbox,
-                             self.chunks, self.metrics, SnapshotSeats.of(self.id, [i.snapshot_sessions for i in infos]))
+                             self.chunks, self.metrics, SnapshotSeats.of(self.id, s, infos[0].snapshot_host))
         self.last_metrics = 0.0
         self.event_loop: Optional[asyncio.AbstractEventLoop] = None
         self.drain_task: Optional[asyncio.Task] = None
@@ -136,8 +135,7 @@ class WorldGroup:
         group at once, with or without sessions (a busy actor is not a dead one)."""
         while not self.state.failed:
             time.sleep(WATCH_S)
-            calls = [r.alive.remote() for r in self.ranks.ranks] + [self.muxer.ready.remote(),
-                                                                     self.mailbox.ready.remote()]
+            calls = self.ranks.alive() + [self.muxer.ready.remote(), self.mailbox.ready.remote()]
             done, _ = ray.wait(calls, num_returns=len(calls), timeout=WATCH_S * 5)
             for ref in done:
                 try:
@@ -195,7 +193,7 @@ class WorldGroup:
     async def _report_devices(self) -> None:
         """Each rank's own device utilisation and memory, tagged by rank."""
         try:                                          # metrics never stall or fail the chunk loop
-            stats = await self.ranks.call("device_stats", timeout_s=DEVICE_STATS_TIMEOUT_S)
+            stats = await self.ranks.device_stats(DEVICE_STATS_TIMEOUT_S)
         except Exception as e:
             log.warning("group %s: device stats unavailable: %s", self.id, type(e).__name__)
             return

@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from lingbot.config import Preset
-from lingbot.runtime.snapshot_budget import GIB, SnapshotHost, snapshot_host
+from lingbot.runtime.snapshot_budget import GIB, SnapshotHost
 
 from ..settings import ACCELERATOR_RESOURCE, ServeSettings
 
@@ -63,12 +62,12 @@ def node_host() -> tuple[int, dict]:
     return memory, {}
 
 
-def snapshot_sessions(settings: ServeSettings, preset: Preset, node_memory: int,
-                      node_resources: dict) -> tuple[int, int, SnapshotHost]:
-    """Sessions of this group whose snapshots fit the host budget; the budget; what they cost."""
-    host = snapshot_host(preset, settings.sp, settings.snapshot_interval_chunks, cuda=settings.device == "cuda")
+def snapshot_sessions(settings: ServeSettings, host: SnapshotHost, node_memory: int,
+                      node_resources: dict) -> tuple[int, int]:
+    """Sessions of this group whose snapshots fit the host budget, and the budget. `host`: what one session's
+    snapshots cost (the ranks report it: RankInfo.snapshot_host)."""
     budget = snapshot_host_budget(settings, node_memory, node_resources)
-    return host.sessions_within(budget), budget, host
+    return host.sessions_within(budget), budget
 
 
 class SnapshotSeats:
@@ -96,8 +95,13 @@ class SnapshotSeats:
         self.holders.discard(session_id)
 
     @staticmethod
-    def of(group_id: str, reported: list[Optional[int]]) -> Optional[SnapshotSeats]:
-        """The seats the group's ranks reported (each counts the whole group on their shared node: the fewest
-        wins); None when snapshots are off."""
-        counts = [n for n in reported if n is not None]
-        return SnapshotSeats(group_id, min(counts)) if counts else None
+    def of(group_id: str, settings: ServeSettings, host: Optional[SnapshotHost]) -> Optional[SnapshotSeats]:
+        """The group's seats on its node (this process's: the replica shares its ranks' node), counted once by
+        the group from what rank 0 reported a session's snapshots cost; None when snapshots are off."""
+        if host is None:
+            return None
+        sessions, budget = snapshot_sessions(settings, host, *node_host())
+        log.info("group %s: snapshots of %d sessions fit in %.1f GiB of host memory (%.2f GiB per session, %.2f GiB "
+                 "once; every %d chunks)", group_id, sessions, budget / GIB, host.per_session / GIB, host.once / GIB,
+                 settings.snapshot_interval_chunks)
+        return SnapshotSeats(group_id, sessions)

@@ -86,7 +86,7 @@ class ChunkControls:
 
 @dataclass(frozen=True)
 class InteractionState:
-    """A session's interaction state after a chunk (session.scheduler.ScheduledSession): the events still
+    """A session's interaction state after a chunk (deployments/group/planner.py): the events still
     running (what is left of each) and the held keys. With the journal it lets another group continue
     exactly."""
     events: dict

@@ -10,6 +10,7 @@ from deployments.group.rank import RankWorker
 from deployments.group.replica import device_metric_tags
 from deployments.session.events import ChunkControls
 from deployments.settings import ServeSettings
+from tests.deployments.group.rank_calls import chunk, opening
 
 
 def test_device_work_runs_on_one_thread():
@@ -18,12 +19,12 @@ def test_device_work_runs_on_one_thread():
     assert info.capacity == 2 and (info.facts.width, info.facts.height) == (112, 64)
     seen = set()
     worker.pipeline.runner.model.register_forward_pre_hook(lambda module, args: seen.add(threading.get_ident()))
-    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None) == 0   # from chunk 0
+    assert worker.open_session(opening("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1)) == 0   # from chunk 0
     callers = []
 
     def call(index):
         callers.append(threading.get_ident())
-        reply = worker.run_chunk("s", index, ChunkControls(keys=("w", "", "l")))
+        reply = worker.run_chunk(chunk("s", index, ChunkControls(keys=("w", "", "l"))))
         assert not reply.stopped
 
     for index in range(2):                                  # two different calling threads, like Ray's pool
@@ -33,13 +34,13 @@ def test_device_work_runs_on_one_thread():
     device_thread = worker._on_device(threading.get_ident)
     assert seen == {device_thread} and device_thread not in callers
     worker.stop("s")
-    assert worker.run_chunk("s", 2, ChunkControls()).stopped
+    assert worker.run_chunk(chunk("s", 2, ChunkControls())).stopped
 
 
 def test_the_rank_device_is_the_one_ray_assigned():
     import pytest
 
-    from deployments.group.rank import assigned_device
+    from deployments.group.device import assigned_device
     # Ray narrowed the visible devices to the assignment: torch sees it as device 0
     assert assigned_device("cuda", {"GPU": ["3"]}, {"CUDA_VISIBLE_DEVICES": "3"}) == "cuda:0"
     # a process that sees several devices: the assigned id's position among them
@@ -66,17 +67,17 @@ def test_a_cpu_rank_reports_its_process():
 def test_an_aborted_chunk_changes_nothing_and_runs_again():
     worker = RankWorker(ServeSettings.from_args({"sp": 1}).to_dict(), rank=0, world_size=1)
     worker.join(None)
-    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None) == 0   # from chunk 0
-    assert not worker.run_chunk("s", 0, ChunkControls(keys=("w", "", "l"))).stopped
+    assert worker.open_session(opening("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1)) == 0   # from chunk 0
+    assert not worker.run_chunk(chunk("s", 0, ChunkControls(keys=("w", "", "l")))).stopped
     worker.abort_chunk("s", 1)                              # the group gives chunk 1 up (a fresher control came)
-    assert worker.run_chunk("s", 1, ChunkControls(keys=("w", "w", "w"))).stopped
-    assert worker.sessions["s"].chunk_index == 1 and worker.aborts == {}      # nothing advanced; flag spent
-    assert not worker.run_chunk("s", 1, ChunkControls(keys=("l", "l", "l"))).stopped   # run again, with it
-    assert worker.sessions["s"].chunk_index == 2
+    assert worker.run_chunk(chunk("s", 1, ChunkControls(keys=("w", "w", "w")))).stopped
+    assert worker.sessions["s"].world.chunk_index == 1 and worker.sessions["s"].abort_index is None  # flag spent
+    assert not worker.run_chunk(chunk("s", 1, ChunkControls(keys=("l", "l", "l")))).stopped   # run again, with it
+    assert worker.sessions["s"].world.chunk_index == 2
     worker.abort_chunk("s", 1)                              # too late for a chunk already done: ignored
-    assert not worker.run_chunk("s", 2, ChunkControls()).stopped
+    assert not worker.run_chunk(chunk("s", 2, ChunkControls())).stopped
     worker.close_session("s")
-    assert worker.aborts == {}
+    assert worker.sessions == {} and "s" in worker.stopped
 
 
 def test_device_metrics_are_tagged_by_the_rank_that_measured_them():
@@ -105,6 +106,6 @@ def test_a_rank_runs_the_dtype_of_its_settings():
     assert runner.model.dtype == runner.text_encoder.model.dtype == torch.bfloat16
     assert next(worker.pipeline.vae.parameters()).dtype == torch.float32
     assert info.session_bytes == session_footprint(with_dtype(get_preset("tiny"), "bfloat16")).total
-    assert worker.open_session("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1, None) == 0
-    assert not worker.run_chunk("s", 0, ChunkControls(keys=("w", "", "l"))).stopped
-    assert worker.sessions["s"].dit.kv.keys.dtype == torch.bfloat16
+    assert worker.open_session(opening("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1)) == 0
+    assert not worker.run_chunk(chunk("s", 0, ChunkControls(keys=("w", "", "l")))).stopped
+    assert worker.sessions["s"].world.dit.kv.keys.dtype == torch.bfloat16

@@ -36,9 +36,10 @@ def _in_the_nth_all_to_all(n, action):
 def _chunk_outcome(worker, index):
     """('ok', s) or (error type, message, s) of one chunk call, timed."""
     from deployments.session.events import ChunkControls
+    from tests.deployments.group.rank_calls import chunk
     t0 = time.monotonic()
     try:
-        worker.run_chunk("s", index, ChunkControls(keys=("w", "", "l")))
+        worker.run_chunk(chunk("s", index, ChunkControls(keys=("w", "", "l"))))
         return ("ok", time.monotonic() - t0)
     except Exception as e:
         return (type(e).__name__, str(e), time.monotonic() - t0)
@@ -49,6 +50,7 @@ def _start(rank, world_size, init_method, settings, load_delay_s=0.0):
     and its first chunk."""
     import lingbot.builder
     from deployments.group.rank import RankWorker
+    from tests.deployments.group.rank_calls import opening
     if rank == 0 and load_delay_s:
         build = lingbot.builder.build_pipeline
 
@@ -60,7 +62,7 @@ def _start(rank, world_size, init_method, settings, load_delay_s=0.0):
     t0 = time.monotonic()
     worker.join(init_method)
     joined_s = time.monotonic() - t0
-    assert worker.open_session("s", IMAGE, "a harbour", 1, None) == 0
+    assert worker.open_session(opening("s", IMAGE, "a harbour", 1)) == 0
     assert _chunk_outcome(worker, 0)[0] == "ok"
     return worker, joined_s
 

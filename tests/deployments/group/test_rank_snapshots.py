@@ -14,6 +14,7 @@ from deployments.session.events import ChunkControls, ChunkReady, InteractionSta
 from deployments.session.ledger import ContinuityLedger
 from deployments.settings import ServeSettings
 from lingbot.parallel import Comm
+from tests.deployments.group.rank_calls import chunk, opening
 
 INTERVAL = 3
 KEYS = (("w", "", "l"), ("i", "a", ""), ("", "d", "j"), ("s", "", "k"))
@@ -47,18 +48,17 @@ class Muxer:
 def worker(monkeypatch, tiny_pipeline):
     import ray
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
-    settings = ServeSettings(sp=1, snapshot_interval_chunks=INTERVAL)
-    worker = RankWorker(settings.to_dict(), rank=0, world_size=1)
+    worker = RankWorker(ServeSettings(sp=1).to_dict(), rank=0, world_size=1)
     worker.pipeline, worker.comm = tiny_pipeline, Comm()          # joined: the session-wide tiny pipeline
     return worker
 
 
 def _run(worker, session_id, index, muxer):
     """One chunk, then its snapshot's copy and put done (the next chunk's reply carries its references)."""
-    reply = worker.run_chunk(session_id, index, ChunkControls(keys=KEYS[index % len(KEYS)]), muxer)
+    reply = worker.run_chunk(chunk(session_id, index, ChunkControls(keys=KEYS[index % len(KEYS)]), muxer))
     assert not reply.stopped
     worker._on_device(lambda: None)
-    wait([f for _, f in worker.puts[session_id]])
+    wait([f for _, f in worker.sessions[session_id].snapshots.puts])
     return reply
 
 
@@ -74,7 +74,7 @@ def test_snapshots_every_3_chunks_resume_by_restore_and_replay_bitwise(worker, t
     muxer, keeper = Muxer(), Keeper()
     ledger = ContinuityLedger(1)
     ledger.facts = ModelFacts.of(tiny_pipeline.preset)
-    assert worker.open_session("a", image, "a harbour", 5, None, keeper=keeper) == 0
+    assert worker.open_session(opening("a", image, "a harbour", 5, keeper, every_chunks=INTERVAL)) == 0
     for index in range(9):                            # delivered up to chunk 8, then the group fails
         _delivered(ledger, index, _run(worker, "a", index, muxer))
     for index in (9, 10):                             # the session without the fault goes on
@@ -87,7 +87,7 @@ def test_snapshots_every_3_chunks_resume_by_restore_and_replay_bitwise(worker, t
 
     # the new group: restored to chunk 6 from the slots of three snapshots, 7 and 8 replayed, then on
     again = Keeper(fail_first=True)                   # its first put is lost: the next copies every slot again
-    assert worker.open_session("b", image, "a harbour", 5, None, keeper=again, restore=resume.restore[0]) == 7
+    assert worker.open_session(opening("b", image, "a harbour", 5, again, INTERVAL, resume.restore[0])) == 7
     for index in range(7, 11):
         _run(worker, "b", index, muxer)
         assert np.array_equal(muxer.frames["b", index], muxer.frames["a", index]), index

@@ -37,19 +37,22 @@ def test_a_group_counts_its_snapshots_sessions_against_the_budget():
     chunks copies less per chunk but holds no less, and a snapshot may carry 3 slots while the window fills
     (the bound on those on their way counts it): 4 fit."""
     node = {"GPU": 8.0}
-    sessions, budget, host = snapshot_sessions(ServeSettings(**CUDA, sp=4), BIG, 2048 * GIB, node)
-    assert host == snapshot_host(BIG, 4, 1, cuda=True) and budget == int(0.3 * 1024 * GIB)
+    host = snapshot_host(BIG, 4, 1, cuda=True)
+    sessions, budget = snapshot_sessions(ServeSettings(**CUDA, sp=4), host, 2048 * GIB, node)
+    assert budget == int(0.3 * 1024 * GIB)
     assert sessions == (budget - host.once) // host.per_session == 6
-    assert snapshot_sessions(ServeSettings(**CUDA, sp=4, snapshot_interval_chunks=3), BIG, 2048 * GIB, node)[0] == 4
+    every_3 = snapshot_host(BIG, 4, 3, cuda=True)
+    assert snapshot_sessions(ServeSettings(**CUDA, sp=4, snapshot_interval_chunks=3), every_3, 2048 * GIB, node)[0] == 4
     # one H200 on a 128 GiB host: none (the issue: two sessions would spill)
-    assert snapshot_sessions(ServeSettings(**CUDA, sp=1), BIG, 128 * GIB, {"GPU": 1.0})[0] == 0
+    one = snapshot_host(BIG, 1, 1, cuda=True)
+    assert snapshot_sessions(ServeSettings(**CUDA, sp=1), one, 128 * GIB, {"GPU": 1.0})[0] == 0
     exact = ServeSettings(**CUDA, sp=4, snapshot_host_budget_gib=host.for_sessions(2) / GIB)
-    assert snapshot_sessions(exact, BIG, 0, {})[0] == 2
+    assert snapshot_sessions(exact, host, 0, {})[0] == 2
 
 
 def test_sessions_beyond_the_seats_run_without_snapshots_and_say_so(caplog):
-    seats = SnapshotSeats.of("g1", [2, 1])                     # every rank counts the group: the fewest wins
-    assert seats.seats == 1 and SnapshotSeats.of("g1", [None, None]) is None        # snapshots off
+    seats = SnapshotSeats("g1", 1)
+    assert SnapshotSeats.of("g1", ServeSettings(), None) is None        # snapshots off: rank 0 reported no cost
     keeper = object()
     with caplog.at_level(logging.WARNING, logger="deployments.group.snapshots"):
         assert seats.take("a", keeper) is keeper and seats.take("a", keeper) is keeper   # a resume of "a": its seat
@@ -62,10 +65,14 @@ def test_sessions_beyond_the_seats_run_without_snapshots_and_say_so(caplog):
     assert seats.take("d", keeper) is keeper and seats.holders == {"d"}
 
 
-def test_a_rank_reports_the_sessions_its_node_holds_snapshots_for():
-    """Without Ray the node is the whole share: SNAPSHOT_HOST_SHARE of this machine's memory (tiny, CPU)."""
-    worker = RankWorker(ServeSettings(sp=1).to_dict(), rank=0, world_size=1)
-    worker.pipeline = type("Pipeline", (), {"preset": get_preset("tiny")})()
-    host = snapshot_host(get_preset("tiny"), 1, cuda=False)
-    expected = host.sessions_within(int(SNAPSHOT_HOST_SHARE * psutil.virtual_memory().total))
-    assert worker._snapshot_sessions(get_preset("tiny")) == expected > 0
+def test_rank_0_reports_what_snapshots_cost_and_the_group_counts_its_seats_once():
+    """Rank 0 reports one session's snapshot cost at the served interval; the
+    group counts the seats from it once. Without Ray the node is the whole share: SNAPSHOT_HOST_SHARE of this
+    machine's memory (tiny, CPU)."""
+    settings = ServeSettings(sp=1, snapshot_interval_chunks=2)
+    info = RankWorker(settings.to_dict(), rank=0, world_size=1).join(None)
+    host = snapshot_host(get_preset("tiny"), 1, 2, cuda=False)
+    assert info.snapshot_host == host
+    seats = SnapshotSeats.of("g1", settings, info.snapshot_host)
+    assert seats.seats == host.sessions_within(int(SNAPSHOT_HOST_SHARE * psutil.virtual_memory().total)) > 0
+    assert RankWorker(ServeSettings(sp=1, snapshots=False).to_dict(), 0, 1).join(None).snapshot_host is None

@@ -2,7 +2,7 @@
 on the session's stream (docs/architecture.md, "Scheduling and pacing", "Delivery overlaps the device").
 
 A background task runs the sessions' chunks one at a time, earliest playback deadline first, within the pacing
-lead (session.scheduler); every chunk is one call to every rank (RankExecutor). As soon as the ranks return a
+lead (scheduler.py); every chunk is one call to every rank (RankExecutor.run_chunk). As soon as the ranks return a
 chunk, the loop may start the next one: the chunk's delivery (its fragment from the muxer, then the session's
 outbox, which its lease yields) runs as a task of its own, in chunk order per session, with at most
 `in_flight_chunks` per session waiting for delivery. A second task long-polls the control mailbox and wakes
@@ -22,10 +22,11 @@ from typing import Optional
 
 from ..session.codes import ErrorCode
 from ..session.events import ChunkReady, GroupEvent, InteractionRefused, Resumed, SessionDone, SessionFailed
-from ..session.scheduler import ChunkPlan, ScheduledSession, Scheduler
 from .executor import RankExecutor
 from .messages import ChunkReply, Fragment
 from .phase import GroupState
+from .planner import ChunkPlan
+from .scheduler import ScheduledSession, Scheduler
 
 log = logging.getLogger("ray.serve")
 
@@ -127,10 +128,10 @@ class ChunkLoop:
                 for sid, interactions in batch.items():
                     session = self.sessions.get(sid)
                     for interaction in interactions if session is not None else ():
-                        if not session.queue(interaction):
+                        if not session.planner.queue(interaction):
                             self.post(sid, InteractionRefused(
-                                ErrorCode.TOO_MANY_CONTROLS, f"more than {session.max_queued} interactions queued; "
-                                "slow down", interaction.event_id))
+                                ErrorCode.TOO_MANY_CONTROLS, f"more than {session.planner.max_queued} interactions "
+                                "queued; slow down", interaction.event_id))
                     if session is not None and interactions:
                         self._restart_for(session)
                 if batch:
@@ -145,10 +146,10 @@ class ChunkLoop:
         run = self.running
         if run is None or run.session is not session or not run.may_restart or run.aborted:
             return
-        if session.deadline() - time.monotonic() < self.last_chunk_s:
+        if session.clock.deadline() - time.monotonic() < self.last_chunk_s:
             return
         run.aborted = True
-        self.ranks.tell("abort_chunk", session.id, run.index)
+        self.ranks.abort(session.id, run.index)
 
     # ---- the loop -----------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -184,10 +185,7 @@ class ChunkLoop:
             self.running = RunningChunk(session, plan.index, may_restart=self.settings.restart_stale_chunks
                                         and not restarted)
             try:                                      # a failure here is a rank's: the group breaks
-                replies: list[ChunkReply] = await self.ranks.call(
-                    "run_chunk", per_rank=[(session.id, plan.index, plan.controls, self.muxer if i == 0 else None)
-                                           for i in range(len(self.ranks))],
-                    what=f"chunk {plan.index} of session {session.id}")
+                replies = await self.ranks.run_chunk(session.id, plan.index, plan.controls, self.muxer)
             finally:
                 aborted, self.running = self.running.aborted, None
                 self.last_chunk_s = time.monotonic() - t0
@@ -201,7 +199,7 @@ class ChunkLoop:
                 return
             break
         session.commit_plan(plan)                     # the ranks advanced the session: the chunk is in flight
-        session.take_snapshots(reply.snapshots for reply in replies)
+        session.snapshots.take(reply.snapshots for reply in replies)
         previous = self.deliveries.get(session.id)
         self.deliveries[session.id] = fresh_task(self._deliver(session, plan, root, t0, previous))
 
@@ -209,21 +207,21 @@ class ChunkLoop:
         """A resumed session: run its next delivered chunk again with the controls it had (nothing goes to the
         muxer), so the ranks' state (K/V window, decoder cache, camera, RNG, prompt) is what it was. The
         last one posts Resumed."""
-        if session.replay_started is None:
-            session.replay_started = time.monotonic()
+        replay = session.replay
+        if replay.started is None:
+            replay.started = time.monotonic()
         index = session.next_chunk
-        replies: list[ChunkReply] = await self.ranks.call("run_chunk", session.id, index, session.replay[0], None,
-                                                          what=f"replay of chunk {index} of session {session.id}")
+        replies = await self.ranks.run_chunk(session.id, index, replay.chunks[0], replay=True)
         if session.stopped or replies[0].stopped:
             return
-        session.take_snapshots(reply.snapshots for reply in replies)
+        session.snapshots.take(reply.snapshots for reply in replies)
         session.replayed()
         if not session.replay:
-            seconds = time.monotonic() - session.replay_started
-            replayed = index + 1 - session.restored
+            seconds = time.monotonic() - replay.started
+            replayed = index + 1 - replay.restored
             log.info("group %s: session %s resumed from chunk %d after replaying %d chunks in %.2f s", self.group_id,
-                     session.id, session.restored, replayed, seconds)
-            self.post(session.id, Resumed(replayed, seconds, session.restored))
+                     session.id, replay.restored, replayed, seconds)
+            self.post(session.id, Resumed(replayed, seconds, replay.restored))
 
     # ---- delivery -----------------------------------------------------------------------------
     async def _deliver(self, session: ScheduledSession, plan: ChunkPlan, root: ChunkReply, t0: float,
@@ -241,8 +239,9 @@ class ChunkLoop:
             if fragment is None or session.stopped:   # the session ended while its chunk was being encoded
                 return
             done_at = time.monotonic()
-            stalls_before = session.stalls
-            session.delivered(fragment.frames, done_at)
+            clock = session.clock
+            stalls_before = clock.stalls
+            clock.delivered(fragment.frames, done_at)
             delivered = True
             timings = dict(root.timings)
             timings.update(encode=fragment.encode_s, root_to_muxer=fragment.transfer_s,
@@ -250,15 +249,15 @@ class ChunkLoop:
             for stage, seconds in timings.items():
                 self.metrics.stage.observe(seconds, tags={"stage": stage})
             self.metrics.rtf.set((done_at - t0) / (fragment.frames / session.start.fps), tags={"group": self.group_id})
-            if session.stalls > stalls_before:
+            if clock.stalls > stalls_before:
                 self.metrics.stalls.inc(tags={"group": self.group_id})
             self.post(session.id, ChunkReady(plan.index, fragment.data, fragment.frames, plan.started, plan.active,
                                              plan.completed, timings, done_at - t0,
                                              {"dispatched": t0, "fragment": fragment_at,
-                                              "lead_s": session.pacer.lead_s, "slack_s": session.last_slack or 0.0,
+                                              "lead_s": clock.pacer.lead_s, "slack_s": clock.last_slack or 0.0,
                                               "restarted": float(plan.restarted)},
                                              fragment.batches, plan.controls, plan.interactions,
-                                             session.give_snapshots()))
+                                             session.snapshots.give()))
             if session.start.chunks is not None and plan.index == session.start.chunks - 1:
                 self.post(session.id, SessionDone(plan.index + 1))
         except SessionFailure as e:                   # this session's chunk could not be delivered
@@ -271,5 +270,5 @@ class ChunkLoop:
             self.fail(e)
         finally:
             if not delivered:
-                session.undelivered()
+                session.clock.undelivered()
             self.wake.set()                           # the session may start another chunk now

@@ -1,5 +1,5 @@
 """How far ahead of its playback a session may generate: `Pacer` (fixed, or learned from the session's own
-chunks; deployments/session/scheduler.py's docstring tells the whole pacing story). Plain Python."""
+chunks; deployments/group/scheduler.py's docstring tells the whole pacing story). Plain Python."""
 from __future__ import annotations
 
 from collections import deque

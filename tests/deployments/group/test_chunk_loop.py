@@ -1,15 +1,16 @@
-"""The group's chunk loop without Ray: fake ranks, muxer and mailbox whose `.remote` calls are asyncio tasks, so
-the scheduling logic (order, delivery, replay after a resume, refusals, failures) runs as the replica runs it.
+"""The group's chunk loop without Ray: stand-in rank actors, muxer and mailbox whose `.remote` calls are asyncio
+tasks, so the scheduling logic (order, delivery, replay after a resume, refusals, failures) runs as the replica runs it.
 The real ranks, muxer and mailbox are tested end to end in tests/deployments/test_app.py and test_faults.py."""
 import asyncio
 import dataclasses
 
 import numpy as np
 
-from deployments.group.engine import ChunkLoop
+from deployments.group.chunk_loop import ChunkLoop
 from deployments.group.executor import GroupFailure, RankExecutor
-from deployments.group.messages import ChunkReply, Fragment
+from deployments.group.messages import ChunkReply, Fragment, RunChunk
 from deployments.group.phase import GroupPhase, GroupState
+from deployments.group.scheduler import ScheduledSession
 from deployments.session.codes import ErrorCode
 from deployments.session.events import (
     ChunkControls,
@@ -22,7 +23,6 @@ from deployments.session.events import (
     SnapshotRef,
 )
 from deployments.session.requests import Interaction, StartRequest
-from deployments.session.scheduler import ScheduledSession
 from deployments.settings import ServeSettings
 from lingbot.config import get_preset
 
@@ -48,7 +48,8 @@ class Rank:
     async def _noop(self, *args):
         pass
 
-    async def _run_chunk(self, sid, index, controls, muxer):
+    async def _run_chunk(self, call: RunChunk):
+        sid, index, muxer = call.session_id, call.index, call.muxer
         self.log.append((self.rank, sid, index, muxer is not None))
         await asyncio.sleep(0.001)
         if index == self.fail_at:

@@ -3,11 +3,11 @@ import math
 
 import pytest
 
+from deployments.group.pacer import Pacer
+from deployments.group.scheduler import ScheduledSession, Scheduler
 from deployments.group.tombstones import Tombstones
 from deployments.session.events import ChunkControls
-from deployments.session.pacer import Pacer
 from deployments.session.requests import Interaction
-from deployments.session.scheduler import ScheduledSession, Scheduler
 from lingbot.camera import CameraEvent
 from tests.deployments.ingress.test_vllm import frames_for_chunks, start
 
@@ -26,69 +26,69 @@ def test_edf_and_pacing():
     sched.add(a), sched.add(b)
     assert sched.pick(now=1.0)[0] is a                    # both due at once: the earlier created first
     a.next_chunk += 1
-    a.generated(9)
-    a.delivered(9, now=1.0)                               # a's player: 9 frames = 0.5625 s from t=1.0
+    a.clock.generated(9)
+    a.clock.delivered(9, now=1.0)                               # a's player: 9 frames = 0.5625 s from t=1.0
     assert sched.pick(now=1.1)[0] is b                    # b is due (since 0.5), a not until 1.5625
     b.next_chunk += 1
-    b.generated(9)
-    b.delivered(9, now=1.2)
+    b.clock.generated(9)
+    b.clock.delivered(9, now=1.2)
     # both ahead; a is due at 1.5625, b at 1.7625: a is next, and may run up to 0.5 s (the lead) early
     assert sched.pick(now=1.2)[0] is a
     a.next_chunk += 1
-    a.generated(12)
-    a.delivered(12, now=1.3)                              # a now buffered until 2.3125
+    a.clock.generated(12)
+    a.clock.delivered(12, now=1.3)                              # a now buffered until 2.3125
     who, wait = sched.pick(now=1.3)
     assert who is b                                       # b (1.7625) is earlier: never a while b is behind it
     b.next_chunk += 1
-    b.generated(12)
-    b.delivered(12, now=1.4)                              # b until 2.5125
+    b.clock.generated(12)
+    b.clock.delivered(12, now=1.4)                              # b until 2.5125
     who, wait = sched.pick(now=1.4)
     assert who is None and wait == pytest.approx(2.3125 - 1.4 - 0.5)   # both over 0.5 s ahead: idle
 
 
 def test_stall_accounting():
     s = _state("a", now=0.0)
-    s.generated(9)
-    s.delivered(9, now=1.0)              # plays until 1.5625
-    s.generated(12)
-    s.delivered(12, now=2.0)             # 0.4375 s late
-    assert s.stalls == 1 and s.stall_seconds == pytest.approx(0.4375)
-    assert s.deadline() == pytest.approx(2.0 + 12 / 16)
+    s.clock.generated(9)
+    s.clock.delivered(9, now=1.0)              # plays until 1.5625
+    s.clock.generated(12)
+    s.clock.delivered(12, now=2.0)             # 0.4375 s late
+    assert s.clock.stalls == 1 and s.clock.stall_seconds == pytest.approx(0.4375)
+    assert s.clock.deadline() == pytest.approx(2.0 + 12 / 16)
 
 
 def test_event_lifecycle():
     s = _state("a", chunks=6, script=[("w", "w", "w")] * 6)
-    s.queue(Interaction("k1", keys=["l"] * 5))
-    s.queue(Interaction("c1", camera=CameraEvent("target", (0, 0, 1), (0, 0, 0, 1), 2)))
+    s.planner.queue(Interaction("k1", keys=["l"] * 5))
+    s.planner.queue(Interaction("c1", camera=CameraEvent("target", (0, 0, 1), (0, 0, 0, 1), 2)))
     plan = s.plan_next_chunk()
     assert plan.controls.keys == ("l", "l", "l") and plan.controls.camera.mode == "target"
     assert plan.started == ["k1", "c1"] and plan.active == ["k1", "c1"] and plan.completed == []
     s.commit_plan(plan)
-    s.queue(Interaction("p1", prompt="night", transition_chunks=0))
+    s.planner.queue(Interaction("p1", prompt="night", transition_chunks=0))
     plan = s.plan_next_chunk()
     assert plan.controls.keys == ("l", "l", "") and plan.controls.prompt == "night"
     assert plan.controls.camera is None                  # the target transition continues in the rig
     assert plan.started == ["p1"] and sorted(plan.completed) == ["c1", "k1", "p1"]
     s.commit_plan(plan)
-    s.queue(Interaction("v1", camera=CameraEvent("velocity", (0, 0, 0.05), (0, 0, 0, 1))))
+    s.planner.queue(Interaction("v1", camera=CameraEvent("velocity", (0, 0, 0.05), (0, 0, 0, 1))))
     plan = s.plan_next_chunk()
     assert plan.controls.keys == ("w", "w", "w")         # the start script again
     s.commit_plan(plan)
     plan = s.plan_next_chunk()
     assert plan.active == ["v1"] and plan.completed == []  # velocity holds until replaced
     s.commit_plan(plan)
-    s.queue(Interaction("v2", camera=CameraEvent("velocity", (0, 0, 0), (0, 0, 0, 1))))
+    s.planner.queue(Interaction("v2", camera=CameraEvent("velocity", (0, 0, 0), (0, 0, 0, 1))))
     plan = s.plan_next_chunk()
     assert plan.completed == ["v1"] and plan.active == ["v2"]
     # a plan that is not committed (the chunk failed) leaves everything as it was
-    assert s.next_chunk == 4 and len(s.pending) == 1
+    assert s.next_chunk == 4 and len(s.planner.pending) == 1
 
 
 def test_control_queue_is_bounded():
     s = _state("a")
-    s.max_queued = 2
-    assert s.queue(Interaction("1", keys=["w"])) and s.queue(Interaction("2", keys=["w"]))
-    assert not s.queue(Interaction("3", keys=["w"]))
+    s.planner.max_queued = 2
+    assert s.planner.queue(Interaction("1", keys=["w"])) and s.planner.queue(Interaction("2", keys=["w"]))
+    assert not s.planner.queue(Interaction("3", keys=["w"]))
 
 
 def test_tombstones_keep_the_newest():
@@ -106,20 +106,20 @@ def test_in_flight_chunks_pace_and_bound_a_session():
     sched.add(s)
     plan = s.plan_next_chunk()
     s.commit_plan(plan)                                   # chunk 0 generated (9 frames), in flight
-    assert (s.in_flight, s.frames_generated, s.frames_delivered) == (1, 9, 0)
+    assert (s.clock.in_flight, s.clock.frames_generated, s.clock.frames_delivered) == (1, 9, 0)
     assert sched.pick(now=0.1)[0] is s                    # chunk 1 may start while chunk 0 is encoded
     s.commit_plan(s.plan_next_chunk())
-    assert s.in_flight == 2 and not s.ready
+    assert s.clock.in_flight == 2 and not s.ready
     assert sched.pick(now=0.2) == (None, math.inf)        # the bound: no third chunk in flight
-    s.delivered(9, now=0.3)                               # chunk 0's fragment reached the stream
-    assert s.ready and s.deadline() == pytest.approx(0.3 + 21 / 16)   # 9 + 12 frames generated
-    s.undelivered()                                       # chunk 1 will not be delivered (e.g. stopped)
-    assert s.in_flight == 0
+    s.clock.delivered(9, now=0.3)                               # chunk 0's fragment reached the stream
+    assert s.ready and s.clock.deadline() == pytest.approx(0.3 + 21 / 16)   # 9 + 12 frames generated
+    s.clock.undelivered()                                       # chunk 1 will not be delivered (e.g. stopped)
+    assert s.clock.in_flight == 0
 
 
 def test_a_fractional_prompt_transition_is_truncated():
     s = _state("a", chunks=4)
-    s.queue(Interaction("p", prompt="night", transition_chunks=2.7))
+    s.planner.queue(Interaction("p", prompt="night", transition_chunks=2.7))
     assert s.plan_next_chunk().controls.prompt_transition_chunks == 2
 
 
@@ -158,13 +158,13 @@ def test_a_chunks_need_runs_from_eligible_to_delivered():
     sched.add(s)
     assert sched.pick(now=0.0)[0] is s                # chunk 0: eligible at creation (0.0)
     s.commit_plan(s.plan_next_chunk())
-    s.delivered(9, now=0.4)                           # first delivery: the player starts at 0.4
-    assert s.ready_since == 0.4 and s.deadline() == pytest.approx(0.4 + 9 / 16)
+    s.clock.delivered(9, now=0.4)                           # first delivery: the player starts at 0.4
+    assert s.clock.ready_since == 0.4 and s.clock.deadline() == pytest.approx(0.4 + 9 / 16)
     assert sched.pick(now=0.45)[0] is None            # due 0.9625, lead 0.5: eligible from 0.4625
     assert sched.pick(now=0.47)[0] is s
     s.commit_plan(s.plan_next_chunk())
-    s.delivered(12, now=0.8)                          # 0.1625 s early; need 0.8 - 0.4625
-    assert s.pacer.needs[-1] == pytest.approx(0.8 - 0.4625) and s.last_slack == pytest.approx(0.1625)
+    s.clock.delivered(12, now=0.8)                          # 0.1625 s early; need 0.8 - 0.4625
+    assert s.clock.pacer.needs[-1] == pytest.approx(0.8 - 0.4625) and s.clock.last_slack == pytest.approx(0.1625)
 
 
 def test_scheduler_uses_each_sessions_lead():
@@ -173,9 +173,9 @@ def test_scheduler_uses_each_sessions_lead():
     sched.add(a), sched.add(b)
     for s in (a, b):
         s.next_chunk += 1
-        s.generated(9)
-        s.delivered(9, now=0.0)                       # both due next at 0.5625
-    a.pacer.lead_s, b.pacer.lead_s = 0.2, 0.5
+        s.clock.generated(9)
+        s.clock.delivered(9, now=0.0)                       # both due next at 0.5625
+    a.clock.pacer.lead_s, b.clock.pacer.lead_s = 0.2, 0.5
     assert sched.pick(now=0.1)[0] is b                # b within its 0.5 s lead; a's 0.2 s not yet
     who, wait = sched.pick(now=0.0)
     assert who is None and wait == pytest.approx(0.5625 - 0.5)
@@ -188,10 +188,10 @@ def test_a_queued_control_goes_before_earlier_deadlines_but_not_before_a_late_se
     for s, delivered_at in ((a, 0.0), (b, 0.1), (c, 0.2)):
         sched.add(s)
         s.next_chunk += 1
-        s.generated(9)
-        s.delivered(9, now=delivered_at)              # due next at 0.5625, 0.6625, 0.7625
+        s.clock.generated(9)
+        s.clock.delivered(9, now=delivered_at)              # due next at 0.5625, 0.6625, 0.7625
     assert sched.pick(now=0.3)[0] is a                # all within the lead: earliest deadline
-    c.queue(Interaction("turn", keys=["l", "l", "l"]))
+    c.planner.queue(Interaction("turn", keys=["l", "l", "l"]))
     assert sched.pick(now=0.3)[0] is c                # c's control shows a chunk sooner
     assert sched.pick(now=0.6)[0] is a                # ... unless a's player would wait (due 0.5625)
     c.commit_plan(c.plan_next_chunk())                # c's chunk ran with the control: nothing queued
@@ -207,41 +207,41 @@ def _keys(s):
 def test_held_keys_hold_across_chunks_and_a_short_press_shows_for_one_latent_frame():
     s = _state("a", chunks=10, script=[("i", "i", "i")] * 10)
     assert _keys(s) == ("i", "i", "i")                        # the start script until key state arrives
-    s.queue(Interaction("1", hold=["w"]))
+    s.planner.queue(Interaction("1", hold=["w"]))
     assert _keys(s) == ("w", "w", "w")
     assert _keys(s) == ("w", "w", "w")                        # the level holds, with no new event
-    s.queue(Interaction("2", hold=["wj", "w"]))               # j tapped while w held
+    s.planner.queue(Interaction("2", hold=["wj", "w"]))               # j tapped while w held
     assert _keys(s) == ("wj", "w", "w")
-    s.queue(Interaction("3", hold=[""]))
+    s.planner.queue(Interaction("3", hold=[""]))
     assert _keys(s) == ("", "", "")                           # released: no keys (the script stays replaced)
-    s.queue(Interaction("4", hold=["d", ""]))                 # pressed and released between two chunks
+    s.planner.queue(Interaction("4", hold=["d", ""]))                 # pressed and released between two chunks
     assert _keys(s) == ("d", "", "")
-    s.queue(Interaction("5", hold=["a"]))
-    s.queue(Interaction("6", hold=["", "s", ""]))             # two events before one chunk: both taps show
+    s.planner.queue(Interaction("5", hold=["a"]))
+    s.planner.queue(Interaction("6", hold=["", "s", ""]))             # two events before one chunk: both taps show
     assert _keys(s) == ("as", "", "")
-    s.queue(Interaction("7", hold=["w"]))
+    s.planner.queue(Interaction("7", hold=["w"]))
     assert _keys(s) == ("w", "w", "w")
-    s.queue(Interaction("8", hold=["s"]))                     # w (held before) let go for s: no tap of w
+    s.planner.queue(Interaction("8", hold=["s"]))                     # w (held before) let go for s: no tap of w
     assert _keys(s) == ("s", "s", "s")
 
 
 def test_a_key_script_replaces_held_keys_and_the_other_way_round():
     s = _state("a", chunks=10)
-    s.queue(Interaction("1", hold=["w"]))
+    s.planner.queue(Interaction("1", hold=["w"]))
     assert _keys(s) == ("w", "w", "w")
-    s.queue(Interaction("2", keys=["l", "l", "l", "l"]))
+    s.planner.queue(Interaction("2", keys=["l", "l", "l", "l"]))
     assert _keys(s) == ("l", "l", "l")
     assert _keys(s) == ("l", "", "")                          # the script runs out: nothing is held any more
     assert _keys(s) is None
-    s.queue(Interaction("3", keys=["k"] * 6))
+    s.planner.queue(Interaction("3", keys=["k"] * 6))
     assert _keys(s) == ("k", "k", "k")
-    s.queue(Interaction("4", hold=["a"]))                     # key state cuts the rest of the script
+    s.planner.queue(Interaction("4", hold=["a"]))                     # key state cuts the rest of the script
     assert _keys(s) == ("a", "a", "a")
-    s.queue(Interaction("5", hold=["d"]))
-    s.queue(Interaction("6", keys=["i"]))                     # the later of the two wins within one chunk
+    s.planner.queue(Interaction("5", hold=["d"]))
+    s.planner.queue(Interaction("6", keys=["i"]))                     # the later of the two wins within one chunk
     assert _keys(s) == ("i", "", "")
     plan = s.plan_next_chunk()
-    assert plan.controls.keys is None and s.held is None
+    assert plan.controls.keys is None and s.planner.held is None
 
 
 def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
@@ -249,14 +249,14 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
     delivered chunks) and the interaction state after chunk 2 replays 3 chunks and then plans chunks 3-5 exactly
     as the session that never failed (a keys event and a target move running across the fault, held keys,
     an interaction that arrives after it)."""
-    from deployments.session.events import Resume
+    from deployments.session.planner.events import Resume
 
     def feed(s, k):
         if k == 1:
-            s.queue(Interaction("k", keys=["w", "a", "s", "d", "i", "j", "k"]))      # 7 frames: chunks 1-3
-            s.queue(Interaction("c", camera=CameraEvent("target", (0, 0, 1), (0, 0, 0, 1), 3)))
+            s.planner.queue(Interaction("k", keys=["w", "a", "s", "d", "i", "j", "k"]))      # 7 frames: chunks 1-3
+            s.planner.queue(Interaction("c", camera=CameraEvent("target", (0, 0, 1), (0, 0, 0, 1), 3)))
         if k == 4:
-            s.queue(Interaction("h", hold=["l", ""]))
+            s.planner.queue(Interaction("h", hold=["l", ""]))
 
     whole = _state("a", chunks=6)
     controls, plans = [], []
@@ -268,7 +268,7 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
         plans.append(plan)
     resumed = _state("a", chunks=6)
     resumed.resume_from(Resume(tuple(controls[:3]), plans[2].interactions, 9 + 12 * 2))
-    assert [p for p in resumed.events] == ["k", "c"] and resumed.events["k"].keys == ["k"]
+    assert [p for p in resumed.planner.events] == ["k", "c"] and resumed.planner.events["k"].keys == ["k"]
     for k in range(3):
         assert resumed.replay[0] == controls[k]
         resumed.replayed()
@@ -293,7 +293,7 @@ def test_a_replay_fills_the_gaps_between_the_chunks_others_need():
     sched.add(live)
     assert sched.pick(now=1.0)[0] is live                      # due (its first chunk): before the replay
     live.commit_plan(live.plan_next_chunk())
-    live.delivered(9, now=1.2)                                 # 9 frames at 16 fps: the next is due at 1.76 s
+    live.clock.delivered(9, now=1.2)                                 # 9 frames at 16 fps: the next is due at 1.76 s
     assert sched.pick(now=1.3)[0] is replaying                 # live is further ahead than its 0.2 s lead
     replaying.replayed()
     assert sched.pick(now=1.6)[0] is live                      # within its lead again: before the replay
@@ -303,7 +303,7 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     """Resumed with 2 s of video left in the client's player (a wall-clock end), the next chunk is due when it
     has played out: the session waits until its lead before it, then a chunk delivered late counts as a
     stall. Without a playback end the first chunk is due at once."""
-    from deployments.session.events import Resume
+    from deployments.session.planner.events import Resume
     sched = Scheduler(pacing_lead_s=0.5)
     moved = _state("m", chunks=10, now=100.0)
     moved.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, (), playback_end=1002.0), 4,
@@ -313,9 +313,9 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     assert who is None and wait == pytest.approx(2.0 - 0.5)          # due at 102 s, eligible 0.5 s before
     assert sched.pick(now=101.5)[0] is moved
     moved.commit_plan(moved.plan_next_chunk())                       # chunk 4: 12 frames in flight
-    moved.delivered(12, now=102.25)                                  # the player waited 0.25 s for it
-    assert moved.stalls == 1 and moved.stall_seconds == pytest.approx(0.25)
-    assert moved.deadline() == pytest.approx(102.25 + 12 / 16)
+    moved.clock.delivered(12, now=102.25)                                  # the player waited 0.25 s for it
+    assert moved.clock.stalls == 1 and moved.clock.stall_seconds == pytest.approx(0.25)
+    assert moved.clock.deadline() == pytest.approx(102.25 + 12 / 16)
     replaying = _state("r", chunks=10, now=100.0)                    # a replay catches up at once, whatever
     replaying.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 1, (), playback_end=1002.0), 2,
                           now=100.0, wall=1000.0)                    # its clock: chunks 2, 3 to replay
@@ -324,7 +324,7 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     assert sched.pick(now=100.5) == (replaying, 0.0)                 # 1.5 s before its lead; moved's next: 103 s
     fresh = _state("f", chunks=10, now=100.0)
     fresh.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, ()), 4)
-    assert fresh.deadline() == 100.0                                 # unknown: at once
+    assert fresh.clock.deadline() == 100.0                                 # unknown: at once
 
 
 def test_a_held_lead_stays_whatever_the_chunks_need():

@@ -1,0 +1,19 @@
+"""The group's typed calls to a rank (deployments/group/messages.py), built the way tests need them."""
+from typing import Optional
+
+import numpy as np
+
+from deployments.group.messages import OpenSession, RunChunk, SnapshotPlan
+from deployments.session.events import ChunkControls, RankRestore
+from deployments.session.requests import StartRequest
+
+
+def opening(session_id: str, image: np.ndarray, prompt: str, seed: int, keeper=None, every_chunks: int = 1,
+            restore: Optional[RankRestore] = None, decoder: Optional[str] = None) -> OpenSession:
+    """Open a session of the tiny preset's size (an endless one; the rank reads only what it builds from)."""
+    start = StartRequest(prompt, image, 112, 64, None, None, 16.0, seed, None, [], decoder=decoder)
+    return OpenSession(session_id, start, None if keeper is None else SnapshotPlan(keeper, every_chunks), restore)
+
+
+def chunk(session_id: str, index: int, controls: Optional[ChunkControls] = None, muxer=None) -> RunChunk:
+    return RunChunk(session_id, index, controls or ChunkControls(), muxer)
