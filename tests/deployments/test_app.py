@@ -315,11 +315,11 @@ def metric(values, name, **labels):
 
 
 def test_metrics_count_what_happened(serve_app):
-    """Ray exports recorded metrics on the node's endpoint about every 10 s: wait until the counters are
-    settled, run one 3-chunk session and one bad message, then the counters move by exactly that."""
+    """Ray exports recorded metrics on the node's endpoint every METRICS_REPORT_S here: wait until the counters
+    are settled, run one 3-chunk session and one bad message, then the counters move by exactly that."""
     import time
 
-    from tests.deployments.conftest import METRICS_PORT
+    from tests.deployments.conftest import METRICS_PORT, METRICS_REPORT_S
     watched = [("lingbot_sessions_total", {"component": "ingress"}),
                ("lingbot_refusals_total", {"code": "invalid_json"}),
                ("lingbot_chunk_interval_seconds_count", {"group": "all"}),
@@ -332,7 +332,7 @@ def test_metrics_count_what_happened(serve_app):
 
     before, previous = None, None
     while before is None:                                   # two exports in a row agree: nothing in flight
-        time.sleep(11)
+        time.sleep(METRICS_REPORT_S + 1)
         now, _ = read()
         before, previous = (now if now == previous else None), now
     result = run(session(serve_app, 3))
@@ -390,21 +390,35 @@ def test_a_quiet_client_that_reads_is_never_cut(serve_app):
     assert sum(c["num_frames"] for c in result.chunks) == 12 * 16 - 3
 
 
+def live_sessions() -> int:
+    with urllib.request.urlopen(f"{HTTP}/healthz", timeout=10) as r:
+        return json.loads(r.read())["live_sessions"]
+
+
 def test_a_client_that_stops_reading_is_freed(serve_app):
     """A client that stops reading (small receive buffer, small message queue): once the server's sends
     stay blocked for stall_timeout_s the session ends and its connection closes, so reading again meets the
-    end of the stream, not an endless one."""
+    end of the stream, not an endless one. (The test waits while the ingress counts the session live, not a
+    fixed time.)"""
     import socket
 
     import websockets
 
     async def scenario():
+        before = await asyncio.to_thread(live_sessions)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", int(serve_app.split(":")[2].split("/")[0])))
         ws = await websockets.connect(serve_app, sock=sock, compression=None, max_queue=2, ping_interval=None)
         await ws.send(json.dumps(start_msg(num_frames=None, fps=120, extra_params={"endless": True})))
-        await asyncio.sleep(45)                     # not reading: buffers fill, then sends block for 15 s
+        seen_live, t0 = False, time.monotonic()
+        while time.monotonic() - t0 < 120:          # not reading: buffers fill, then sends block for 15 s
+            live = await asyncio.to_thread(live_sessions)
+            seen_live = seen_live or live > before
+            if seen_live and live <= before:        # the ingress let the session go
+                break
+            await asyncio.sleep(1.0)
+        assert seen_live
         chunks = 0
         try:
             while True:

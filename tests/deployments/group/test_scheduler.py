@@ -249,7 +249,7 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
     delivered chunks) and the interaction state after chunk 2 replays 3 chunks and then plans chunks 3-5 exactly
     as the session that never failed (a keys event and a target move running across the fault, held keys,
     an interaction that arrives after it)."""
-    from deployments.session.planner.events import Resume
+    from deployments.session.events import Resume
 
     def feed(s, k):
         if k == 1:
@@ -270,7 +270,7 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
     resumed.resume_from(Resume(tuple(controls[:3]), plans[2].interactions, 9 + 12 * 2))
     assert [p for p in resumed.planner.events] == ["k", "c"] and resumed.planner.events["k"].keys == ["k"]
     for k in range(3):
-        assert resumed.replay[0] == controls[k]
+        assert resumed.replay.chunks[0] == controls[k]
         resumed.replayed()
     assert resumed.next_chunk == 3 and not resumed.replay
     for k in range(3, 6):
@@ -288,7 +288,7 @@ def test_a_replay_fills_the_gaps_between_the_chunks_others_need():
     from collections import deque
     sched = Scheduler(pacing_lead_s=0.2)
     replaying, live = _state("r", chunks=10, now=0.0), _state("l", chunks=10, now=0.0)
-    replaying.replay = deque([ChunkControls()] * 3)
+    replaying.replay.chunks = deque([ChunkControls()] * 3)
     sched.add(replaying)
     sched.add(live)
     assert sched.pick(now=1.0)[0] is live                      # due (its first chunk): before the replay
@@ -303,7 +303,7 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     """Resumed with 2 s of video left in the client's player (a wall-clock end), the next chunk is due when it
     has played out: the session waits until its lead before it, then a chunk delivered late counts as a
     stall. Without a playback end the first chunk is due at once."""
-    from deployments.session.planner.events import Resume
+    from deployments.session.events import Resume
     sched = Scheduler(pacing_lead_s=0.5)
     moved = _state("m", chunks=10, now=100.0)
     moved.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, (), playback_end=1002.0), 4,
@@ -319,7 +319,7 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     replaying = _state("r", chunks=10, now=100.0)                    # a replay catches up at once, whatever
     replaying.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 1, (), playback_end=1002.0), 2,
                           now=100.0, wall=1000.0)                    # its clock: chunks 2, 3 to replay
-    assert len(replaying.replay) == 2
+    assert len(replaying.replay.chunks) == 2
     sched.add(replaying)
     assert sched.pick(now=100.5) == (replaying, 0.0)                 # 1.5 s before its lead; moved's next: 103 s
     fresh = _state("f", chunks=10, now=100.0)
