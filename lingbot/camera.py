@@ -19,7 +19,7 @@ Controls act at chunk boundaries:
   As in vLLM-Omni the pose is used as given, in the model's camera frame.
 
 Pose math is float64 numpy (a handful of 4x4s); ray maps are built in float32 on the target device, from
-poses and intrinsics copied there asynchronously (lingbot/io/transfer.py).
+poses and intrinsics copied there asynchronously (lingbot/transfer.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .io.transfer import to_device
+from .transfer import to_device
 
 REFERENCE_SIZE = (832, 480)          # (width, height) the checkpoint's intrinsics are given in
 TRANSLATION_UNIT = 0.05              # one controller step; live translations are divided by it
@@ -159,7 +159,7 @@ def intrinsics_table(intrinsics, frames: int) -> np.ndarray:
 def ray_map(rel: np.ndarray, intrinsics, height: int, width: int, device="cpu") -> Tensor:
     """Per pixel centre rays [o, d] of each relative pose: [6, F, H, W] float32. `intrinsics`: one
     Intrinsics for all frames or an [F, 4] table of (fx, fy, cx, cy)."""
-    # the host's pose math reaches the device by one asynchronous copy each (io/transfer.py): no host sync
+    # the host's pose math reaches the device by one asynchronous copy each (lingbot/transfer.py): no host sync
     k = to_device(intrinsics_table(intrinsics, len(rel)), device, torch.float32)                  # [F, 4]
     ys = (torch.arange(height, dtype=torch.float32, device=device)[None] + 0.5 - k[:, 3:4]) / k[:, 1:2]  # [F, H]
     xs = (torch.arange(width, dtype=torch.float32, device=device)[None] + 0.5 - k[:, 2:3]) / k[:, 0:1]   # [F, W]

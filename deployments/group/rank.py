@@ -105,8 +105,8 @@ class RankWorker:
         return self._on_device(self._join, init_method)
 
     def _join(self, init_method: str) -> RankInfo:
+        from lingbot.lifecycle import RankLifecycle
         from lingbot.runtime.budget import session_footprint
-        from lingbot.runtime.lifecycle import RankLifecycle
         s = self.settings
         t0 = time.monotonic()
         life = RankLifecycle(self.rank, self.world_size, self.device)
