@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from lingbot.client import RealtimeClient
+from deployments.client import RealtimeClient
 from tests.deployments.test_app import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]
