@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import urllib.request
+from typing import Optional
 
 # what every node's Ray processes start with, here and in the cluster manifests (cluster/render.py)
 CLUSTER_ENV = {
@@ -37,14 +38,16 @@ def prepare_environment() -> None:
     os.environ.update(RAY_ENV)
 
 
-def wait_ready(url: str, timeout_s: float) -> float:
-    """Seconds until GET url/readyz answers 200 (a model group runs); TimeoutError after timeout_s."""
+def wait_ready(url: str, timeout_s: float, since: Optional[float] = None) -> float:
+    """Seconds from `since` (a time.monotonic(); default: now) until GET url/readyz answers 200 (a model group
+    runs); TimeoutError after waiting timeout_s."""
     t0 = time.monotonic()
+    since = t0 if since is None else since
     while time.monotonic() - t0 < timeout_s:
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
                 if r.status == 200:
-                    return time.monotonic() - t0
+                    return time.monotonic() - since
         except OSError:
             pass
         time.sleep(1.0)
@@ -52,6 +55,7 @@ def wait_ready(url: str, timeout_s: float) -> float:
 
 
 def main(argv=None) -> int:
+    started = time.monotonic()                  # "ready (N s)" counts the whole start: Ray, Serve, the first group
     parser = argparse.ArgumentParser(prog="python -m deployments.local", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", default="serve_config.yaml", help="a Serve config (default: %(default)s)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     serve.run(build_app(app.get("args")), name=app.get("name", "lingbot"), route_prefix=app.get("route_prefix", "/"),
               logging_config={"enable_access_log": False})
-    seconds = wait_ready(url, args.ready_timeout_s)
+    seconds = wait_ready(url, args.ready_timeout_s, since=started)
     print(f"\nlingbot-serve is ready ({seconds:.0f} s): open {url}/ in a browser; WebSocket clients: "
           f"{url.replace('http', 'ws')}/v1/realtime/video. Ctrl-C stops it.\n", flush=True)
     try:

@@ -18,6 +18,7 @@ import torch
 
 from .config import DECODERS, ConfigError, Preset, get_preset, parse_dtype, tae_dtype, with_dtype
 from .io.weights import (
+    WeightsError,
     build_random_tae,
     build_random_text_encoder,
     build_random_transformer,
@@ -27,6 +28,7 @@ from .io.weights import (
     load_transformer,
     load_vae,
     read_flow_shift,
+    read_tae_config,
 )
 from .models.tae import TinyDecoder, TinyFrameDecoder
 from .models.vae import FrameDecoder, WanVAE
@@ -56,6 +58,21 @@ def with_checkpoint_shift(preset: Preset, model_path: str | Path) -> Preset:
     log.info("flow shift %g from %s/scheduler (preset %s has %g)", shift, model_path, preset.name,
              preset.sampler.shift)
     return dataclasses.replace(preset, sampler=dataclasses.replace(preset.sampler, shift=shift))
+
+
+def with_tae_file(preset: Preset, tae_path: str | Path) -> Preset:
+    """The preset with its tiny decoder's widths read from the file at `tae_path` (the published taew2_1's
+    or a random preset's, whatever the preset), so the decoder loads strictly at the file's widths and the
+    budget counts the decoder that runs."""
+    tae = read_tae_config(tae_path)
+    if tae.latent_channels != preset.vae.z_dim:
+        raise WeightsError(f"tiny decoder file {tae_path} decodes {tae.latent_channels} latent channels; the VAE of "
+                           f"preset {preset.name} makes {preset.vae.z_dim} (a taew2_1 file is for Wan 2.1 latents)")
+    if tae == preset.tae:
+        return preset
+    log.info("tiny decoder widths %s from %s (preset %s has %s)", list(tae.channels), tae_path, preset.name,
+             list(preset.tae.channels))
+    return dataclasses.replace(preset, tae=tae)
 
 
 def build_dit_runner(preset: str | Preset, model_path: Optional[str | Path] = None, device="cpu",
@@ -117,8 +134,9 @@ def decoder_names(decoder: str | Sequence[str]) -> tuple[str, ...]:
 def build_tiny_decoder(preset: Preset, tae_path: Optional[str | Path], device="cpu", seed: Optional[int] = None,
                        random_weights: bool = True) -> TinyDecoder:
     """The tiny decoder of `preset` in its dtype for `device` (config.tae_dtype): from `tae_path` (the
-    published taew2_1.pth or taew2_1.safetensors), or with seeded random weights where the rest of the
-    model is random too (`random_weights`; `seed` default the preset's)."""
+    published taew2_1.pth or taew2_1.safetensors), held strictly to the preset's widths (with_tae_file gives
+    the preset the file's), or with seeded random weights where the rest of the model is random too
+    (`random_weights`; `seed` default the preset's)."""
     dtype = tae_dtype(device)
     if tae_path is not None:
         return load_tae(tae_path, preset.tae, dtype, device)
@@ -152,6 +170,8 @@ def build_frame_decoder(preset: str | Preset, decoder: str = "wan", model_path: 
     preset = get_preset(preset) if isinstance(preset, str) else preset
     (name,) = decoder_names(decoder)
     if name == "tae":
+        if tae_path is not None:
+            preset = with_tae_file(preset, tae_path)
         return TinyFrameDecoder(build_tiny_decoder(preset, tae_path, device, seed,
                                                    preset.weights_seed is not None or seed is not None))
     vae_dtype = parse_dtype(preset.vae_dtype)
@@ -183,6 +203,8 @@ def build_pipeline(preset: str | Preset, model_path: Optional[str | Path] = None
             raise ConfigError(TAE_WEIGHTS_NEEDED)
         if tae_path is not None and not Path(tae_path).is_file():
             raise FileNotFoundError(f"tiny decoder weights {tae_path} do not exist")
+        if tae_path is not None:
+            preset = with_tae_file(preset, tae_path)
     comm = comm or Comm(device=device)
     runner = build_dit_runner(preset, model_path, device=device, comm=comm, compile=compile,
                               cuda_graphs=cuda_graphs, seed=seed, **runner_kwargs)

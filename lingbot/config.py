@@ -252,6 +252,21 @@ class ChunkGeometry:
                 f"for N = 1, 2, 3, ...")
 
 
+def split_sizes(total: int, parts: int) -> list[int]:
+    """How sequence parallelism shares `total` (tokens, heads, latent columns) among `parts` ranks: contiguous,
+    as even as possible, the first total % parts ranks one more. The memory budget counts a rank's share by
+    it and lingbot/parallel/ shards by it."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Rank `index`'s [start, end) of `total` split by split_sizes."""
+    sizes = split_sizes(total, parts)
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str

@@ -39,7 +39,7 @@ async def one(seed: int, chunks: int, t0: float, image: str) -> dict:
     """One session of the burst, read to its end: when each thing happened, seconds after the burst began."""
     import websockets
 
-    from lingbot.client import RealtimeClient
+    from deployments.client import RealtimeClient
     out = {"seed": seed, "positions": [], "eta_s": [], "start_s": None, "first_chunk_s": None, "refused": None,
            "done": False, "group": None}
     async with RealtimeClient(f"ws://127.0.0.1:{PORT}/v1/realtime/video") as client:

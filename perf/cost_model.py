@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lingbot.config import Preset, TransformerConfig
+from lingbot.config import Preset, TransformerConfig, split_sizes
 from lingbot.runtime.kv_cache import visible_chunks
 
 
@@ -61,7 +61,6 @@ def sp_dit_bytes_per_chunk(cfg: TransformerConfig, tokens_per_frame: int, world_
     """Bytes rank `rank` sends per chunk under Ulysses SP-N: per forward and layer one fused q/k/v
     all-to-all (3 * l_r * dim * (N-1)/N) and one back ((L - l_r) * dim / N); per forward one all-gather
     of the head output (the largest share, padded, fp32) to the N-1 others."""
-    from lingbot.parallel.comm import split_sizes
     total = cfg.num_frames_per_block * tokens_per_frame
     sizes = split_sizes(total, world_size)
     local, n = sizes[rank], world_size
@@ -76,7 +75,6 @@ def sp_dit_bytes_per_chunk(cfg: TransformerConfig, tokens_per_frame: int, world_
 def sp_pixel_bytes_per_chunk(height: int, width: int, frames: int, latent_width: int, world_size: int,
                              rank: int) -> int:
     """root_uint8_p2p: every non-root rank sends its uint8 width shard [F, H, W_r, 3] to rank 0."""
-    from lingbot.parallel.comm import split_sizes
     if rank == 0:
         return 0
     shard_w = split_sizes(latent_width, world_size)[rank] * (width // latent_width)

@@ -53,7 +53,7 @@ def start(groups: int) -> None:
 
 
 async def session(chunks: int, fps: float, redeploy=None):
-    from lingbot.client import FramesClient
+    from deployments.client import FramesClient
     actions = [["w"], ["j"], ["d"], [], ["l"]] * (chunks + 1)
     out: dict = {}
     async with FramesClient(f"ws://127.0.0.1:{PORT}/v1/realtime_video/generate") as client:

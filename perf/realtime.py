@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Optional
 
-from lingbot.client import RealtimeClient, image_data_url
+from deployments.client import RealtimeClient, image_data_url
 from lingbot.config import LINGBOT_GEOMETRY
 from perf.realtime_metrics import aggregate, session_metrics
 

@@ -50,7 +50,7 @@ def rank_pids(group: str) -> list[int]:
 
 
 async def faulted_session(at: int) -> dict:
-    from lingbot.client import RealtimeClient, image_data_url
+    from deployments.client import RealtimeClient, image_data_url
     from lingbot.config import get_preset
     preset = get_preset("tiny")
     out: dict = {}

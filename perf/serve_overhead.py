@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from lingbot.client import RealtimeClient, image_data_url
+from deployments.client import RealtimeClient, image_data_url
 
 PORT = 18766
 

@@ -94,7 +94,7 @@ class Sampler(threading.Thread):
 
 
 async def run_session(url: str, image: bytes, inputs: dict, chunks: int, api_key=None):
-    from lingbot.client import FramesClient
+    from deployments.client import FramesClient
     async with FramesClient(url, api_key=api_key) as client:
         await client.init("a quiet street", image, chunks, inputs["seed"], actions=inputs["actions"])
         return await client.receive_session(timeout=600)

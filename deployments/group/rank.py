@@ -91,8 +91,8 @@ class RankWorker:
         return self._on_device(self._join, init_method)
 
     def _join(self, init_method: str) -> RankInfo:
+        from lingbot.lifecycle import RankLifecycle
         from lingbot.runtime.budget import session_footprint
-        from lingbot.runtime.lifecycle import RankLifecycle
         from lingbot.runtime.snapshot_budget import snapshot_host
         s = self.settings
         t0 = time.monotonic()

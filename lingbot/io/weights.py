@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import ConfigError, Preset, TAEConfig, TextEncoderConfig, TransformerConfig, VAEConfig, parse_dtype
 from ..models.dit import CausalWanModel
-from ..models.tae import TinyDecoder
+from ..models.tae import TinyDecoder, config_from_shapes
 from ..models.text_encoder import TextEncoder
 from ..models.vae import WanVAE
 
@@ -272,15 +272,27 @@ def read_tae_file(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def tae_config_of(state: dict[str, torch.Tensor]) -> TAEConfig:
+    """The widths of the tiny decoder a file's tensors hold (models/tae.py, config_from_shapes); the published
+    ones where the file lacks a weight they are read from (loading it then names that key)."""
+    return config_from_shapes({k: v.shape for k, v in state.items()}) or TAEConfig()
+
+
+def read_tae_config(path: str | Path) -> TAEConfig:
+    """The widths of the tiny decoder in a TAEHV-family file: the published taew2_1's, or a random preset's."""
+    return tae_config_of(read_tae_file(path))
+
+
 def load_tae(path: str | Path, cfg: Optional[TAEConfig] = None, dtype: torch.dtype = torch.float32,
              device="cpu") -> TinyDecoder:
     """Strictly load the tiny decoder from a TAEHV-family file. The file holds the whole autoencoder: its
     `decoder.*` keys are our module names as they are; its `encoder.*` keys are set aside (the engine never
-    encodes with it). Any other key, a missing decoder key or a shape that differs is a WeightsError naming
-    the key."""
+    encodes with it). `cfg`: the widths the file must have; None: the file's own, read from its tensor
+    shapes (the published file and a random preset's load alike). Any other key, a missing decoder key or a
+    shape that differs is a WeightsError naming the key."""
     state = read_tae_file(path)
     with torch.device("meta"):
-        model = TinyDecoder(cfg or TAEConfig())
+        model = TinyDecoder(cfg or tae_config_of(state))
     expected = model.state_dict()
     decoder = {k: v for k, v in state.items() if not k.startswith("encoder.")}
     missing = sorted(set(expected) - set(decoder))

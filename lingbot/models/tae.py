@@ -20,6 +20,7 @@ decoder, whose first latent frame gives 1 frame): a clip of T latent frames give
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -85,6 +86,20 @@ def decoder_layers(cfg: TAEConfig) -> list[nn.Module]:
                    TGrow(width, stride), conv3x3(width, next_width, bias=False)]
     layers += [nn.ReLU(), conv3x3(c3, 3)]
     return layers
+
+
+def config_from_shapes(shapes: Mapping[str, Sequence[int]]) -> Optional[TAEConfig]:
+    """The TAEConfig of a decoder whose `decoder.*` weights have these shapes (a file's): the latent channels
+    and the first width from the conv in [c0, latent, 3, 3], each later width from the conv that ends a stage
+    [c_next, c, 3, 3]. None where one of those weights is absent or not a 2-D convolution's (the strict load
+    then names the key)."""
+    with torch.device("meta"):
+        layers = decoder_layers(TAEConfig())
+    # the plain convolutions in the file's order: conv in, the three width convs, the RGB conv
+    convs = [f"decoder.{i}.weight" for i, layer in enumerate(layers) if type(layer) is nn.Conv2d][:4]
+    if not all(key in shapes and len(shapes[key]) == 4 for key in convs):
+        return None
+    return TAEConfig(latent_channels=int(shapes[convs[0]][1]), channels=tuple(int(shapes[k][0]) for k in convs))
 
 
 class TinyDecoder(nn.Module):

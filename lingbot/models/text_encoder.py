@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..io.transfer import to_device
+from ..transfer import to_device
 
 
 class TextEncoder:

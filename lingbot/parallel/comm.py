@@ -73,18 +73,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def split_sizes(total: int, parts: int) -> list[int]:
-    """Contiguous, as-even-as-possible split: the first total % parts parts get one more."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if r < extra else 0) for r in range(parts)]
-
-
-def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
-    sizes = split_sizes(total, parts)
-    start = sum(sizes[:index])
-    return start, start + sizes[index]
-
-
 def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
     """Zero-pad x along `dim` to `size` (collectives of equal shapes carry uneven shards)."""
     if x.shape[dim] >= size:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..config import ConfigError
+from ..config import ConfigError, split_range, split_sizes
 from ..models.dit import CausalWanModel, KVWindowLike, TokenSplit, WindowAttention
-from .comm import Comm, split_range, split_sizes
+from .comm import Comm
 
 
 class SequenceSplit(TokenSplit):

@@ -18,8 +18,9 @@ from typing import Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import split_range, split_sizes
 from ..models.vae import CACHE_FRAMES, AttentionBlock, CausalCache, CausalConv3d, FrameDecoder, WanVAE
-from .comm import Comm, split_range, split_sizes
+from .comm import Comm
 from .pixels import DEFAULT_PIXEL_MODE, assemble_frames, check_pixel_mode
 
 

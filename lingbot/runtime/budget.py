@@ -17,10 +17,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import Preset, parse_dtype, tae_dtype
+from ..config import Preset, parse_dtype, split_sizes, tae_dtype
 from ..models.tae import TinyDecoder
 from ..models.vae import CausalCache, CausalConv3d, WanVAE
-from ..parallel.comm import split_sizes
 from .condition import CONDITION_CACHE_CHUNKS, CONDITION_CACHE_IMAGES
 from .dit_runner import PROMPT_CACHE_SIZE
 from .kv_cache import KVWindow

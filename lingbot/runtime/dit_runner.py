@@ -22,9 +22,9 @@ from torch import Tensor
 
 from ..camera import CameraRig, Controls, camera_patches
 from ..config import Preset
-from ..io.transfer import to_device
 from ..models.dit import CausalWanModel, TextKV, TimeConditioning
 from ..models.text_encoder import TextEncoder
+from ..transfer import to_device
 from .condition import ConditionSource
 from .kv_cache import KVWindow, LRUCache
 from .sampler import DMDSampler

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from ..camera import CameraRig, Controls
 from ..io.images import model_image
-from ..io.transfer import to_device
 from ..models.vae import CausalCache, FrameDecoder, WanVAE
+from ..transfer import to_device
 from .condition import CausalConditionEncoder, ChunkEncoder, ConditionCache
 from .dit_runner import ChunkResult, DiTRunner, StageTimer
 

@@ -16,10 +16,10 @@ import torch
 
 from lingbot.config import Preset, TextEncoderConfig
 from lingbot.io.weights import write_random_checkpoint
+from lingbot.lifecycle import RankLifecycle
 from lingbot.runtime.budget import session_footprint
 from lingbot.runtime.compile import compile_default
 from lingbot.runtime.condition import LatentCondition
-from lingbot.runtime.lifecycle import RankLifecycle
 from lingbot.runtime.snapshot import HostCopier, take_snapshot
 from lingbot.runtime.snapshot_budget import snapshot_footprint
 

@@ -14,10 +14,10 @@ import torch
 
 from lingbot.builder import build_pipeline
 from lingbot.io.images import model_image
-from lingbot.io.transfer import to_device
 from lingbot.runtime.attention import choose_for_steady_state
 from lingbot.runtime.compile import compile_blocks
 from lingbot.runtime.condition import CONDITION_CACHE_CHUNKS, CausalConditionEncoder, LatentCondition
+from lingbot.transfer import to_device
 from perf.cost_model import matmul_peak
 
 from .check import COMPILE_TOLERANCE, KEYS, Check, _allocated, _sync, _timed

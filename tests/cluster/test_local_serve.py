@@ -5,6 +5,7 @@ is served whole while the autoscaler adds the second group, and Ctrl-C stops it.
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from lingbot.client import RealtimeClient
+from deployments.client import RealtimeClient
 from tests.deployments.test_app import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +30,7 @@ def test_make_serve_prints_the_url_when_ready_and_stops_on_ctrl_c(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     proc = subprocess.Popen([sys.executable, "-m", "deployments.local", str(path)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched = time.monotonic()
     lines = []
     try:
         deadline = time.monotonic() + 300
@@ -41,6 +43,9 @@ def test_make_serve_prints_the_url_when_ready_and_stops_on_ctrl_c(tmp_path):
                 break
         ready = [line for line in lines if "lingbot-serve is ready" in line]
         assert ready, "\n".join(lines[-30:])
+        took = time.monotonic() - launched               # Ray, Serve and the first group, as seen from here
+        said = int(re.search(r"is ready \((\d+) s\)", ready[0]).group(1))
+        assert took / 2 <= said <= took + 1, (said, took)  # the whole start, not only the wait for /readyz
         assert f"open http://127.0.0.1:{PORT}/ in a browser" in ready[0]
         assert f"ws://127.0.0.1:{PORT}/v1/realtime/video" in ready[0]
         args = config["applications"][0]["args"]

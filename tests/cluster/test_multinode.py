@@ -22,8 +22,8 @@ import psutil
 import pytest
 import yaml
 
+from deployments.client import RealtimeClient
 from deployments.local import RAY_ENV
-from lingbot.client import RealtimeClient
 from tests.deployments.test_app import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]

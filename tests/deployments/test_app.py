@@ -11,7 +11,7 @@ import numpy as np
 import websockets
 from PIL import Image
 
-from lingbot.client import RealtimeClient, image_data_url
+from deployments.client import RealtimeClient, image_data_url
 from lingbot.config import LINGBOT_GEOMETRY
 from lingbot.io.video import read_frames
 from tests.deployments.conftest import HTTP
@@ -546,7 +546,7 @@ def test_camera_trajectory_refusals_leave_live_sessions_alone(serve_app):
 
 
 def test_python_client_sends_an_offline_path(serve_app, tmp_path, capsys):
-    from lingbot.client import main
+    from deployments.client.cli import main
     traj = orbit_trajectory(21)
     np.save(tmp_path / "poses.npy", np.array(traj["poses"]))
     np.save(tmp_path / "intrinsics.npy", np.array(traj["intrinsics"]))

@@ -67,7 +67,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
     import numpy as np
     from playwright.async_api import async_playwright
 
-    from lingbot.client import FramesClient
+    from deployments.client import FramesClient
     from tests.deployments.test_sglang_app import frames_url
 
     async def scenario():

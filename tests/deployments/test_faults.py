@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from lingbot.client import FramesClient, RealtimeClient
+from deployments.client import FramesClient, RealtimeClient
 from tests.deployments.conftest import PORT, TEST_SETTINGS
 from tests.deployments.test_app import H, W, png_url, run
 

@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import websockets
 
+from deployments.client import FramesClient
 from lingbot.camera import Controls
-from lingbot.client import FramesClient
 from lingbot.io.video import FragmentedMp4Encoder, H264Settings, read_frames
 from tests.deployments.ingress.test_sglang import _mutations
 from tests.deployments.test_app import H, W, in_process_frames, png_url, run, session
@@ -202,9 +202,9 @@ def test_refusals_close_with_their_codes(serve_app):
 
 
 def test_python_client_speaks_the_second_protocol(serve_app, tmp_path, capsys):
-    """`python -m lingbot.client` picks the protocol from the URL: the .npy it writes holds the server's exact
+    """`python -m deployments.client` picks the protocol from the URL: the .npy it writes holds the server's exact
     frames (those of a FramesClient session with the same inputs); an .mp4 holds them encoded."""
-    from lingbot.client import main
+    from deployments.client.cli import main
     (tmp_path / "f.png").write_bytes(png())
     url = frames_url(serve_app)
     args = [url, "--image", str(tmp_path / "f.png"), "--prompt", "a forest path", "--chunks", "2", "--seed", "4",

@@ -83,3 +83,37 @@ def test_decoded_frames_match_the_library(tmp_path):
     assert main(["decode", "--decoder", "tae", "--latents", str(path), "-o", str(out)]) == 0
     expected = torch.cat(list(decode_latents(build_frame_decoder("tiny", "tae"), latents[0], 3)))
     assert np.array_equal(np.load(out), expected.numpy())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "lingbot-world-v2-14b"])
+@pytest.mark.parametrize("widths", ["published", "tiny"])
+def test_decode_reads_the_tiny_decoders_widths_from_its_file(tmp_path, widths, preset):
+    """`lingbot decode --decoder tae --tae-path F` with any preset: a file written from a random decoder of the
+    published widths (taew2_1's) and one of the tiny preset's load at their own widths and decode as that
+    decoder does."""
+    from lingbot.config import TAEConfig, get_preset
+    from lingbot.io.weights import build_random_tae
+    from lingbot.models.tae import TinyFrameDecoder
+    from lingbot.runtime.pipeline import decode_latents
+    model = build_random_tae(TAEConfig() if widths == "published" else get_preset("tiny").tae, 7)
+    torch.save(model.state_dict(), tmp_path / "taew2_1.pth")
+    latents = torch.randn(1, 16, 3, 2, 3, generator=torch.Generator().manual_seed(4))
+    np.save(tmp_path / "l.npy", latents.numpy())
+    assert main(["decode", "--decoder", "tae", "--tae-path", str(tmp_path / "taew2_1.pth"), "--preset", preset,
+                 "--latents", str(tmp_path / "l.npy"), "-o", str(tmp_path / "o.npy")]) == 0
+    with torch.no_grad():
+        expected = torch.cat(list(decode_latents(TinyFrameDecoder(model), latents[0], 3)))
+    assert np.array_equal(np.load(tmp_path / "o.npy"), expected.numpy())
+
+
+def test_a_tiny_decoder_file_for_other_latents_is_refused(tmp_path, capsys):
+    from lingbot.config import TAEConfig
+    from lingbot.io.weights import build_random_tae
+    torch.save(build_random_tae(TAEConfig(latent_channels=8, channels=(8, 8, 8, 8)), 0).state_dict(),
+               tmp_path / "t.pth")
+    np.save(tmp_path / "l.npy", np.zeros((1, 16, 3, 2, 3), np.float32))
+    assert main(["decode", "--decoder", "tae", "--tae-path", str(tmp_path / "t.pth"), "--latents",
+                 str(tmp_path / "l.npy"), "-o", str(tmp_path / "o.npy")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"lingbot: error: tiny decoder file {tmp_path / 't.pth'} decodes 8 latent channels; the VAE of "
+                   "preset tiny makes 16 (a taew2_1 file is for Wan 2.1 latents)")

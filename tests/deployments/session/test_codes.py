@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import lingbot.camera as camera
+import lingbot.camera.offline as offline_trajectories
 from deployments.session.codes import ErrorCode, ProtocolError
 
 DOCS = Path(__file__).parents[3] / "docs" / "architecture.md"
@@ -26,7 +26,8 @@ def test_a_refusal_carries_a_code_of_the_table_and_only_one():
 
 
 def test_the_engine_trajectory_codes_are_in_the_table():
-    """A bad camera_trajectory is refused with the engine's own code (lingbot.camera.TrajectoryError)."""
-    codes = set(re.findall(r'TrajectoryError\("([a-z_]+)"', inspect.getsource(camera)))
+    """A bad camera_trajectory is refused with the engine's own code (lingbot.camera.TrajectoryError,
+    raised in lingbot/camera/offline.py)."""
+    codes = set(re.findall(r'TrajectoryError\("([a-z_]+)"', inspect.getsource(offline_trajectories)))
     assert codes == {"trajectory_shape", "trajectory_not_finite", "trajectory_not_rigid", "trajectory_intrinsics"}
     assert codes <= {c.value for c in ErrorCode}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lingbot.config import ConfigError, TAEConfig, get_preset
-from lingbot.io.weights import WeightsError, build_random_tae, load_tae
+from lingbot.io.weights import WeightsError, build_random_tae, load_tae, read_tae_config
 from lingbot.models.tae import TinyDecoder, TinyFrameDecoder
 from lingbot.models.vae import CausalCache, frames_to_uint8
 
@@ -164,6 +164,33 @@ def test_loading_refuses_what_is_not_a_weights_file(tmp_path):
     # the published widths against the tiny preset's: the first conv names the mismatch
     with pytest.raises(WeightsError, match=r"key 'decoder.1.weight' has shape \[256, 16, 3, 3\]"):
         load_tae(_written(tmp_path, build_random_tae(FILE, 0), ".pth"), TINY_TAE)
+
+
+@pytest.mark.parametrize("cfg", [FILE, TINY_TAE], ids=["published-widths", "tiny-widths"])
+def test_a_file_loads_at_its_own_widths(tmp_path, cfg):
+    """Given no widths, the loader reads them from the file's tensor shapes: a file written from a random
+    decoder of the published widths and one of the tiny preset's load to that decoder exactly. Loading stays
+    strict: a key at a width the others do not chain to, or a missing conv in, is named."""
+    model = build_random_tae(cfg, 5)
+    path = _written(tmp_path, model, ".pth")
+    assert read_tae_config(path) == cfg
+    loaded = load_tae(path)
+    assert loaded.config == cfg and loaded.state_dict().keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    latents = _latents(3, 2, 3)
+    with torch.no_grad():
+        assert torch.equal(loaded.decode(latents, CausalCache()), model.decode(latents, CausalCache()))
+
+    def narrow(state):                       # the second stage's first memory block one channel wide
+        state["decoder.9.conv.0.weight"] = torch.zeros(1, 1, 3, 3)
+
+    def drop_conv_in(state):
+        del state["decoder.1.weight"]
+    with pytest.raises(WeightsError, match=r"'decoder\.9\.conv\.0\.weight' has shape \[1, 1, 3, 3\]"):
+        load_tae(_written(tmp_path, model, ".pth", narrow))
+    with pytest.raises(WeightsError, match=r"is missing key 'decoder\.1\.weight'"):
+        load_tae(_written(tmp_path, model, ".pth", drop_conv_in))
 
 
 def test_bf16_holds_against_float32():

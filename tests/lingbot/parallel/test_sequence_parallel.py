@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lingbot.camera import Controls
-from lingbot.config import ConfigError, get_preset
+from lingbot.config import ConfigError, get_preset, split_range, split_sizes
 from lingbot.parallel import Comm, ParallelError
-from lingbot.parallel.comm import split_range, split_sizes
 from lingbot.parallel.launch import run_local
 from lingbot.parallel.pixels import PIXEL_MODES
 from lingbot.parallel.vae_shard import assemble_halo_input

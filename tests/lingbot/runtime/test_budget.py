@@ -4,6 +4,7 @@ static input buffers), each against a real chunk. (tests/lingbot/runtime/test_pi
 per-session part against what a real session owns; tests/lingbot/parallel/test_group_once.py the
 per-rank part at SP-2.)"""
 from lingbot.config import get_preset
+from lingbot.lifecycle import MemoryReport, measured_capacity
 from lingbot.runtime.budget import (
     chunk_camera_modulation_bytes,
     graph_static_bytes,
@@ -11,7 +12,6 @@ from lingbot.runtime.budget import (
     session_footprint,
     sessions_that_fit,
 )
-from lingbot.runtime.lifecycle import MemoryReport, measured_capacity
 from tests.conftest import random_image
 from tests.lingbot.runtime.recorders import ChunkTransient, GraphInputs
 

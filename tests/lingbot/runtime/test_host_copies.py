@@ -1,5 +1,5 @@
 """The session path (a session's start and its chunks) moves host data to its device only through
-lingbot.io.transfer.to_device (pinned memory, non_blocking): on CUDA any other host-to-device copy makes
+lingbot.transfer.to_device (pinned memory, non_blocking): on CUDA any other host-to-device copy makes
 the host wait for the whole device queue.
 
 On the CPU there is no second device to see, so `HostCopies` follows host data instead. While active, a
@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from lingbot.camera import CameraEvent, Controls
-from lingbot.io.transfer import to_device
+from lingbot.transfer import to_device
 
 HOST = "_lingbot_host_born"                 # attribute on the tensors the recorder saw born on the host
 FACTORIES_WITH_DATA = {torch.tensor, torch.as_tensor, torch.asarray}

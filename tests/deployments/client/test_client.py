@@ -3,7 +3,7 @@ import asyncio
 
 import websockets
 
-from lingbot.client import FramesClient, RealtimeClient
+from deployments.client import FramesClient, RealtimeClient
 
 
 async def refuse(ws):

@@ -1,4 +1,5 @@
-"""A rank's life before its first session, in named steps (the serving actor only calls them, in order):
+"""A rank's life before its first session, in named steps (the serving actor only calls them, in order). It
+sits one floor above the builder, which it loads through, and the runtime, whose warm-up and budget it runs:
 
     connect  -> the device and the group's process group (NCCL communicators formed here, not mid-session)
     load     -> weights straight to the device in their dtype, parallelism, regional compile; then wait for
@@ -30,11 +31,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..camera import Controls
-from ..parallel.comm import Comm
-from .attention import choose_for_steady_state
-from .budget import session_footprint, sessions_that_fit, shared_cache_bytes
-from .pipeline import WorldPipeline
+from .builder import build_pipeline
+from .camera import Controls
+from .parallel.comm import Comm
+from .runtime.attention import choose_for_steady_state
+from .runtime.budget import session_footprint, sessions_that_fit, shared_cache_bytes
+from .runtime.pipeline import WorldPipeline
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,6 @@ class RankLifecycle:
 
     # ---- 2. load ------------------------------------------------------------------------------
     def load(self, preset: str, model_path: Optional[str] = None, **pipeline_kwargs) -> WorldPipeline:
-        from ..builder import build_pipeline
         torch.set_grad_enabled(False)
         self.pipeline = build_pipeline(preset, model_path, device=self.device, comm=self.comm, **pipeline_kwargs)
         self.cuda_graphs = bool(pipeline_kwargs.get("cuda_graphs")) and self.device.type == "cuda"
