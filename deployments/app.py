@@ -27,7 +27,7 @@ def group_autoscaling(s: ServeSettings, capacity: int) -> dict:
             "look_back_period_s": LOOK_BACK_S, "metrics_interval_s": METRICS_INTERVAL_S, "aggregation_function": "max",
             "upscale_delay_s": 1.0, "downscale_delay_s": 120.0,
             "policy": {"policy_function": "deployments.group.scaling:GroupScaling",
-                       "policy_kwargs": {"capacity": capacity, "spare_groups": s.headroom_groups}}}
+                       "policy_kwargs": {"capacity": capacity, "spare_groups": s.resolved_spare_groups}}}
 
 
 def build_app(args: dict | None = None) -> Application:

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..session.events import Moving
+from ..session.waiting import STARTING_STATES
 from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
 from .phase import GroupPhase, GroupState
 
 log = logging.getLogger("ray.serve")
-
-STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ faults"):
 SERVING takes sessions; STOPPING takes none and runs the ones it has; FILLING runs them ahead of their
 playback (drain_lead_s) so their viewers play the move out of the buffer; HANDING_ON starts no chunk and hands
 each session on (Moving); FAILED tells every session and exits. The stop watcher's thread and the event loop
-both move it: transitions are checked and atomic.
+both move it: transitions are checked and atomic (deployments/session/phases.py).
 """
 from __future__ import annotations
 
-import threading
 from enum import Enum
 from typing import Optional
+
+from ..session.phases import PhaseMachine
 
 
 class GroupPhase(Enum):
@@ -35,19 +36,20 @@ _NEXT = {
 
 class GroupState:
     def __init__(self):
-        self._lock = threading.Lock()
-        self.phase = GroupPhase.SERVING
-        self.failure: Optional[str] = None     # why it FAILED
+        self._phases = PhaseMachine(GroupPhase.SERVING, _NEXT)
+
+    @property
+    def phase(self) -> GroupPhase:
+        return self._phases.phase
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why it FAILED (None before)."""
+        return self._phases.why if self.failed else None
 
     def move(self, phase: GroupPhase, failure: Optional[str] = None) -> bool:
         """Go to `phase` if that is a transition from the current one; False (nothing changes) otherwise."""
-        with self._lock:
-            if phase not in _NEXT[self.phase]:
-                return False
-            self.phase = phase
-            if phase is GroupPhase.FAILED:
-                self.failure = failure
-            return True
+        return self._phases.move(phase, failure if phase is GroupPhase.FAILED else None)
 
     @property
     def failed(self) -> bool:

@@ -17,11 +17,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Optional
 
-from ..session.waiting import Growth
+from ..session.waiting import STARTING_STATES, Growth
 
 log = logging.getLogger("ray.serve")
 
-STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
 SAMPLES = 20
 
 

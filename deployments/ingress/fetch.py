@@ -1,4 +1,5 @@
-"""Fetching a first frame from an http(s) URL, only where the operator allows it (`image_url_allowlist`).
+"""Fetching a first frame from an http(s) URL, only where the operator allows it (`image_url_allowlist`,
+parsed and checked with the settings: deployments.settings.parse_allowlist).
 
 Off by default: a server that fetches whatever URL a client names can be made to probe its own network.
 With an allow-list, a URL is fetched only when it starts with one of the listed prefixes (each a full
@@ -15,18 +16,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ..session.codes import ErrorCode, ProtocolError
-
-
-def parse_allowlist(text: str) -> tuple[str, ...]:
-    """"https://cdn.example.com/images/, http://10.0.0.5:8080/" -> its prefixes; ValueError for a bad one."""
-    prefixes = tuple(p.strip() for p in text.split(",") if p.strip())
-    for p in prefixes:
-        parts = urlsplit(p)
-        if parts.scheme not in ("http", "https") or not parts.hostname or not p.endswith("/") \
-                or "@" in parts.netloc or parts.query or parts.fragment:
-            raise ValueError(f"image_url_allowlist entry {p!r} must be scheme://host[:port]/path/ (http or https, "
-                             f"ending in '/', no credentials or query)")
-    return prefixes
+from ..settings import parse_allowlist
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -1,5 +1,5 @@
-"""Parsing shared by both wire dialects: required fields, images, key lists, camera trajectories. Every
-failure is a ProtocolError with its code (deployments/session/codes.py).
+"""Parsing shared by both wire dialects: required fields, images, key lists, camera trajectories, the start
+checks (StartRules). Every failure is a ProtocolError with its code (deployments/session/codes.py).
 
 Plain Python: no Ray, no Starlette; tests check every refusal without a server."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -177,13 +178,43 @@ def parse_trajectory(value: Any, width: int, height: int, geometry: ChunkGeometr
         raise ProtocolError(e.code, f"{where}: {e}", close=CLOSE_POLICY) from None
 
 
-def pick_decoder(value, loaded: tuple[str, ...], where: str) -> Optional[str]:
-    """A session's frame decoder by name (None: the deployment's default); one it did not load is refused."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} must be a string, one of {list(loaded)}")
-    if value not in loaded:
-        raise ProtocolError(ErrorCode.DECODER_NOT_LOADED, f"{where} {value[:40]!r} is not loaded here; loaded: "
-                                                          f"{list(loaded)}")
-    return value
+@dataclass(frozen=True)
+class StartRules:
+    """The start checks both dialects share (the served size, fps, seed, decoder), each written once here and
+    applied by the dialect's parser before it builds the StartRequest, with what differs between the dialects:
+    the seed of a start that names none, where a start names its decoder, and how a refusal of these closes
+    (None: the connection stays open for another try)."""
+    default_seed: int
+    decoder_field: str
+    close: Optional[int] = None
+
+    def served_size(self, width: int, height: int, served: tuple[int, int]) -> None:
+        if (width, height) != tuple(served):
+            raise ProtocolError(ErrorCode.UNSUPPORTED_SIZE, f"this deployment serves {served[0]}x{served[1]}, "
+                                f"not {width}x{height}", close=self.close)
+
+    def fps(self, value: Optional[float], default: float) -> float:
+        """The session's fps (`value` a number the dialect read, None: the deployment's `default`)."""
+        fps = default if value is None else float(value)
+        if not (math.isfinite(fps) and 1 <= fps <= 120):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"fps must be between 1 and 120, got {fps}", close=self.close)
+        return fps
+
+    def seed(self, value: Optional[int]) -> int:
+        """The session's seed (`value` an integer the dialect read, None: the dialect's default)."""
+        seed = self.default_seed if value is None else value
+        if not -2 ** 63 <= seed < 2 ** 63:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"seed must fit in 64 bits, got {seed}", close=self.close)
+        return seed
+
+    def decoder(self, value: Any, loaded: tuple[str, ...]) -> Optional[str]:
+        """A session's frame decoder by name (None: the deployment's default); one it did not load is refused."""
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{self.decoder_field} must be a string, one of "
+                                f"{list(loaded)}", close=self.close)
+        if value not in loaded:
+            raise ProtocolError(ErrorCode.DECODER_NOT_LOADED, f"{self.decoder_field} {value[:40]!r} is not loaded "
+                                f"here; loaded: {list(loaded)}", close=self.close)
+        return value

@@ -9,8 +9,6 @@ messages, and its connection (the wire of a session's life).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import math
 import time
 from typing import Any, Optional
 
@@ -25,12 +23,12 @@ from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
+    StartRules,
     ascii_int,
     check_size,
     checked_message,
     decode_image,
     parse_keys_list,
-    pick_decoder,
     too_deep,
 )
 from .wire import WebSocketWire, close_quietly
@@ -40,6 +38,9 @@ SPLIT_BYTES = 64 * 2 ** 10          # a payload this big or bigger follows its h
 MAX_SCRIPT_FRAMES = 512             # latent frames in one camera_actions script
 MAX_TRANSITIONS = 512               # transitions in one camera_actions state event
 FORMATS = ("raw", "webp", "jpeg")
+# the checks both dialects share: an init that names no seed gets 42 here (SGLang's); a refused init leaves the
+# connection open for another
+START = StartRules(default_seed=42, decoder_field="init.decoder")
 
 
 def pack(message: dict) -> bytes:
@@ -122,30 +123,24 @@ def parse_actions_script(value: Any, where: str) -> list[str]:
 
 
 def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
-               default_fps: float, steps: int, fetcher=None) -> StartRequest:
-    """An `init` map -> StartRequest. Bad input raises ProtocolError (the connection then waits for another)."""
+               default_fps: float, steps: int, fetcher=None, decoders: tuple[str, ...] = ()) -> StartRequest:
+    """An `init` map -> StartRequest; `decoders`: the frame decoders loaded (`decoder` picks one). Bad input
+    raises ProtocolError (the connection then waits for another)."""
     if msg["type"] != "init":
         raise ProtocolError(ErrorCode.NOT_STARTED, f"the first message must be an init, not {msg['type']!r}")
+    decoder = START.decoder(msg.get("decoder"), decoders)
     prompt = msg.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ProtocolError(ErrorCode.MISSING_FIELD, "init needs a non-empty string 'prompt'")
     _opt(msg, "model", str, "a string")
     width, height = parse_size(msg["size"]) if msg.get("size") is not None else served_size
-    if (width, height) != tuple(served_size):
-        raise ProtocolError(ErrorCode.UNSUPPORTED_SIZE, f"this deployment serves {served_size[0]}x{served_size[1]}, "
-                            f"not {width}x{height}")
-    fps = _opt(msg, "fps", (int, float), "a number")
-    fps = default_fps if fps is None else float(fps)
-    if not (math.isfinite(fps) and 1 <= fps <= 120):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"fps must be between 1 and 120, got {fps}")
+    START.served_size(width, height, served_size)
+    fps = START.fps(_opt(msg, "fps", (int, float), "a number"), default_fps)
     for key in ("num_frames", "seconds"):                  # they size nothing here: a session runs by chunks
         value = _opt(msg, key, (int, float), "a positive number")
         if value is not None and not value > 0:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"init field '{key}' must be positive, got {value}")
-    seed = _opt(msg, "seed", int, "an integer")
-    seed = 42 if seed is None else seed
-    if not -2 ** 63 <= seed < 2 ** 63:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"seed must fit in 64 bits, got {seed}")
+    seed = START.seed(_opt(msg, "seed", int, "an integer"))
     n_steps = _opt(msg, "num_inference_steps", int, "an integer")
     if n_steps is not None and n_steps != steps:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"this model samples {steps} steps per chunk, not {n_steps}")
@@ -160,7 +155,7 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     output = parse_output(msg)
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
-                        fps, seed, None, script, msg.get("model"), output=output)
+                        fps, seed, None, script, msg.get("model"), output=output, decoder=decoder)
 
 
 def parse_output(msg: dict) -> FrameFormat:
@@ -326,10 +321,8 @@ class SglangWire(WebSocketWire):
 
     async def parse_start(self, msg: dict, facts: ModelFacts) -> StartRequest:
         s = self.settings
-        decoder = pick_decoder(msg.get("decoder"), facts.decoders, "init.decoder") if msg["type"] == "init" else None
         start = await asyncio.to_thread(parse_init, msg, facts.size, facts.geometry, s.max_chunks, s.fps, facts.steps,
-                                        self.fetcher)
-        start = dataclasses.replace(start, decoder=decoder)
+                                        self.fetcher, facts.decoders)
         self.output, self.size = start.output, facts.size
         return start
 

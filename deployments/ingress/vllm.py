@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import math
 from typing import Optional
 
 from lingbot.camera import CameraError, CameraEvent
@@ -18,6 +16,7 @@ from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import STOP
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
+    StartRules,
     bounded_int,
     check_size,
     checked_message,
@@ -25,14 +24,16 @@ from .parsing import (
     finite,
     parse_keys_list,
     parse_trajectory,
-    pick_decoder,
     require,
     too_deep,
 )
 from .wire import WebSocketWire, close_quietly
 
-
 # ---- the parser -----------------------------------------------------------------------------------
+# the checks both dialects share: a start that names no seed gets 0 here; every refusal of a start closes
+START = StartRules(default_seed=0, decoder_field="extra_params.decoder", close=CLOSE_POLICY)
+
+
 def _reject_constant(name: str):
     raise ProtocolError(ErrorCode.INVALID_JSON, f"{name} is not a number JSON allows")
 
@@ -49,8 +50,11 @@ def parse_json(text: str, limit: int) -> dict:
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
-                max_chunks: int, default_fps: float, fetcher=None) -> StartRequest:
+                max_chunks: int, default_fps: float, fetcher=None, decoders: tuple[str, ...] = ()) -> StartRequest:
+    """A session.start map -> StartRequest; `decoders`: the frame decoders loaded (extra_params.decoder picks one)."""
     where = "session.start"
+    extra = msg.get("extra_params")
+    decoder = START.decoder(extra.get("decoder") if isinstance(extra, dict) else None, decoders)
     prompt = require(msg, "prompt", str, where)
     width = require(msg, "width", int, where) if "width" in msg else served_size[0]
     height = require(msg, "height", int, where) if "height" in msg else served_size[1]
@@ -58,9 +62,7 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         raise ProtocolError(ErrorCode.INVALID_SIZE,
                             f"width and height must be positive multiples of 16, got {width}x{height}",
                             close=CLOSE_POLICY)
-    if (width, height) != tuple(served_size):
-        raise ProtocolError(ErrorCode.UNSUPPORTED_SIZE, f"this deployment serves {served_size[0]}x{served_size[1]}, "
-                            f"not {width}x{height}", close=CLOSE_POLICY)
+    START.served_size(width, height, served_size)
     ref = require(msg, "image_reference", dict, where)
     url = require(ref, "image_url", str, "session.start.image_reference")
     extra = msg.get("extra_params") or {}
@@ -83,12 +85,8 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
             raise ProtocolError(ErrorCode.INVALID_NUM_FRAMES,
                                 f"num_frames {num_frames} is more than {max_chunks} chunks",
                                 close=CLOSE_POLICY)
-    fps = float(require(msg, "fps", float, where)) if msg.get("fps") is not None else default_fps
-    if not (math.isfinite(fps) and 1 <= fps <= 120):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"fps must be between 1 and 120, got {fps}", close=CLOSE_POLICY)
-    seed = require(msg, "seed", int, where) if msg.get("seed") is not None else 0
-    if not -2 ** 63 <= seed < 2 ** 63:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"seed must fit in 64 bits, got {seed}", close=CLOSE_POLICY)
+    fps = START.fps(require(msg, "fps", float, where) if msg.get("fps") is not None else None, default_fps)
+    seed = START.seed(require(msg, "seed", int, where) if msg.get("seed") is not None else None)
     shift = extra.get("flow_shift")
     if shift is not None and (not isinstance(shift, (int, float)) or isinstance(shift, bool)
                               or not 0 < finite(shift) <= 100):
@@ -123,7 +121,8 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
                             "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
-                        None if shift is None else float(shift), script, msg.get("model"), profile, trajectory)
+                        None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
+                        decoder=decoder)
 
 
 def parse_interaction(msg: dict) -> Interaction:
@@ -204,12 +203,8 @@ class VllmWire(WebSocketWire):
         s, kind = self.settings, msg["type"]
         if kind == "session.start":
             try:
-                extra = msg.get("extra_params")
-                decoder = pick_decoder(extra.get("decoder") if isinstance(extra, dict) else None, facts.decoders,
-                                       "extra_params.decoder")
-                start = await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
-                                                s.max_chunks, s.fps, self.fetcher)
-                return dataclasses.replace(start, decoder=decoder)
+                return await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
+                                               s.max_chunks, s.fps, self.fetcher, facts.decoders)
             except ProtocolError as e:
                 if e.close is None:
                     e.close = CLOSE_POLICY

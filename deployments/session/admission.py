@@ -4,22 +4,39 @@ queue while every group is full (docs/architecture.md, "A session's life" and "A
 A lease call that a full deployment holds back (Serve queues it at the handle, where the autoscaler counts it)
 and a group that answers full both mean waiting. Every WAIT_TICK_S of it the session asks whether it may wait
 on (a group may still come, or admission_wait_s has not passed since none can) and tells its client its place
-and the estimate when they changed. `SessionLife` takes these methods; they use its wire, groups, settings,
-room and send lock.
+and the estimate when they changed. `SessionLife` holds one Admission and gives it what it works with: the
+session's id, its wire (and the lock that keeps a chunk's messages together), the groups, the waiting room and
+admission_wait_s.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Optional
 
 from .codes import RETRYABLE, ErrorCode
 from .events import Admitted, SessionFailed, SessionRequest
-from .waiting import may_wait
+from .ports import GroupLink, Wire
+from .waiting import WaitingRoom, may_wait
 
 WAIT_TICK_S = 0.5            # a waiting session's client is told its place this often (when it changed)
 
 
 class Admission:
+    """A session's leases on groups: the first (queued while every group is full) and one per resume."""
+
+    def __init__(self, session_id: str, wire: Wire, send_lock: asyncio.Lock, groups: GroupLink, room: WaitingRoom,
+                 admission_wait_s: float):
+        self.session_id = session_id
+        self.wire = wire
+        self.send_lock = send_lock
+        self.groups = groups
+        self.room = room
+        self.admission_wait_s = admission_wait_s
+        self.lease = None                        # the last lease call: the session's, once it was admitted
+        self.told: Optional[tuple] = None        # the last (position, eta_s) the client was told
+        self.stuck_since: Optional[float] = None  # since when no group could be added while it waited
+
     async def admit(self, request: SessionRequest, wait_s: float, queue: bool = False):
         """Hold a lease on a group for the session: the Admitted event, or the last refusal (None: no answer)
         within wait_s. A group that is full, failed or gone is tried again until the time is up; with `queue`
@@ -42,7 +59,7 @@ class Admission:
         growth = await self.groups.growth()
         now = time.monotonic()
         self.stuck_since = None if growth.can_grow else (self.stuck_since or now)
-        if not may_wait(growth, now - self.stuck_since if self.stuck_since else None, self.settings.admission_wait_s):
+        if not may_wait(growth, now - self.stuck_since if self.stuck_since else None, self.admission_wait_s):
             return False
         position = self.room.position(self.session_id)
         told = (position, self.room.eta_s(position, now, growth, self.session_id))

@@ -9,11 +9,9 @@ included (docs/architecture.md, "A session's life").
 
 1. WAITING_FOR_START: the first message must be a valid start within start_timeout_s (keepalives answered,
    bad messages refused: the first protocol closes, the second lets the client try again).
-2. ADMITTING: the tenant's limits, then a lease on a group: one long streaming call (`GroupLink.lease`) that
-   yields Admitted, then the session's events. While every group is full the call waits queued at Serve's
-   handle, where the autoscaler counts it; the client is told its place and an estimate. It waits while groups
-   may still be added (below max_groups, or one starting) up to max_queue_wait_s, and admission_wait_s (0 by
-   default) once none can; then the refusal (capacity_exhausted, 1013). A failed group is tried again.
+2. ADMITTING: the tenant's limits, then a lease on a group (admission.py): one long streaming call that yields
+   Admitted, then the session's events, queued while every group is full (the client told its place and an
+   estimate) up to max_queue_wait_s while a group may still come; then capacity_exhausted (1013).
 3. STREAMING: the pump relays each ChunkReady to the client (the ledger records it) while the control reader
    posts the client's interactions to the group's mailbox and minds the idle and lifetime limits.
 4. RESUMING: the group failed (SessionFailed) or is being stopped (Moving): the ledger's journal, interaction
@@ -48,11 +46,13 @@ from .events import (
     SessionRequest,
 )
 from .ledger import ContinuityLedger
+from .phases import PhaseMachine
 from .ports import ACTIVITY, STOP, ClientGone, GroupLink, SessionMetrics, Wire
 from .requests import Interaction, StartRequest
 from .waiting import WaitingRoom
 
 log = logging.getLogger("ray.serve")
+
 
 class Phase(Enum):
     WAITING_FOR_START = "waiting_for_start"
@@ -71,11 +71,7 @@ NEXT_PHASES = {
 }
 
 
-class PhaseError(RuntimeError):
-    """A transition the session's life does not allow (a bug, never the client's doing)."""
-
-
-class SessionLife(Admission):
+class SessionLife:
     """One session at the ingress, whichever protocol: its phase, its ledger and the flows between them."""
 
     def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics,
@@ -85,10 +81,9 @@ class SessionLife(Admission):
         self.settings = settings
         self.metrics = metrics
         self.session_id = uuid.uuid4().hex
-        self.phase = Phase.WAITING_FOR_START
+        self.phases = PhaseMachine(Phase.WAITING_FOR_START, NEXT_PHASES)
         self.ledger = ContinuityLedger(settings.sp)
         self.start: Optional[StartRequest] = None
-        self.lease = None
         self.mailbox = None                     # the group's, while STREAMING
         self.chunks_sent = 0
         self.sequence = 0                       # interactions posted (their arrival order)
@@ -100,13 +95,14 @@ class SessionLife(Admission):
         self.failed_at: Optional[float] = None
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
-        self.told: Optional[tuple] = None       # the last (position, eta_s) the client was told
-        self.stuck_since: Optional[float] = None  # since when no group could be added while it waited
+        self.admission = Admission(self.session_id, wire, self.send_lock, groups, self.room, settings.admission_wait_s)
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases.phase
 
     def enter(self, phase: Phase) -> None:
-        if phase not in NEXT_PHASES[self.phase]:
-            raise PhaseError(f"session {self.session_id}: {self.phase.value} -> {phase.value} is not a transition")
-        self.phase = phase
+        self.phases.enter(phase, f"session {self.session_id}")
 
     @property
     def ended(self) -> bool:
@@ -177,9 +173,9 @@ class SessionLife(Admission):
             finally:
                 limits.release(tenant)
         finally:
-            if self.lease is not None:
-                self.lease.cancel()              # every path (done, stop, refusal, disconnect) ends the lease
-            self.phase = Phase.ENDED
+            if self.admission.lease is not None:
+                self.admission.lease.cancel()    # every path (done, stop, refusal, disconnect) ends the lease
+            self.phases.move(Phase.ENDED)         # from any phase
 
     async def wait_for_start(self) -> Optional[StartRequest]:
         s = self.settings
@@ -206,8 +202,8 @@ class SessionLife(Admission):
         self.start = start
         self.scripted = start.trajectory is not None
         self.enter(Phase.ADMITTING)
-        first = await self.admit(SessionRequest(self.group_sid, start, keeper=await self.groups.keeper()),
-                                 s.max_queue_wait_s, queue=True)
+        first = await self.admission.admit(SessionRequest(self.group_sid, start, keeper=await self.groups.keeper()),
+                                           s.max_queue_wait_s, queue=True)
         if first is None or (isinstance(first, SessionFailed) and first.code == ErrorCode.CAPACITY_EXHAUSTED):
             await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
@@ -226,7 +222,7 @@ class SessionLife(Admission):
         finally:
             reader.cancel()
         if stopped is not None and not self.ended:
-            self.lease.cancel()
+            self.admission.lease.cancel()
             self.enter(Phase.ENDED)
             await self.wire.finish(stopped, self.chunks_sent)
 
@@ -240,7 +236,7 @@ class SessionLife(Admission):
     async def pump(self, reader: asyncio.Task) -> Optional[bool]:
         """Relay the group's events; returns stopped (True/False), or None when the session ended otherwise."""
         last = None
-        next_event = asyncio.ensure_future(self.lease.__anext__())
+        next_event = asyncio.ensure_future(self.admission.lease.__anext__())
         try:
             while True:
                 done, _ = await asyncio.wait({next_event, reader}, return_when=asyncio.FIRST_COMPLETED)
@@ -293,7 +289,7 @@ class SessionLife(Admission):
                     await self.refuse(ProtocolError(event.code, event.message, event_id=event.event_id))
                     if self.ended:
                         return None
-                next_event = asyncio.ensure_future(self.lease.__anext__())
+                next_event = asyncio.ensure_future(self.admission.lease.__anext__())
         finally:
             next_event.cancel()
 
@@ -371,7 +367,7 @@ class SessionLife(Admission):
         self.faults += not drain
         self.resume_reason = "drain" if drain else "fault"
         self.failed_at = self.last_interaction = time.monotonic()   # the client is not idle while it waits
-        self.lease.cancel()
+        self.admission.lease.cancel()
         self.mailbox = None
         request = SessionRequest(self.group_sid, self.start, self.ledger.resume(), keeper=await self.groups.keeper())
         if drain:
@@ -380,7 +376,7 @@ class SessionLife(Admission):
         else:
             log.warning("session %s: its group failed after %d chunks; resuming (%d of at most %d)",
                         self.session_id, self.ledger.chunks, self.faults, s.max_resumes)
-        admitting = asyncio.ensure_future(self.admit(request, s.resume_wait_s))
+        admitting = asyncio.ensure_future(self.admission.admit(request, s.resume_wait_s))
         await asyncio.wait({admitting, reader}, return_when=asyncio.FIRST_COMPLETED)
         if reader.done():                            # the client left or stopped: no group needed any more
             admitting.cancel()

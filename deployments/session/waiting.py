@@ -13,6 +13,9 @@ from typing import Optional
 
 LOOKBACK_S = 300.0
 MIN_ETA_S = 1.0
+# Serve's replica states of a group on its way (Growth.starting counts them; a stopping group's drain looks for
+# them too, deployments/group/drain.py)
+STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
 
 
 @dataclass(frozen=True)

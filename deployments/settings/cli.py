@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from lingbot.config import ConfigError
 
-from .groups import GROUPS
+from .concerns import CONCERNS
 from .serve import ServeSettings
 
 
@@ -22,11 +22,11 @@ def format_table(rows: list[dict]) -> str:
     widths = [max(len(r["name"]) for r in rows), max(len(_show(r["value"])) for r in rows) + 1,
               max(len(_show(r["default"])) for r in rows)]
     lines: list[str] = []
-    for group, cls in GROUPS.items():
-        lines += [f"[{group}] {' '.join(cls.__doc__.split())}",
+    for concern, cls in CONCERNS.items():
+        lines += [f"[{concern}] {' '.join(cls.__doc__.split())}",
                   _row(widths, "setting", " value", "default", "meaning")]
         for r in rows:
-            if r["group"] == group:
+            if r["group"] == concern:
                 changed = "*" if r["value"] != r["default"] else " "
                 lines.append(_row(widths, r["name"], changed + _show(r["value"]), _show(r["default"]), r["help"]))
         lines.append("")

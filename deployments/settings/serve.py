@@ -1,18 +1,20 @@
 """ServeSettings: every serving setting, one typed and validated object built from serve_config.yaml's `args`
-(and the only place that reads environment variables), composed of the concerns in groups.py."""
+(and the only place that reads environment variables). Each flat key is a declared, typed field; the concerns
+(concerns.py) group them, validate them and carry their meaning."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import warnings
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any, Optional
 
 from lingbot.config import ConfigError
 from lingbot.io.video import H264Settings
 
-from .groups import (
-    GROUPS,
+from .concerns import (
+    CONCERNS,
     KEYS,
     CapacitySettings,
     ContinuitySettings,
@@ -24,7 +26,6 @@ from .groups import (
     PacingSettings,
     PlacementSettings,
     SessionLimits,
-    _Group,
 )
 
 ENV_PREFIX = "LINGBOT_"
@@ -34,40 +35,129 @@ ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 
 @dataclass(frozen=True, init=False)
 class ServeSettings:
-    """Every serve setting, by concern. ServeSettings(**flat) takes the flat keys (and whole groups:
-    ServeSettings(drain=DrainSettings(...), sp=4)); `settings.<key>` reads one."""
-    model: ModelSettings = field(default_factory=ModelSettings)
-    placement: PlacementSettings = field(default_factory=PlacementSettings)
-    capacity: CapacitySettings = field(default_factory=CapacitySettings)
-    pace: PacingSettings = field(default_factory=PacingSettings)
-    continuity: ContinuitySettings = field(default_factory=ContinuitySettings)
-    drain: DrainSettings = field(default_factory=DrainSettings)
-    encoding: EncoderSettings = field(default_factory=EncoderSettings)
-    door: DoorSettings = field(default_factory=DoorSettings)
-    limits: SessionLimits = field(default_factory=SessionLimits)
-    health: HealthSettings = field(default_factory=HealthSettings)
+    """Every serve setting: one typed field per flat key (serve_config.yaml's args, LINGBOT_<KEY>,
+    ServeSettings(**flat), to_dict()), declared as its concern declares it (concerns.py: default, meaning,
+    checks), in the concerns' order. The concerns are built from the fields and validate them:
+    `settings.drain` is the DrainSettings of the drain_* keys. ServeSettings(**flat) also takes whole
+    concerns: ServeSettings(drain=DrainSettings(...), sp=4)."""
+    # model
+    preset: str = ModelSettings.preset
+    model_path: Optional[str] = ModelSettings.model_path
+    device: str = ModelSettings.device
+    dtype: Optional[str] = ModelSettings.dtype
+    sp: int = ModelSettings.sp
+    pixel_mode: str = ModelSettings.pixel_mode
+    skip_fixed_point: bool = ModelSettings.skip_fixed_point
+    compile: Optional[bool] = ModelSettings.compile
+    cuda_graphs: bool = ModelSettings.cuda_graphs
+    decoder: Optional[str] = ModelSettings.decoder
+    tae_path: Optional[str] = ModelSettings.tae_path
+    # placement
+    replica_cpus: float = PlacementSettings.replica_cpus
+    rank_cpus: float = PlacementSettings.rank_cpus
+    rank_devices: float = PlacementSettings.rank_devices
+    muxer_cpus: float = PlacementSettings.muxer_cpus
+    muxer_gpus: float = PlacementSettings.muxer_gpus
+    ingress_cpus: float = PlacementSettings.ingress_cpus
+    # capacity
+    max_sessions_per_group: int = CapacitySettings.max_sessions_per_group
+    memory_budget_gib: Optional[float] = CapacitySettings.memory_budget_gib
+    min_groups: int = CapacitySettings.min_groups
+    max_groups: int = CapacitySettings.max_groups
+    graceful_shutdown_timeout_s: float = CapacitySettings.graceful_shutdown_timeout_s
+    spare_groups: Optional[int] = CapacitySettings.spare_groups
+    max_queue_wait_s: float = CapacitySettings.max_queue_wait_s
+    admission_wait_s: float = CapacitySettings.admission_wait_s
+    retry_after_s: float = CapacitySettings.retry_after_s
+    max_ingress_sessions: int = CapacitySettings.max_ingress_sessions
+    # pace
+    fps: float = PacingSettings.fps
+    pacing: str = PacingSettings.mode
+    pacing_lead_s: float = PacingSettings.lead_s
+    pacing_margin_s: float = PacingSettings.margin_s
+    pacing_quantile: float = PacingSettings.quantile
+    restart_stale_chunks: bool = PacingSettings.restart_stale_chunks
+    max_in_flight_chunks: Optional[int] = PacingSettings.max_in_flight_chunks
+    # continuity
+    resume_sessions: bool = ContinuitySettings.resume_sessions
+    resume_wait_s: float = ContinuitySettings.resume_wait_s
+    max_resumes: int = ContinuitySettings.max_resumes
+    snapshots: bool = ContinuitySettings.snapshots
+    snapshot_interval_chunks: int = ContinuitySettings.snapshot_interval_chunks
+    snapshot_host_budget_gib: Optional[float] = ContinuitySettings.snapshot_host_budget_gib
+    # drain
+    drain_poll_s: float = DrainSettings.poll_s
+    drain_lead_s: float = DrainSettings.lead_s
+    drain_margin_s: float = DrainSettings.margin_s
+    drain_flush_timeout_s: float = DrainSettings.flush_timeout_s
+    drain_fill_max_s: float = DrainSettings.fill_max_s
+    drain_wait_new_s: float = DrainSettings.wait_new_s
+    drain_new_group_slack_s: float = DrainSettings.new_group_slack_s
+    # encoding
+    encoder: str = EncoderSettings.encoder
+    encoder_preset: str = EncoderSettings.preset
+    encoder_threads: int = EncoderSettings.threads
+    # door
+    api_keys: str = DoorSettings.api_keys
+    max_sessions_per_key: int = DoorSettings.max_sessions_per_key
+    max_starts_per_minute_per_key: int = DoorSettings.max_starts_per_minute_per_key
+    allowed_origins: str = DoorSettings.allowed_origins
+    image_url_allowlist: str = DoorSettings.image_url_allowlist
+    image_fetch_timeout_s: float = DoorSettings.image_fetch_timeout_s
+    image_fetch_max_bytes: int = DoorSettings.image_fetch_max_bytes
+    max_header_bytes: int = DoorSettings.max_header_bytes
+    # limits
+    start_timeout_s: float = SessionLimits.start_timeout_s
+    stall_timeout_s: float = SessionLimits.stall_timeout_s
+    idle_timeout_s: float = SessionLimits.idle_timeout_s
+    max_lifetime_s: float = SessionLimits.max_lifetime_s
+    max_start_bytes: int = SessionLimits.max_start_bytes
+    max_control_bytes: int = SessionLimits.max_control_bytes
+    max_queued_controls: int = SessionLimits.max_queued_controls
+    default_chunks: int = SessionLimits.default_chunks
+    max_chunks: int = SessionLimits.max_chunks
+    # health
+    group_start_timeout_s: float = HealthSettings.group_start_timeout_s
+    collective_timeout_s: float = HealthSettings.collective_timeout_s
+    chunk_timeout_s: float = HealthSettings.chunk_timeout_s
+    metrics_interval_s: float = HealthSettings.metrics_interval_s
+
+    # the concerns, built from the fields above (each validates its own)
+    model: ModelSettings = field(init=False, repr=False, compare=False)
+    placement: PlacementSettings = field(init=False, repr=False, compare=False)
+    capacity: CapacitySettings = field(init=False, repr=False, compare=False)
+    pace: PacingSettings = field(init=False, repr=False, compare=False)
+    continuity: ContinuitySettings = field(init=False, repr=False, compare=False)
+    drain: DrainSettings = field(init=False, repr=False, compare=False)
+    encoding: EncoderSettings = field(init=False, repr=False, compare=False)
+    door: DoorSettings = field(init=False, repr=False, compare=False)
+    limits: SessionLimits = field(init=False, repr=False, compare=False)
+    health: HealthSettings = field(init=False, repr=False, compare=False)
 
     def __init__(self, **settings: Any):
-        """Flat keys override the groups given whole (so dataclasses.replace(s, sp=4) works)."""
-        given: dict[str, _Group] = {}
-        flat: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
+        """Flat keys override the concerns given whole, whatever their order (so dataclasses.replace(s, sp=4),
+        which passes every flat key, works)."""
+        values = {key: f.default for key, (_, f) in KEYS.items()}
+        flat: dict[str, Any] = {}
         for key, value in settings.items():
-            if key in GROUPS:
-                if not isinstance(value, GROUPS[key]):
-                    raise TypeError(f"ServeSettings {key} must be a {GROUPS[key].__name__}, got {type(value).__name__}")
-                given[key] = value
+            if key in CONCERNS:
+                if not isinstance(value, CONCERNS[key]):
+                    raise TypeError(f"ServeSettings {key} must be a {CONCERNS[key].__name__}, got "
+                                    f"{type(value).__name__}")
+                values.update(value.to_flat())
             elif key in KEYS:
-                group, f = KEYS[key]
-                flat[group][f.name] = value
+                flat[key] = value
             else:
                 raise TypeError(f"ServeSettings got an unexpected keyword argument {key!r}")
-        for group, cls in GROUPS.items():
-            value = dataclasses.replace(given[group], **flat[group]) if group in given else cls(**flat[group])
-            object.__setattr__(self, group, value)
+        values.update(flat)
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
         self.__post_init__()
 
     def __post_init__(self):
-        """What spans concerns; each group validated its own fields."""
+        """Each concern validates its own fields; what spans concerns is checked here."""
+        for concern, cls in CONCERNS.items():
+            object.__setattr__(self, concern, cls.from_flat(vars(self)))
         if self.device != "cpu" and self.rank_devices <= 0:
             raise ConfigError(f"device {self.device} needs rank_devices > 0 (one device per rank)")
         if self.device == "cpu" and self.rank_devices > 0:
@@ -93,13 +183,14 @@ class ServeSettings:
 
     def to_dict(self) -> dict:
         """The flat keys and their values (ServeSettings(**to_dict()) is an equal object)."""
-        return {key: getattr(getattr(self, group), f.name) for key, (group, f) in KEYS.items()}
+        return {key: getattr(self, key) for key in KEYS}
 
     def describe(self) -> list[dict]:
-        """Each setting: its group, flat key (name), attribute, value, default and meaning, by concern."""
-        return [{"group": group, "name": key, "attribute": f"{group}.{f.name}",
-                 "value": getattr(getattr(self, group), f.name), "default": f.default, "help": f.metadata["help"]}
-                for key, (group, f) in KEYS.items()]
+        """Each setting, by concern: its concern (as "group", the command's JSON since before the rename), flat
+        key (name), attribute on the concern, value, default and meaning."""
+        return [{"group": concern, "name": key, "attribute": f"{concern}.{f.name}", "value": getattr(self, key),
+                 "default": f.default, "help": f.metadata["help"]}
+                for key, (concern, f) in KEYS.items()]
 
     @property
     def allowed_origin_set(self) -> frozenset:
@@ -147,18 +238,27 @@ class ServeSettings:
         muxer = {"CPU": self.muxer_cpus, **({"GPU": self.muxer_gpus} if self.muxer_gpus > 0 else {})}
         return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [muxer]
 
+    # settings whose null means "by device", resolved: read these, not the raw (nullable) field
+    @property
+    def resolved_spare_groups(self) -> int:
+        """spare_groups, null resolved: 1 on accelerators (a group start is minutes there), 0 on cpu."""
+        return _by_device(self.spare_groups, self.device, cpu=0, accelerator=1)
+
+    @property
+    def resolved_max_in_flight_chunks(self) -> int:
+        """max_in_flight_chunks, null resolved: 2 on accelerators (the ranks run the next chunk while the last is
+        encoded and sent), 1 on cpu (measured: the overlap only shares its cores there)."""
+        return _by_device(self.max_in_flight_chunks, self.device, cpu=1, accelerator=2)
+
     @property
     def headroom_groups(self) -> int:
-        """spare_groups resolved: 1 on accelerators (a group start is minutes there), 0 on cpu."""
-        if self.spare_groups is not None:
-            return self.spare_groups
-        return 0 if self.device == "cpu" else 1
+        """Deprecated name of resolved_spare_groups."""
+        return _renamed(self, "headroom_groups", "resolved_spare_groups")
 
     @property
     def in_flight_chunks(self) -> int:
-        if self.max_in_flight_chunks is not None:
-            return self.max_in_flight_chunks
-        return 1 if self.device == "cpu" else 2
+        """Deprecated name of resolved_max_in_flight_chunks."""
+        return _renamed(self, "in_flight_chunks", "resolved_max_in_flight_chunks")
 
     @property
     def h264_settings(self) -> H264Settings:
@@ -192,12 +292,26 @@ class ServeSettings:
         return 1 + self.sp
 
 
-# settings.<flat key>: read-only, from its group
-for _key, (_group, _f) in KEYS.items():
-    if hasattr(ServeSettings, _key):
-        raise RuntimeError(f"flat key {_key} would shadow ServeSettings.{_key}")
-    setattr(ServeSettings, _key, property(attrgetter(f"{_group}.{_f.name}"), doc=_f.metadata["help"]))
-del _key, _group, _f
+def _declared_as_the_concerns_declare_them() -> None:
+    """ServeSettings' flat fields are the concerns' fields under their flat keys: same order, type and default
+    (a key added to a concern and not here, or a property shadowing a field, fails at import)."""
+    declared = [(f.name, f.type, f.default) for f in dataclasses.fields(ServeSettings) if f.init]
+    wanted = [(key, f.type, f.default) for key, (_, f) in KEYS.items()]
+    for have, want in itertools.zip_longest(declared, wanted):
+        if have != want:
+            raise RuntimeError(f"ServeSettings declares {have}, its concerns {want} (flat key, type, default)")
+
+
+_declared_as_the_concerns_declare_them()
+
+
+def _by_device(value: Optional[int], device: str, cpu: int, accelerator: int) -> int:
+    return value if value is not None else cpu if device == "cpu" else accelerator
+
+
+def _renamed(settings: ServeSettings, old: str, new: str):
+    warnings.warn(f"ServeSettings.{old} is deprecated: read ServeSettings.{new}", DeprecationWarning, stacklevel=3)
+    return getattr(settings, new)
 
 
 def _coerce(name: str, value: Any, annotation: str):

@@ -12,7 +12,8 @@ import yaml
 
 from deployments import settings as settings_module
 from deployments.settings import (
-    GROUPS,
+    CONCERNS,
+    KEYS,
     CapacitySettings,
     ContinuitySettings,
     DoorSettings,
@@ -101,10 +102,10 @@ def test_accelerators_are_requested_by_kind():
 
 
 def test_in_flight_chunks_default_by_device():
-    assert ServeSettings.from_args({}).in_flight_chunks == 1
-    assert ServeSettings.from_args({"max_in_flight_chunks": 3}).in_flight_chunks == 3
+    assert ServeSettings.from_args({}).resolved_max_in_flight_chunks == 1
+    assert ServeSettings.from_args({"max_in_flight_chunks": 3}).resolved_max_in_flight_chunks == 3
     gpu = {"preset": "lingbot-world-v2-14b", "model_path": "/m", "device": "cuda", "rank_devices": 1, "sp": 4}
-    assert ServeSettings.from_args(gpu).in_flight_chunks == 2
+    assert ServeSettings.from_args(gpu).resolved_max_in_flight_chunks == 2
     with pytest.raises(ConfigError, match="max_in_flight_chunks must be >= 1"):
         ServeSettings.from_args({"max_in_flight_chunks": 0})
     with pytest.raises(ConfigError, match="encoder 'vp9' is not one of"):
@@ -152,8 +153,8 @@ def test_the_flat_keys_stay_and_round_trip(monkeypatch):
     s = ServeSettings.from_args({})
     assert s.to_dict() == {**FLAT_DEFAULTS, **NEW_DEFAULTS} == ServeSettings().to_dict()
     assert ServeSettings(**s.to_dict()) == s and ServeSettings.from_args(s.to_dict()) == s
-    for key, value in s.to_dict().items():                       # settings.<key> reads its group's field
-        group, name = next((g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls)
+    for key, value in s.to_dict().items():                       # settings.<key> is its concern's field
+        group, name = next((g, f.name) for g, cls in CONCERNS.items() for f in dataclasses.fields(cls)
                            if cls.key_of(f.name) == key)
         assert getattr(s, key) == getattr(getattr(s, group), name) == value, key
     custom = ServeSettings.from_args({"sp": 4, "pacing": "fixed", "pacing_lead_s": 2, "drain_margin_s": 45,
@@ -174,9 +175,33 @@ def test_the_flat_keys_stay_and_round_trip(monkeypatch):
     assert ServeSettings.from_args({"drain_margin_s": 45}).drain.margin_s == 40.0
 
 
+def test_every_flat_key_is_a_typed_field_declared_as_its_concern_declares_it():
+    """What a type checker sees: each flat key a field of ServeSettings with its concern's type and default, in
+    the concerns' order; the concerns themselves are built from the fields and carry no state of their own."""
+    declared = {f.name: f for f in dataclasses.fields(ServeSettings) if f.init}
+    assert list(declared) == list(KEYS) and len(KEYS) == len(FLAT_DEFAULTS) + len(NEW_DEFAULTS)
+    for key, (_, f) in KEYS.items():
+        assert (declared[key].type, declared[key].default, getattr(ServeSettings, key)) == (f.type, f.default,
+                                                                                            f.default), key
+    assert ServeSettings.__annotations__["spare_groups"] == "Optional[int]"
+    assert {f.name for f in dataclasses.fields(ServeSettings) if not f.init} == set(CONCERNS)
+
+
+def test_old_names_warn_and_read_the_same():
+    """The resolved by-device settings are read as resolved_<key>; the properties' old names and the concerns'
+    old table name still work, with a DeprecationWarning."""
+    gpu = ServeSettings(device="cuda", rank_devices=1, max_in_flight_chunks=3)
+    with pytest.warns(DeprecationWarning, match="headroom_groups is deprecated: read ServeSettings.resolved_spare"):
+        assert gpu.headroom_groups == gpu.resolved_spare_groups == 1
+    with pytest.warns(DeprecationWarning, match="in_flight_chunks is deprecated: read ServeSettings.resolved_max"):
+        assert gpu.in_flight_chunks == gpu.resolved_max_in_flight_chunks == 3
+    with pytest.warns(DeprecationWarning, match="GROUPS is deprecated: use CONCERNS"):
+        assert settings_module.GROUPS is CONCERNS
+
+
 def test_each_group_is_a_frozen_dataclass_of_its_concern():
     s = ServeSettings.from_args({})
-    for group, cls in GROUPS.items():
+    for group, cls in CONCERNS.items():
         assert type(getattr(s, group)) is cls and cls.__dataclass_params__.frozen, group
     assert isinstance(s.drain, DrainSettings) and s.drain.lead_s == s.drain_lead_s == 3.0
     assert (s.drain.margin_s, s.drain.flush_timeout_s, s.drain.fill_max_s, s.drain.wait_new_s,
@@ -244,7 +269,7 @@ def test_describe_covers_every_setting_with_its_meaning():
     assert [r["name"] for r in rows] == list(s.to_dict())
     defaults = ServeSettings().to_dict()
     for r in rows:
-        assert r["group"] in GROUPS and r["help"].strip(), r
+        assert r["group"] in CONCERNS and r["help"].strip(), r
         assert r["value"] == getattr(s, r["name"]) and r["default"] == defaults[r["name"]], r
         group, name = r["attribute"].split(".")
         assert group == r["group"] and getattr(getattr(s, group), name) == r["value"], r
@@ -265,7 +290,7 @@ def test_settings_command_prints_every_setting(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert set(ServeSettings().to_dict()) <= set(lines)
-    for group in GROUPS:
+    for group in CONCERNS:
         assert f"[{group}]" in out
     assert lines["drain_margin_s"].split()[1:3] == ["*45.0", "30.0"]     # * where the config changed it
     assert lines["sp"].split()[1:3] == ["*1", "2"] and lines["fps"].split()[1:3] == ["16.0", "16.0"]

@@ -39,8 +39,8 @@ def test_a_burst_asks_for_a_group_per_capacity_of_sessions_up_to_max_groups():
 def test_spare_groups_keep_free_groups_beyond_the_sessions():
     s = ServeSettings(max_sessions_per_group=2, min_groups=1, max_groups=8, spare_groups=1)
     assert [decide(s, n, replicas=2) for n in (0, 1, 2, 3, 4)] == [1, 2, 2, 3, 3]
-    assert ServeSettings(device="cuda", rank_devices=1).headroom_groups == 1     # the default on accelerators
-    assert ServeSettings().headroom_groups == 0                                     # and on cpu
+    assert ServeSettings(device="cuda", rank_devices=1).resolved_spare_groups == 1    # the default on accelerators
+    assert ServeSettings().resolved_spare_groups == 0                                  # and on cpu
 
 
 def test_the_policy_refuses_nonsense_at_deploy_time():

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deployments.ingress.fetch import ImageFetcher, parse_allowlist
+from deployments.ingress.fetch import ImageFetcher
 from deployments.ingress.parsing import decode_image
 from deployments.session.codes import ProtocolError
-from deployments.settings import ServeSettings
+from deployments.settings import ServeSettings, parse_allowlist
 from lingbot.config import ConfigError
 
 

@@ -91,6 +91,18 @@ def test_bad_init_is_refused_with_its_code(fields, code, match):
     assert error.close is None                             # a bad init keeps the connection for another init
 
 
+def test_the_decoder_is_picked_among_the_loaded_ones_before_the_request_is_built():
+    def pick(**kw):
+        msg = {"type": "init", "prompt": "p", "first_frame": png_bytes(), **kw}
+        return sglang.parse_init(msg, SIZE, GEOMETRY, 100, 16.0, 4, decoders=("wan", "tae"))
+    assert pick(decoder="tae").decoder == "tae" and pick().decoder is None and pick().seed == 42
+    error = refused(lambda: pick(decoder="vae", prompt=""), "decoder_not_loaded",
+                    r"init.decoder 'vae' is not loaded here; loaded: \['wan', 'tae'\]")     # checked before the prompt
+    assert error.close is None
+    refused(lambda: pick(decoder=["tae"]), "invalid_field", r"init.decoder must be a string")
+    refused(lambda: pick(type="event", decoder="vae"), "not_started", "first message must be an init")
+
+
 def event(kind, payload=None, event_id=None, seq=1):
     msg = {"type": "event", "kind": kind, "payload": payload}
     if event_id is not None:

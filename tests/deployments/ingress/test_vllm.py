@@ -65,6 +65,21 @@ def test_start_refusals(kw, code, close):
     assert info.value.code == code and info.value.close == close
 
 
+def test_the_decoder_is_picked_among_the_loaded_ones_before_the_request_is_built():
+    loaded = ("wan", "tae")
+    def pick(**kw):
+        msg = {"type": "session.start", "prompt": "p", "image_reference": {"image_url": data_url()}, **kw}
+        return parse_start(msg, (112, 64), GEOMETRY, 8, 100, 16.0, decoders=loaded)
+    assert pick(extra_params={"decoder": "tae"}).decoder == "tae" and pick().decoder is None
+    assert pick().seed == 0                                      # this protocol's default seed
+    not_loaded = r"extra_params.decoder 'vae' is not loaded here; loaded: \['wan', 'tae'\]"
+    with pytest.raises(ProtocolError, match=not_loaded) as info:
+        pick(extra_params={"decoder": "vae"}, width=100)         # checked first, before the size
+    assert (info.value.code, info.value.close) == ("decoder_not_loaded", 1008)
+    with pytest.raises(ProtocolError, match=r"extra_params.decoder must be a string, one of \['wan', 'tae'\]"):
+        pick(extra_params={"decoder": 7})
+
+
 def test_json_limits():
     with pytest.raises(ProtocolError, match="exceeds the limit of 10 bytes") as info:
         parse_json('{"type": "session.ping"}', 10)

@@ -21,7 +21,8 @@ from deployments.session.events import (
     SessionFailed,
     SnapshotRef,
 )
-from deployments.session.life import Phase, PhaseError, SessionLife
+from deployments.session.life import Phase, SessionLife
+from deployments.session.phases import PhaseError
 from deployments.session.ports import ACTIVITY, STOP, ClientGone
 from deployments.session.requests import Interaction, StartRequest
 from deployments.session.waiting import Growth, WaitingRoom

@@ -1,11 +1,14 @@
 """The serving settings' concerns: one frozen dataclass per concern (model, placement, capacity, pace,
-continuity, drain, encoding, door, limits, health), each field with its default and meaning, each group
-validating its own fields. ServeSettings (serve.py) composes them."""
+continuity, drain, encoding, door, limits, health), each field with its default, its meaning and its flat key,
+each concern validating its own fields. ServeSettings (serve.py) declares every flat key as a typed field and
+builds these from them; `CONCERNS` lists them in the order the settings command shows them."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from lingbot.config import DECODERS, DTYPES, PRESETS, ConfigError, Preset, get_preset, with_dtype
 from lingbot.io.video import H264_ENCODERS, H264Settings
@@ -18,13 +21,27 @@ def setting(default: Any, help: str, key: Optional[str] = None):
 
 
 @dataclass(frozen=True)
-class _Group:
+class SettingsConcern:
     """One concern's settings. Errors name the flat key (what serve_config.yaml and LINGBOT_<KEY> set)."""
+
+    @classmethod
+    def flat_keys(cls) -> dict[str, str]:
+        """Each field's flat key, by field name ({"lead_s": "drain_lead_s", ...} for the drain)."""
+        return {f.name: f.metadata.get("key") or f.name for f in dataclasses.fields(cls)}
 
     @classmethod
     def key_of(cls, name: str) -> str:
         """The flat key of field `name`."""
-        return next(f.metadata.get("key") or f.name for f in dataclasses.fields(cls) if f.name == name)
+        return cls.flat_keys()[name]
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> SettingsConcern:
+        """The concern of these flat values (every flat key of the concern's fields), validated."""
+        return cls(**{name: values[key] for name, key in cls.flat_keys().items()})
+
+    def to_flat(self) -> dict[str, Any]:
+        """The concern's values by flat key."""
+        return {key: getattr(self, name) for name, key in self.flat_keys().items()}
 
     def _at_least(self, bound: float, *names: str, strict: bool = False, why: str = ""):
         for name in names:
@@ -38,7 +55,7 @@ class _Group:
 
 
 @dataclass(frozen=True)
-class ModelSettings(_Group):
+class ModelSettings(SettingsConcern):
     """The checkpoint, the device and the sequence-parallel degree."""
     preset: str = setting("tiny", f"model preset, one of {sorted(PRESETS)} (tiny: random weights, CPU tests)")
     model_path: Optional[str] = setting(None, "the diffusers-format checkpoint folder (every preset but tiny)")
@@ -101,7 +118,7 @@ class ModelSettings(_Group):
 
 
 @dataclass(frozen=True)
-class PlacementSettings(_Group):
+class PlacementSettings(SettingsConcern):
     """Ray resources per bundle of a group ([replica] + sp x [rank] + [muxer]) and of the ingress."""
     replica_cpus: float = setting(0.05, "CPUs of a group's replica (the Serve actor that schedules its sessions)")
     rank_cpus: float = setting(0.3, "CPUs per rank")
@@ -117,7 +134,7 @@ class PlacementSettings(_Group):
 
 
 @dataclass(frozen=True)
-class CapacitySettings(_Group):
+class CapacitySettings(SettingsConcern):
     """Capacity and autoscaling: sessions per group = min(max_sessions_per_group, what fits per rank: on
     accelerators in the memory measured after warm-up unless memory_budget_gib overrides it, on CPU in
     memory_budget_gib, 1 GiB by default); Serve scales groups between min_groups and max_groups by sessions."""
@@ -154,7 +171,7 @@ class CapacitySettings(_Group):
 
 
 @dataclass(frozen=True)
-class PacingSettings(_Group):
+class PacingSettings(SettingsConcern):
     """Pacing and delivery: how far each session runs ahead of real time, and how many chunks it has in flight."""
     fps: float = setting(16.0, "frames per second of the sessions' video (real time)")
     mode: str = setting("adaptive", "fixed: always pacing_lead_s ahead; adaptive: a lead learned per session, "
@@ -182,7 +199,7 @@ class PacingSettings(_Group):
 
 
 @dataclass(frozen=True)
-class ContinuitySettings(_Group):
+class ContinuitySettings(SettingsConcern):
     """Continuity: a session whose group fails (resume) or stops (drain) goes on on another one."""
     resume_sessions: bool = setting(True, "a session whose group fails goes on on another (or the rebuilt) one")
     resume_wait_s: float = setting(120.0, "how long a failed session waits for a group to resume on")
@@ -208,7 +225,7 @@ class ContinuitySettings(_Group):
 
 
 @dataclass(frozen=True)
-class DrainSettings(_Group):
+class DrainSettings(SettingsConcern):
     """Drain: a group Serve is stopping (scale-down, redeploy) moves its sessions to another group."""
     poll_s: float = setting(2.0, "how often a group asks Serve whether it is being stopped, to move its sessions "
                                  "(scale-down, redeploy); 0: never (they end with it)", key="drain_poll_s")
@@ -234,7 +251,7 @@ class DrainSettings(_Group):
 
 
 @dataclass(frozen=True)
-class EncoderSettings(_Group):
+class EncoderSettings(SettingsConcern):
     """The muxer's H.264 encoder."""
     encoder: str = setting("auto", f"one of {list(H264_ENCODERS)} (auto: NVENC where the muxer sees a GPU, "
                                    "else x264)")
@@ -252,8 +269,22 @@ class EncoderSettings(_Group):
         return H264Settings(self.encoder, self.preset, threads=self.threads)
 
 
+def parse_allowlist(text: str) -> tuple[str, ...]:
+    """image_url_allowlist's value -> its prefixes: "https://cdn.example.com/images/, http://10.0.0.5:8080/" ->
+    ("https://cdn.example.com/images/", "http://10.0.0.5:8080/"); ValueError for a bad one. The door's
+    fetcher (deployments/ingress/fetch.py) fetches only under these."""
+    prefixes = tuple(p.strip() for p in text.split(",") if p.strip())
+    for p in prefixes:
+        parts = urlsplit(p)
+        if parts.scheme not in ("http", "https") or not parts.hostname or not p.endswith("/") \
+                or "@" in parts.netloc or parts.query or parts.fragment:
+            raise ValueError(f"image_url_allowlist entry {p!r} must be scheme://host[:port]/path/ (http or https, "
+                             f"ending in '/', no credentials or query)")
+    return prefixes
+
+
 @dataclass(frozen=True)
-class DoorSettings(_Group):
+class DoorSettings(SettingsConcern):
     """The door: who may open sessions, how many, from which pages, and which images the server fetches."""
     api_keys: str = setting("", "comma-separated API keys; when set, clients must present one (see README)")
     max_sessions_per_key: int = setting(0, "sessions one key (or client address, without keys) may hold at "
@@ -271,7 +302,7 @@ class DoorSettings(_Group):
 
     def __post_init__(self):
         try:
-            _parse_allowlist(self.image_url_allowlist)
+            parse_allowlist(self.image_url_allowlist)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._at_least(0, "max_sessions_per_key", "max_starts_per_minute_per_key")
@@ -287,7 +318,7 @@ class DoorSettings(_Group):
 
 
 @dataclass(frozen=True)
-class SessionLimits(_Group):
+class SessionLimits(SettingsConcern):
     """One session's limits: timeouts, message sizes, length."""
     start_timeout_s: float = setting(10.0, "session.start must arrive this soon after connecting")
     stall_timeout_s: float = setting(60.0, "a send to the client blocked this long (not reading, or gone) ends "
@@ -308,7 +339,7 @@ class SessionLimits(_Group):
 
 
 @dataclass(frozen=True)
-class HealthSettings(_Group):
+class HealthSettings(SettingsConcern):
     """Group health: when a group counts as failed, and how often it reports metrics."""
     group_start_timeout_s: float = setting(1800.0, "rank actors up, joined, loaded and warmed up within this (sized "
                                                    "for 8 ranks cold-loading ~45 GiB each from a shared volume, "
@@ -323,18 +354,11 @@ class HealthSettings(_Group):
 
 
 # the concerns, by their attribute on ServeSettings, in the order describe() and the command list them
-GROUPS: dict[str, type[_Group]] = {
+CONCERNS: dict[str, type[SettingsConcern]] = {
     "model": ModelSettings, "placement": PlacementSettings, "capacity": CapacitySettings, "pace": PacingSettings,
     "continuity": ContinuitySettings, "drain": DrainSettings, "encoding": EncoderSettings, "door": DoorSettings,
     "limits": SessionLimits, "health": HealthSettings,
 }
-# flat key -> (group attribute, field)
+# flat key -> (concern attribute, field)
 KEYS: dict[str, tuple[str, dataclasses.Field]] = {
-    f.metadata.get("key") or f.name: (group, f) for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
-
-
-def _parse_allowlist(text: str) -> tuple[str, ...]:
-    """The door's own parser of image_url_allowlist (deployments/ingress/fetch.py), imported when needed: the
-    ingress imports this module."""
-    from ..ingress.fetch import parse_allowlist
-    return parse_allowlist(text)
+    f.metadata.get("key") or f.name: (concern, f) for concern, cls in CONCERNS.items() for f in dataclasses.fields(cls)}
