@@ -5,9 +5,10 @@ A background task runs the sessions' chunks one at a time, earliest playback dea
 lead (scheduler.py); every chunk is one call to every rank (RankExecutor.run_chunk). As soon as the ranks return a
 chunk, the loop may start the next one: the chunk's delivery (its fragment from the muxer, then the session's
 outbox, which its lease yields) runs as a task of its own, in chunk order per session, with at most
-`in_flight_chunks` per session waiting for delivery. A second task long-polls the control mailbox and wakes
-the loop when a control arrives. A resumed session first replays the chunks its restore point lacks (nothing
-is delivered), then goes on. Ray-free apart from the handles it is given: tests drive it with fake ranks.
+`max_in_flight_chunks` (resolved by device) per session waiting for delivery. A second task long-polls the
+control mailbox and wakes the loop when a control arrives. A resumed session first replays the chunks its
+restore point lacks (nothing is delivered), then goes on. Ray-free apart from the handles it is given: tests
+drive it with stand-in actors.
 """
 from __future__ import annotations
 

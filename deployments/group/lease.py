@@ -64,7 +64,7 @@ class Leases:
         self.reserved += 1
         sid, start, resume = request.session_id, request.start, request.resume
         session = ScheduledSession(sid, start, self.model.geometry, self.settings.max_queued_controls,
-                                   max_in_flight=self.settings.in_flight_chunks)
+                                   max_in_flight=self.settings.resolved_max_in_flight_chunks)
         try:
             first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
             mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
