@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import urllib.request
+from typing import Optional
 
 PORT = 18805
 INPUTS = [dict(seed=1, actions=[["w"], ["w"], ["j"], [], ["d"], ["l"]] * 4),
@@ -100,11 +101,13 @@ async def run_session(url: str, image: bytes, inputs: dict, chunks: int, api_key
         return await client.receive_session(timeout=600)
 
 
-def chaos(stop: threading.Event, interval: float, kills: list, rng: random.Random, app: str = "soak") -> None:
+def chaos(stop: threading.Event, interval: float, kills: list, rng: random.Random, app: str = "soak",
+          max_kills: Optional[int] = None) -> None:
     """Every `interval` s, SIGKILL a random rank or the muxer of a group that has started (a group still starting
     is left alone: with a start as long as the interval, killing each new group before it serves would be a
-    test of Serve's restarts, not of sessions surviving a serving group's fault)."""
-    while not stop.wait(interval):
+    test of Serve's restarts, not of sessions surviving a serving group's fault); at most `max_kills` (None: no
+    limit)."""
+    while (max_kills is None or len(kills) < max_kills) and not stop.wait(interval):
         procs = actor_processes(app, started_only=True)
         victims = [("rank", p) for p in procs.get("rank", [])] + [("muxer", p) for p in procs.get("muxer", [])]
         if victims:
