@@ -18,7 +18,6 @@ import msgpack
 
 from lingbot.config import ChunkGeometry
 from lingbot.io.frames import DEFAULT_QUALITY, FrameBatch, FrameFormat
-from lingbot.io.images import open_image, resize_image
 
 from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
@@ -29,6 +28,7 @@ from .parsing import (
     check_size,
     checked_message,
     decode_image,
+    first_frame_pixels,
     parse_keys_list,
     pick_decoder,
     too_deep,
@@ -92,10 +92,7 @@ def first_frame(value: Any, width: int, height: int, fetcher=None):
         raise ProtocolError(ErrorCode.MISSING_FIELD,
                             "init needs first_frame (image bytes or a data:image/...;base64 URL)")
     if isinstance(value, (bytes, bytearray)):
-        try:
-            return resize_image(open_image(bytes(value)), width, height)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"first_frame: {e}") from None
+        return first_frame_pixels(bytes(value), width, height, "first_frame")
     if isinstance(value, str):
         if value.startswith(("http://", "https://")) and fetcher is None:
             raise ProtocolError(ErrorCode.INVALID_IMAGE,

@@ -32,6 +32,7 @@ class ErrorCode(StrEnum):
     INVALID_FIELD = "invalid_field"
     # the start
     INVALID_IMAGE = "invalid_image"
+    IMAGES_BUSY = "images_busy"                      # every first-frame decode slot stayed taken (1013, retry_after_s)
     INVALID_SIZE = "invalid_size"
     UNSUPPORTED_SIZE = "unsupported_size"
     DECODER_NOT_LOADED = "decoder_not_loaded"        # a frame decoder this deployment did not load
