@@ -14,9 +14,10 @@ user reach the cluster with `RAY_AUTH_MODE=token` (they read the same file); doc
 The proxy's WebSocket handshake is parsed by the `websockets` library, which reads header lines of at most
 WEBSOCKETS_MAX_LINE_LENGTH bytes (8 KiB by default) and never answers a longer one: the client waits until it
 gives up. Serve offers no setting for it; the library reads the variable when the proxy starts, so it is set
-before Ray starts (workers inherit the environment). With 256 KiB, a handshake whose headers are too large for
-the ingress (max_header_bytes) reaches the ingress and is refused at once (headers_too_large); a single header
-line beyond 256 KiB still goes unanswered (docs/architecture.md, "The protocol").
+before Ray starts (workers inherit the environment). With 32 KiB (twice max_header_bytes), a handshake whose
+headers are too large for the ingress reaches the ingress and is refused at once (headers_too_large), while the
+proxy buffers at most 128 lines of 32 KiB (4 MiB) for one handshake; a single header line beyond 32 KiB still
+goes unanswered (docs/architecture.md, "The protocol").
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 # what every node's Ray processes start with, here and in the cluster manifests (cluster/render.py)
 CLUSTER_ENV = {
-    "WEBSOCKETS_MAX_LINE_LENGTH": str(256 * 2 ** 10),   # see the module docstring
+    "WEBSOCKETS_MAX_LINE_LENGTH": str(32 * 2 ** 10),    # see the module docstring
     # handles and replicas push the autoscaler's metrics every second (Serve's default is 10 s): a waiting
     # session is seen by the autoscaler within about a second (deployments/group/scaling.py)
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
