@@ -28,6 +28,14 @@ from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLO
 # than 64 bits (20 digits); a message past either bound is hostile or broken, and closes the connection.
 MAX_DEPTH = 32
 MAX_INT_DIGITS = 40
+# Bounds on what a message may make the decoder build, enforced while it decodes (MessagePack: the unpacker's
+# limits and hooks) or before (JSON: counted on the text), so that 1 MiB of empty arrays (a million lists, over
+# a second of a core that the C decoders spend holding the GIL) is refused after a bounded amount of work. The
+# largest real messages are camera trajectories, 6 containers per video frame: 65,536 hold about 10,900 frames
+# (11 minutes at 16 fps); real maps hold a few dozen keys.
+MAX_CONTAINERS = 2 ** 16            # arrays and maps in one message
+MAX_MAP_LEN = 256                   # keys in one map
+INLINE_DECODE_BYTES = 64 * 2 ** 10  # larger messages (starts, with their image) decode in a worker thread
 # First frames decoded at once in this process. One at the pixel cap (6.4 M pixels at 832x480) takes about
 # 150 MB (the decoded image, its RGB copy, uint8 and float arrays) and 0.1-0.5 s of a core; starts parse in
 # worker threads (asyncio.to_thread), so a start beyond these waits for a slot in its thread, at most
@@ -40,6 +48,44 @@ DECODES = threading.BoundedSemaphore(MAX_DECODES)
 def too_deep() -> ProtocolError:
     return ProtocolError(ErrorCode.TOO_DEEP, f"the message nests containers more than {MAX_DEPTH} deep",
                          close=CLOSE_INVALID_DATA)
+
+
+def too_complex(what: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.TOO_COMPLEX, f"the message holds {what}", close=CLOSE_INVALID_DATA)
+
+
+def check_json_text(text: str) -> None:
+    """Refuse JSON text that could decode to more than MAX_CONTAINERS arrays and objects or hold more than
+    MAX_CONTAINERS keys, counted before it is decoded (an upper bound: brackets and colons in strings count too;
+    a real message has a few)."""
+    if text.count("[") + text.count("{") > MAX_CONTAINERS:
+        raise too_complex(f"more than {MAX_CONTAINERS} arrays and objects")
+    if text.count(":") > MAX_CONTAINERS:
+        raise too_complex(f"more than {MAX_CONTAINERS} keys")
+
+
+def json_object(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: an object of at most MAX_MAP_LEN keys (the last of a repeated key wins, as
+    in json.loads' own objects)."""
+    if len(pairs) > MAX_MAP_LEN:
+        raise too_complex(f"more than {MAX_MAP_LEN} keys in one object")
+    return dict(pairs)
+
+
+def msgpack_limits() -> dict:
+    """Keyword arguments of msgpack.unpackb for one client message: at most MAX_MAP_LEN keys per map and
+    MAX_CONTAINERS entries per array (the unpacker refuses such a header before reading on), and at most
+    MAX_CONTAINERS arrays and maps in all (counted by hooks as the unpacker builds them; past it the decode
+    stops with too_complex)."""
+    built = 0
+
+    def count(container):
+        nonlocal built
+        built += 1
+        if built > MAX_CONTAINERS:
+            raise too_complex(f"more than {MAX_CONTAINERS} arrays and maps")
+        return container
+    return {"max_array_len": MAX_CONTAINERS, "max_map_len": MAX_MAP_LEN, "list_hook": count, "object_hook": count}
 
 
 def bounded_int(text: str) -> int:

@@ -24,13 +24,16 @@ from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
+    INLINE_DECODE_BYTES,
     ascii_int,
     check_size,
     checked_message,
     decode_image,
     first_frame_pixels,
+    msgpack_limits,
     parse_keys_list,
     pick_decoder,
+    too_complex,
     too_deep,
 )
 from .wire import WebSocketWire, close_quietly
@@ -50,9 +53,16 @@ def unpack(data: bytes, limit: int) -> dict:
     """One client message -> a map with a string `type`; ProtocolError for anything else."""
     check_size(len(data), limit)
     try:
-        msg = msgpack.unpackb(data, raw=False)
+        msg = msgpack.unpackb(data, raw=False, **msgpack_limits())
+    except ProtocolError:                        # too_complex, from the limits' hooks
+        raise
     except msgpack.StackError:                   # nested deeper than the decoder's stack: far past MAX_DEPTH
         raise too_deep() from None
+    except ValueError as e:
+        if "exceeds max_" in str(e):             # an array or map header over the limits (msgpack's own text)
+            raise too_complex(f"an array or map over its limit ({e})") from None
+        raise ProtocolError(ErrorCode.INVALID_MSGPACK,
+                            f"message is not one valid MessagePack value ({type(e).__name__})") from None
     except Exception as e:                       # truncated, extra bytes, bad UTF-8, unhashable keys...
         raise ProtocolError(ErrorCode.INVALID_MSGPACK,
                             f"message is not one valid MessagePack value ({type(e).__name__})") from None
@@ -308,6 +318,8 @@ class SglangWire(WebSocketWire):
         message = await self.receive_raw(timeout)
         if message.get("bytes") is None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "send MessagePack maps as binary messages, not text")
+        if len(message["bytes"]) > INLINE_DECODE_BYTES:    # an init with its image: off the event loop
+            return await asyncio.to_thread(unpack, message["bytes"], limit)
         return unpack(message["bytes"], limit)
 
     def error_close(self, error: ProtocolError):

@@ -1,6 +1,7 @@
 """First frames on both dialects' real parsers: a decompression bomb refused from its header (the process's
 peak memory does not move), formats other than PNG, JPEG and WebP refused, and decodes bounded in number at
-once (a start that finds every slot taken is refused with images_busy, close 1013)."""
+once (a start that finds every slot taken is refused with images_busy, close 1013). And messages bounded in
+what they make the decoders build: arrays and maps in all, entries per array, keys per map (too_complex)."""
 import base64
 import functools
 import io
@@ -127,3 +128,34 @@ def test_decodes_at_once_are_bounded_and_a_start_beyond_them_is_refused():
         for _ in taken:
             parsing.DECODES.release()
     assert vllm_start(encoded("PNG")).image.shape == (3, SIZE[1], SIZE[0])     # a slot free again: decoded
+
+
+def test_messages_past_the_container_bounds_are_refused_while_they_decode():
+    import msgpack
+
+    from deployments.ingress.sglang import unpack
+    from deployments.ingress.vllm import parse_json
+    limit = 4 * 2 ** 20
+    flat = b"\xdd" + (2 ** 20).to_bytes(4, "big") + b"\x90" * 2 ** 20        # 1 MiB of empty arrays, in one
+    nested = msgpack.packb({"type": "init", "x": [[[] for _ in range(1000)] for _ in range(100)]})   # 100,100
+    wide = msgpack.packb({"type": "init", **{f"k{i}": i for i in range(parsing.MAX_MAP_LEN)}})      # 257 keys
+    cases = [(unpack, flat, "an array or map over its limit (1048576 exceeds max_array_len(65536))"),
+             (unpack, nested, "more than 65536 arrays and maps"),
+             (unpack, wide, "an array or map over its limit (257 exceeds max_map_len(256))"),
+             (parse_json, "[" + ",".join(["[]"] * 70_000) + "]", "more than 65536 arrays and objects"),
+             (parse_json, json.dumps({"type": "x", "p": ":" * 70_000}), "more than 65536 keys"),
+             (parse_json, json.dumps({"type": "x", **{f"k{i}": i for i in range(parsing.MAX_MAP_LEN)}}),
+              "more than 256 keys in one object")]
+    for parse, data, what in cases:
+        with pytest.raises(ProtocolError) as info:
+            parse(data, limit)
+        assert (info.value.code, info.value.close, info.value.message) == ("too_complex", 1007,
+                                                                           f"the message holds {what}")
+    # the largest real messages stay well inside: a camera trajectory of 2,000 frames, a 256-key map
+    frames = 2000
+    trajectory = {"poses": [np.eye(4).tolist()] * frames, "intrinsics": [[500.0, 500.0, 56.0, 32.0]] * frames}
+    msg = parse_json(json.dumps({"type": "session.start", "extra_params": {"camera_trajectory": trajectory}}), limit)
+    assert len(msg["extra_params"]["camera_trajectory"]["poses"]) == frames
+    keys = {f"k{i}": i for i in range(parsing.MAX_MAP_LEN - 1)}
+    assert unpack(msgpack.packb({"type": "init", **keys}), limit)["k254"] == 254
+    assert parse_json(json.dumps({"type": "x", **keys}), limit)["k254"] == 254
