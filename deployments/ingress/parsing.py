@@ -37,7 +37,7 @@ MAX_CONTAINERS = 2 ** 16            # arrays and maps in one message
 MAX_MAP_LEN = 256                   # keys in one map
 INLINE_DECODE_BYTES = 64 * 2 ** 10  # larger messages (starts, with their image) decode in a worker thread
 # First frames decoded at once in this process. One at the pixel cap (6.4 M pixels at 832x480) takes about
-# 150 MB (the decoded image, its RGB copy, uint8 and float arrays) and 0.1-0.5 s of a core; starts parse in
+# 150 MB (the decoded image, its RGB copy, uint8 and float arrays) and under a second of a core; starts parse in
 # worker threads (asyncio.to_thread), so a start beyond these waits for a slot in its thread, at most
 # DECODE_WAIT_S.
 MAX_DECODES = 2
