@@ -26,6 +26,7 @@ HEADERS = [(name.encode(), value.encode()) for name, value in [
     ("x-frame-options", "DENY"),
     ("referrer-policy", "no-referrer"),
 ]]
+NAMES = frozenset(name for name, _ in HEADERS)
 
 
 class SecurityHeaders:
@@ -39,9 +40,8 @@ class SecurityHeaders:
             return await self.app(scope, receive, send)
 
         async def send_with_headers(message):
-            if message["type"] == "http.response.start":
-                names = {name for name, _ in HEADERS}
-                message = {**message, "headers": [*(h for h in message.get("headers", []) if h[0].lower() not in names),
-                                                  *HEADERS]}
+            if message["type"] == "http.response.start":       # a route's own values give way to these
+                kept = [h for h in message.get("headers", []) if bytes(h[0]).lower() not in NAMES]
+                message = {**message, "headers": [*kept, *HEADERS]}
             await send(message)
         return await self.app(scope, receive, send_with_headers)
