@@ -59,7 +59,10 @@ def unpack(data: bytes, limit: int) -> dict:
     except msgpack.StackError:                   # nested deeper than the decoder's stack: far past MAX_DEPTH
         raise too_deep() from None
     except ValueError as e:
-        if "exceeds max_" in str(e):             # an array or map header over the limits (msgpack's own text)
+        # msgpack's text for a header over the limits: "N exceeds max_array_len(L)" (or max_map_len); a header
+        # that claims more entries than the message has bytes is a mangled one, refused like any other
+        claimed = str(e).split(" exceeds max_")[0]
+        if claimed.isdigit() and int(claimed) <= len(data):
             raise too_complex(f"an array or map over its limit ({e})") from None
         raise ProtocolError(ErrorCode.INVALID_MSGPACK,
                             f"message is not one valid MessagePack value ({type(e).__name__})") from None
