@@ -14,13 +14,14 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
 
 
 async def open_page(playwright):
-    """Headless Chromium on the app's page, once it has loaded the served config."""
+    """Headless Chromium on the app's page, once it has loaded the served config. Wait predicates are functions
+    ("() => ..."): Playwright evaluates a bare expression with eval, which the page's CSP forbids."""
     browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS, ignore_default_args=["--headless"])
     page = await browser.new_page()
     await page.add_init_script("window.cspViolations = []; document.addEventListener('securitypolicyviolation', "
                                "e => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));")
     await page.goto(f"{HTTP}/")
-    await page.wait_for_function("window.lingbot.config !== null", timeout=30000)
+    await page.wait_for_function("() => window.lingbot.config !== null", timeout=30000)
     return browser, page
 
 
@@ -32,17 +33,17 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
             browser, page = await open_page(p)
             await page.fill("#chunks", "8")
             await page.click("#start")
-            await page.wait_for_function("window.lingbot.chunks >= 2", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.chunks >= 2", timeout=90000)
             t_before = await page.evaluate("document.getElementById('video').currentTime")
             await page.keyboard.down("d")
-            await page.wait_for_function("window.lingbot.acks >= 1", timeout=30000)
+            await page.wait_for_function("() => window.lingbot.acks >= 1", timeout=30000)
             await page.keyboard.up("d")
-            await page.wait_for_function("window.lingbot.startedEvents.includes('ui-1')", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.startedEvents.includes('ui-1')", timeout=90000)
             # the page measures the press's control -> display latency once its chunk is on screen
-            await page.wait_for_function("window.lingbot.controlLatencies.length >= 1", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.controlLatencies.length >= 1", timeout=90000)
             control = await page.evaluate("[window.lingbot.controlLatencies.slice(), "
                                           "document.getElementById('s-control').textContent]")
-            await page.wait_for_function("window.lingbot.chunks >= 6", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.chunks >= 6", timeout=90000)
             await asyncio.sleep(1.0)
             info = await page.evaluate("""() => { const v = document.getElementById('video');
                 return {time: v.currentTime, frames: v.getVideoPlaybackQuality().totalVideoFrames,
@@ -79,7 +80,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
             await page.select_option("#transport", "frames")
             await page.fill("#chunks", "3")
             await page.click("#start")
-            await page.wait_for_function("window.lingbot.framesDrawn >= 33 && !window.lingbot.running",
+            await page.wait_for_function("() => window.lingbot.framesDrawn >= 33 && !window.lingbot.running",
                                          timeout=90000)
             drawn = await page.evaluate("""() => { const c = document.getElementById('canvas');
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -89,12 +90,12 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
                         prompt: document.getElementById('prompt').value, csp: window.cspViolations}; }""")
             await page.fill("#chunks", "8")
             await page.click("#start")
-            await page.wait_for_function("window.lingbot.framesDrawn >= 12", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.framesDrawn >= 12", timeout=90000)
             await page.keyboard.down("d")
-            await page.wait_for_function("window.lingbot.acks >= 1", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.acks >= 1", timeout=90000)
             await page.keyboard.up("d")
-            await page.wait_for_function("window.lingbot.controlLatencies.length >= 1", timeout=90000)
-            await page.wait_for_function("!window.lingbot.running && window.lingbot.frames.length === 0",
+            await page.wait_for_function("() => window.lingbot.controlLatencies.length >= 1", timeout=90000)
+            await page.wait_for_function("() => !window.lingbot.running && window.lingbot.frames.length === 0",
                                          timeout=90000)
             keys = await page.evaluate("[window.lingbot.controlLatencies, window.lingbot.errors, "
                                        "window.lingbot.framesDrawn, window.lingbot.startedEvents]")
