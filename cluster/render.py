@@ -6,6 +6,12 @@
 
 The manifest's serveConfigV2 is serve_config.yaml with the profile's app args (preset, model path, device,
 sp, devices per rank, capacity), so the cluster never runs a config that drifted from the repository's.
+
+Ray's control plane stays closed: the cluster runs under Ray's token authentication (KubeRay's `authOptions`,
+the token from the Kubernetes Secret RAY_TOKEN_SECRET, which the deployer creates: cluster/README.md), the
+head publishes only the ports Ray itself needs (GCS for the workers, the dashboard for the KubeRay operator,
+which deploys serveConfigV2 through it) and Serve's, and a NetworkPolicy, the manifest's second document,
+admits from outside the Ray pods only the Serve port (and the dashboard from the KubeRay operator).
 """
 from __future__ import annotations
 
@@ -25,7 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = ROOT / "serve_config.yaml"
 KUBERAY_DIR = Path(__file__).resolve().parent / "kuberay"
 SERVE_PORT = 8000
+DASHBOARD_PORT = 8265
+GCS_PORT = 6379
 MODEL_VOLUME_CLAIM = "lingbot-models"
+RAY_TOKEN_SECRET = "lingbot-ray-token"      # data key auth_token (KubeRay's name for it); cluster/README.md
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}     # the KubeRay Helm chart's operator pod
 
 
 def load_serve_config(path: Path = SERVE_CONFIG) -> dict:
@@ -59,13 +69,20 @@ def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, d
         "ports": [{"containerPort": SERVE_PORT, "name": "serve"}],
     }
     if name == "ray-head":
-        ports = {"gcs": 6379, "dashboard": 8265, "client": 10001, "serve": SERVE_PORT}
+        # KubeRay's head Service publishes these: the workers join through GCS, the operator deploys through the
+        # dashboard (by these names); no Ray Client port (10001): nothing here uses it
+        ports = {"gcs-server": GCS_PORT, "dashboard": DASHBOARD_PORT, "serve": SERVE_PORT}
         container["ports"] = [{"containerPort": port, "name": label} for label, port in ports.items()]
     return container
 
 
+def pod_labels(profile: HardwareProfile) -> dict:
+    """What every Ray pod of the profile's RayService carries (the NetworkPolicy selects by it)."""
+    return {"app.kubernetes.io/name": "lingbot-serve", "app.kubernetes.io/instance": f"lingbot-{profile.name}"}
+
+
 def _pod(container: dict, profile: HardwareProfile) -> dict:
-    return {"spec": {"containers": [container], "volumes": [
+    return {"metadata": {"labels": pod_labels(profile)}, "spec": {"containers": [container], "volumes": [
         {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_VOLUME_CLAIM, "readOnly": True}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{profile.shm_gi}Gi"}}]}}
 
@@ -89,6 +106,9 @@ def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:
             "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
             "rayClusterConfig": {
                 "rayVersion": "2.60.0",
+                # KubeRay (1.6 or newer) sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from the Secret on every Ray
+                # container, the autoscaler's too, and authenticates its own calls to the dashboard
+                "authOptions": {"mode": "token", "secretName": RAY_TOKEN_SECRET},
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"idleTimeoutSeconds": 600, "upscalingMode": "Default"},
                 "headGroupSpec": {
@@ -109,6 +129,29 @@ def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:
     }
 
 
+def network_policy(profile: HardwareProfile) -> dict:
+    """Ingress to the RayService's pods: from each other on every port (GCS, raylets, object transfer, workers),
+    from anywhere on the Serve port only (the proxies: WebSockets, the page, /healthz, /readyz), and from the
+    KubeRay operator on the dashboard's port. Metrics (8080) and the dashboard for people stay inside: reach them
+    through `kubectl port-forward`, or add a rule for your Prometheus (cluster/README.md)."""
+    own = {"podSelector": {"matchLabels": pod_labels(profile)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"lingbot-{profile.name}-ray", "labels": {"app": "lingbot-serve"}},
+        "spec": {
+            "podSelector": {"matchLabels": pod_labels(profile)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [own]},
+                {"ports": [{"protocol": "TCP", "port": SERVE_PORT}]},
+                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_LABELS)}}],
+                 "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]},
+            ],
+        },
+    }
+
+
 class _Literal(str):
     """A string YAML writes as a | block (the embedded serve config stays readable)."""
 
@@ -125,7 +168,8 @@ def render(profile: HardwareProfile, serve_config_path: Path = SERVE_CONFIG) -> 
     manifest["spec"]["serveConfigV2"] = _Literal(manifest["spec"]["serveConfigV2"])
     header = (f"# Generated by `python -m cluster.render --profile {profile.name}` from serve_config.yaml: edit\n"
               f"# those (or cluster/profiles.py) and re-render, never this file. {profile.description}.\n")
-    return header + yaml.safe_dump(manifest, sort_keys=False)
+    return (header + yaml.safe_dump(manifest, sort_keys=False) + "---\n"
+            + yaml.safe_dump(network_policy(profile), sort_keys=False))
 
 
 def manifest_path(profile: HardwareProfile) -> Path:

@@ -2,14 +2,22 @@
 Ray, deploys the config's app, and prints one line with the URL once the first model group is ready; Ctrl-C
 stops it. It also holds what every local start shares (the tests' and the benchmarks' too): the environment
 Ray's processes must start with (`prepare_environment`: the proxy's handshake limit, the autoscaler's metric
-pushes).
+pushes) and Ray's token authentication, which stays on.
+
+Ray's control plane (its GCS, raylets, workers and the dashboard, whose job API runs shell commands) listens
+beyond this process; with token authentication every request must carry the cluster's token. Ray 2.60's
+`ray.init()` turns it on for a new local cluster and writes a token to ~/.ray/auth_token on first use (kept
+there for later starts); `start_ray` makes that file readable by its owner only (Ray writes it readable by
+all). A RAY_AUTH_MODE other than `token` in the environment is refused. The `ray` and `serve` CLIs of the same
+user reach the cluster with `RAY_AUTH_MODE=token` (they read the same file); docs/security.md has the rest.
 
 The proxy's WebSocket handshake is parsed by the `websockets` library, which reads header lines of at most
 WEBSOCKETS_MAX_LINE_LENGTH bytes (8 KiB by default) and never answers a longer one: the client waits until it
 gives up. Serve offers no setting for it; the library reads the variable when the proxy starts, so it is set
-before Ray starts (workers inherit the environment). With 256 KiB, a handshake whose headers are too large for
-the ingress (max_header_bytes) reaches the ingress and is refused at once (headers_too_large); a single header
-line beyond 256 KiB still goes unanswered (docs/architecture.md, "The protocol").
+before Ray starts (workers inherit the environment). With 32 KiB (twice max_header_bytes), a handshake whose
+headers are too large for the ingress reaches the ingress and is refused at once (headers_too_large), while the
+proxy buffers at most 128 lines of 32 KiB (4 MiB) for one handshake; a single header line beyond 32 KiB still
+goes unanswered (docs/architecture.md, "The protocol").
 """
 from __future__ import annotations
 
@@ -19,23 +27,41 @@ import os
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Optional
 
 # what every node's Ray processes start with, here and in the cluster manifests (cluster/render.py)
 CLUSTER_ENV = {
-    "WEBSOCKETS_MAX_LINE_LENGTH": str(256 * 2 ** 10),   # see the module docstring
+    "WEBSOCKETS_MAX_LINE_LENGTH": str(32 * 2 ** 10),    # see the module docstring
     # handles and replicas push the autoscaler's metrics every second (Serve's default is 10 s): a waiting
     # session is seen by the autoscaler within about a second (deployments/group/scaling.py)
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
 }
-RAY_ENV = {**CLUSTER_ENV,
-           "RAY_AUTH_MODE": "disabled"}                # a local cluster: no token (Ray 2.60 turns it on)
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"     # where Ray keeps a local cluster's token
 
 
 def prepare_environment() -> None:
-    """Set the environment for a Ray about to start in this process (a started one keeps its own)."""
-    os.environ.update(RAY_ENV)
+    """Set the environment for a Ray about to start in this process (a started one keeps its own). RAY_AUTH_MODE
+    is left to Ray, whose `ray.init()` turns token authentication on for a new local cluster (and makes the token):
+    set here after Ray was imported, it would reach the processes Ray starts but not this one's Ray, which reads
+    it once on import and so would make no token for them. Anything but `token` is refused."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode != "token":
+        raise RuntimeError(f"RAY_AUTH_MODE={mode}: lingbot-serve keeps Ray's token authentication on (without it "
+                           "anyone who reaches this machine can run code through Ray's job API); unset it")
+    os.environ.update(CLUSTER_ENV)
+
+
+def start_ray(**init_args):
+    """prepare_environment, then `ray.init(**init_args)` of a new local cluster under token authentication, its
+    token file readable by its owner only. Returns ray.init's context."""
+    prepare_environment()
+    import ray
+    context = ray.init(**init_args)
+    if TOKEN_FILE.is_file():
+        TOKEN_FILE.chmod(0o600)
+    return context
 
 
 def wait_ready(url: str, timeout_s: float, since: Optional[float] = None) -> float:
@@ -67,16 +93,19 @@ def main(argv=None) -> int:
     http = config.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    prepare_environment()
     logging.basicConfig(level=logging.WARNING)
+    # Ray's own line on the token ("set RAY_AUTH_MODE=disabled to opt out") would contradict the one printed below
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    print(f"lingbot-serve: starting local Ray and the app of {args.config} ({app.get('args', {}).get('preset')})",
+          flush=True)
+    start_ray(log_to_driver=True, logging_level=logging.WARNING)
     import ray
     from ray import serve
     logging.getLogger("ray.serve").setLevel(logging.WARNING)    # the one line below says when it is ready
 
     from .app import build_app
-    print(f"lingbot-serve: starting local Ray and the app of {args.config} ({app.get('args', {}).get('preset')})",
-          flush=True)
-    ray.init(log_to_driver=True, logging_level=logging.WARNING)
+    print(f"lingbot-serve: Ray's dashboard and control plane take the token in {TOKEN_FILE} (the ray and serve "
+          "CLIs: RAY_AUTH_MODE=token)", flush=True)
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     serve.run(build_app(app.get("args")), name=app.get("name", "lingbot"), route_prefix=app.get("route_prefix", "/"),
               logging_config={"enable_access_log": False})

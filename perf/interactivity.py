@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -67,7 +66,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     leads = [float(v) for v in args.leads.split(",")]
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from deployments.local import prepare_environment
+    prepare_environment()      # Ray's token authentication stays on (deployments/local.py)
     import ray
     from ray import serve
     config = yaml.safe_load((Path(__file__).resolve().parent.parent / "serve_config.yaml").read_text())

@@ -24,7 +24,8 @@ PORT = 18766
 
 
 def start_local_app(sp: int) -> str:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from deployments.local import prepare_environment
+    prepare_environment()      # Ray's token authentication stays on (deployments/local.py)
     import ray
     from ray import serve
 

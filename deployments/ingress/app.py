@@ -32,6 +32,7 @@ from . import sglang
 from .census import GroupCensus, serve_counts
 from .door import TenantLimits, origin_allowed, presented_key
 from .fetch import ImageFetcher
+from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
 from .vllm import VllmWire
 
@@ -40,6 +41,7 @@ STATIC = Path(__file__).parent / "static"
 STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None)
+app.add_middleware(SecurityHeaders)          # CSP, nosniff, frame-ancestors, Referrer-Policy on every HTTP answer
 
 
 class ServeGroups:

@@ -48,16 +48,22 @@ class TenantLimits:
             del self.active[tenant]
 
 
+def _utf8(text: str) -> bytes:
+    """A key as bytes, for hmac.compare_digest (which refuses str beyond ASCII); lone surrogates included."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def presented_key(headers: dict, query: dict, keys: frozenset) -> Optional[str]:
     """The configured key the client presents: `Authorization: Bearer KEY` (or `X-API-Key: KEY`) for
     programs, `?api_key=KEY` for pages (browsers cannot set WebSocket headers). None if it presents none of
-    them; "" when no keys are configured (everyone is let in)."""
+    them; "" when no keys are configured (everyone is let in). Compared in constant time, as UTF-8 bytes: any
+    text a client sends is a key that matches or not, never an error."""
     if not keys:
         return ""
     auth = headers.get("authorization", "")
     presented = {auth[7:].strip() if auth.lower().startswith("bearer ") else "", headers.get("x-api-key", ""),
                  query.get("api_key", "")}
-    return next((k for k in sorted(keys) for p in presented if p and hmac.compare_digest(k, p)), None)
+    return next((k for k in sorted(keys) for p in presented if p and hmac.compare_digest(_utf8(k), _utf8(p))), None)
 
 
 def authorized(headers: dict, query: dict, keys: frozenset) -> bool:

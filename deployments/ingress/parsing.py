@@ -1,12 +1,18 @@
 """Parsing shared by both wire dialects: required fields, images, key lists, camera trajectories, the start
 checks (StartRules). Every failure is a ProtocolError with its code (deployments/session/codes.py).
 
+First frames are decoded here, bounded twice: each in pixels, from its header, before any is decoded
+(lingbot/io/images.py: PNG, JPEG or WebP, at most 4x the served size per side), and in number at once per
+process, that is per ingress replica (MAX_DECODES: a start that finds every slot taken for DECODE_WAIT_S is
+refused with images_busy, close 1013 with retry_after_s).
+
 Plain Python: no Ray, no Starlette; tests check every refusal without a server."""
 from __future__ import annotations
 
 import base64
 import binascii
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -14,20 +20,73 @@ import numpy as np
 
 from lingbot.camera import CameraError, Trajectory, TrajectoryError, parse_keys
 from lingbot.config import ChunkGeometry
-from lingbot.io.images import open_image, resize_image
+from lingbot.io.images import load_image
 
-from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, ErrorCode, ProtocolError
+from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 
 # Bounds on a decoded message, checked before any field is read (both dialects). Real messages nest at most 6
 # containers deep (a key script: message, extra_params, script, chunk, frame, keys) and hold no integer wider
 # than 64 bits (20 digits); a message past either bound is hostile or broken, and closes the connection.
 MAX_DEPTH = 32
 MAX_INT_DIGITS = 40
+# Bounds on what a message may make the decoder build, enforced while it decodes (MessagePack: the unpacker's
+# limits and hooks) or before (JSON: counted on the text), so that 1 MiB of empty arrays (a million lists, over
+# a second of a core that the C decoders spend holding the GIL) is refused after a bounded amount of work. The
+# largest real messages are camera trajectories, 6 containers per video frame: 65,536 hold about 10,900 frames
+# (11 minutes at 16 fps); real maps hold a few dozen keys.
+MAX_CONTAINERS = 2 ** 16            # arrays and maps in one message
+MAX_MAP_LEN = 256                   # keys in one map
+INLINE_DECODE_BYTES = 64 * 2 ** 10  # larger messages (starts, with their image) decode in a worker thread
+# First frames decoded at once in this process. One at the pixel cap (6.4 M pixels at 832x480) takes about
+# 150 MB (the decoded image, its RGB copy, uint8 and float arrays) and under a second of a core; starts parse in
+# worker threads (asyncio.to_thread), so a start beyond these waits for a slot in its thread, at most
+# DECODE_WAIT_S.
+MAX_DECODES = 2
+DECODE_WAIT_S = 1.0
+DECODES = threading.BoundedSemaphore(MAX_DECODES)
 
 
 def too_deep() -> ProtocolError:
     return ProtocolError(ErrorCode.TOO_DEEP, f"the message nests containers more than {MAX_DEPTH} deep",
                          close=CLOSE_INVALID_DATA)
+
+
+def too_complex(what: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.TOO_COMPLEX, f"the message holds {what}", close=CLOSE_INVALID_DATA)
+
+
+def check_json_text(text: str) -> None:
+    """Refuse JSON text that could decode to more than MAX_CONTAINERS arrays and objects or hold more than
+    MAX_CONTAINERS keys, counted before it is decoded (an upper bound: brackets and colons in strings count too;
+    a real message has a few)."""
+    if text.count("[") + text.count("{") > MAX_CONTAINERS:
+        raise too_complex(f"more than {MAX_CONTAINERS} arrays and objects")
+    if text.count(":") > MAX_CONTAINERS:
+        raise too_complex(f"more than {MAX_CONTAINERS} keys")
+
+
+def json_object(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: an object of at most MAX_MAP_LEN keys (the last of a repeated key wins, as
+    in json.loads' own objects)."""
+    if len(pairs) > MAX_MAP_LEN:
+        raise too_complex(f"more than {MAX_MAP_LEN} keys in one object")
+    return dict(pairs)
+
+
+def msgpack_limits() -> dict:
+    """Keyword arguments of msgpack.unpackb for one client message: at most MAX_MAP_LEN keys per map and
+    MAX_CONTAINERS entries per array (the unpacker refuses such a header before reading on), and at most
+    MAX_CONTAINERS arrays and maps in all (counted by hooks as the unpacker builds them; past it the decode
+    stops with too_complex)."""
+    built = 0
+
+    def count(container):
+        nonlocal built
+        built += 1
+        if built > MAX_CONTAINERS:
+            raise too_complex(f"more than {MAX_CONTAINERS} arrays and maps")
+        return container
+    return {"max_array_len": MAX_CONTAINERS, "max_map_len": MAX_MAP_LEN, "list_hook": count, "object_hook": count}
 
 
 def bounded_int(text: str) -> int:
@@ -94,14 +153,26 @@ def require(obj: dict, key: str, kind, where: str):
     return value
 
 
+def first_frame_pixels(data: bytes, width: int, height: int, where: str) -> np.ndarray:
+    """Encoded image bytes -> float32 [3, height, width], resized as on every path (lingbot.io.images), one
+    of at most MAX_DECODES decodes at once in this process. Blocks (a worker thread's call) up to DECODE_WAIT_S
+    for a slot. Refusals: invalid_image (not a PNG, JPEG or WebP image, or over the pixel cap), images_busy."""
+    if not DECODES.acquire(timeout=DECODE_WAIT_S):
+        raise ProtocolError(ErrorCode.IMAGES_BUSY, f"the server is decoding {MAX_DECODES} first frames at once "
+                            "already; retry", close=CLOSE_TRY_AGAIN, retry_after_s=1)
+    try:
+        return load_image(data, width, height)
+    except ValueError as e:
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, f"{where}: {e}") from None
+    finally:
+        DECODES.release()
+
+
 def decode_image(url: str, width: int, height: int, fetcher=None) -> np.ndarray:
-    """A data: URL (base64) of an image -> float32 [3, height, width], resized as on every path
-    (lingbot.io.images). An http(s) URL only with a `fetcher` (deployments.fetch: the operator's allow-list)."""
+    """A data: URL (base64) of an image -> float32 [3, height, width] (first_frame_pixels). An http(s) URL
+    only with a `fetcher` (deployments.fetch: the operator's allow-list)."""
     if url.startswith(("http://", "https://")) and fetcher is not None:
-        try:
-            return resize_image(open_image(fetcher.fetch(url)), width, height)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url: {e}") from None
+        return first_frame_pixels(fetcher.fetch(url), width, height, "image_url")
     if not url.startswith("data:"):
         raise ProtocolError(ErrorCode.INVALID_IMAGE,
                             "image_reference.image_url must be a data: URL (http(s) URLs are not "
@@ -113,11 +184,7 @@ def decode_image(url: str, width: int, height: int, fetcher=None) -> np.ndarray:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ProtocolError(ErrorCode.INVALID_IMAGE, "image data URL is not valid base64") from None
-    try:
-        image = open_image(raw)
-    except ValueError as e:
-        raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image data URL: {e}") from None
-    return resize_image(image, width, height)
+    return first_frame_pixels(raw, width, height, "image data URL")
 
 
 def finite(value) -> float:

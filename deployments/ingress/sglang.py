@@ -16,19 +16,22 @@ import msgpack
 
 from lingbot.config import ChunkGeometry
 from lingbot.io.frames import DEFAULT_QUALITY, FrameBatch, FrameFormat
-from lingbot.io.images import open_image, resize_image
 
 from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
+    INLINE_DECODE_BYTES,
     StartRules,
     ascii_int,
     check_size,
     checked_message,
     decode_image,
+    first_frame_pixels,
+    msgpack_limits,
     parse_keys_list,
+    too_complex,
     too_deep,
 )
 from .wire import WebSocketWire, close_quietly
@@ -51,9 +54,19 @@ def unpack(data: bytes, limit: int) -> dict:
     """One client message -> a map with a string `type`; ProtocolError for anything else."""
     check_size(len(data), limit)
     try:
-        msg = msgpack.unpackb(data, raw=False)
+        msg = msgpack.unpackb(data, raw=False, **msgpack_limits())
+    except ProtocolError:                        # too_complex, from the limits' hooks
+        raise
     except msgpack.StackError:                   # nested deeper than the decoder's stack: far past MAX_DEPTH
         raise too_deep() from None
+    except ValueError as e:
+        # msgpack's text for a header over the limits: "N exceeds max_array_len(L)" (or max_map_len); a header
+        # that claims more entries than the message has bytes is a mangled one, refused like any other
+        claimed = str(e).split(" exceeds max_")[0]
+        if claimed.isdigit() and int(claimed) <= len(data):
+            raise too_complex(f"an array or map over its limit ({e})") from None
+        raise ProtocolError(ErrorCode.INVALID_MSGPACK,
+                            f"message is not one valid MessagePack value ({type(e).__name__})") from None
     except Exception as e:                       # truncated, extra bytes, bad UTF-8, unhashable keys...
         raise ProtocolError(ErrorCode.INVALID_MSGPACK,
                             f"message is not one valid MessagePack value ({type(e).__name__})") from None
@@ -93,10 +106,7 @@ def first_frame(value: Any, width: int, height: int, fetcher=None):
         raise ProtocolError(ErrorCode.MISSING_FIELD,
                             "init needs first_frame (image bytes or a data:image/...;base64 URL)")
     if isinstance(value, (bytes, bytearray)):
-        try:
-            return resize_image(open_image(bytes(value)), width, height)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"first_frame: {e}") from None
+        return first_frame_pixels(bytes(value), width, height, "first_frame")
     if isinstance(value, str):
         if value.startswith(("http://", "https://")) and fetcher is None:
             raise ProtocolError(ErrorCode.INVALID_IMAGE,
@@ -306,6 +316,8 @@ class SglangWire(WebSocketWire):
         message = await self.receive_raw(timeout)
         if message.get("bytes") is None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "send MessagePack maps as binary messages, not text")
+        if len(message["bytes"]) > INLINE_DECODE_BYTES:    # an init with its image: off the event loop
+            return await asyncio.to_thread(unpack, message["bytes"], limit)
         return unpack(message["bytes"], limit)
 
     def error_close(self, error: ProtocolError):

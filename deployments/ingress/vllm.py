@@ -16,12 +16,15 @@ from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import STOP
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
+    INLINE_DECODE_BYTES,
     StartRules,
     bounded_int,
+    check_json_text,
     check_size,
     checked_message,
     decode_image,
     finite,
+    json_object,
     parse_keys_list,
     parse_trajectory,
     require,
@@ -40,8 +43,9 @@ def _reject_constant(name: str):
 
 def parse_json(text: str, limit: int) -> dict:
     check_size(len(text.encode()), limit)
+    check_json_text(text)
     try:
-        msg = json.loads(text, parse_constant=_reject_constant, parse_int=bounded_int)
+        msg = json.loads(text, parse_constant=_reject_constant, parse_int=bounded_int, object_pairs_hook=json_object)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(ErrorCode.INVALID_JSON, f"message is not valid JSON: {e.msg} at position {e.pos}") from None
     except RecursionError:                        # nested deeper than the decoder's stack: far past MAX_DEPTH
@@ -185,7 +189,10 @@ class VllmWire(WebSocketWire):
         message = await self.receive_raw(timeout)
         if message.get("bytes") is not None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "binary messages are not accepted from clients")
-        return parse_json(message.get("text") or "", limit)
+        text = message.get("text") or ""
+        if len(text) > INLINE_DECODE_BYTES:                # a start with its image: off the event loop
+            return await asyncio.to_thread(parse_json, text, limit)
+        return parse_json(text, limit)
 
     def keepalive_reply(self, msg: dict) -> Optional[dict]:
         return {"type": "session.pong", "t": msg.get("t")} if msg["type"] == "session.ping" else None

@@ -23,6 +23,7 @@ class ErrorCode(StrEnum):
     INVALID_JSON = "invalid_json"                    # not JSON, or not an object
     INVALID_MSGPACK = "invalid_msgpack"              # second protocol: not one MessagePack map
     TOO_DEEP = "too_deep"                            # containers nested past MAX_DEPTH (close 1007)
+    TOO_COMPLEX = "too_complex"                      # past MAX_CONTAINERS or MAX_MAP_LEN (close 1007)
     NUMBER_TOO_LARGE = "number_too_large"            # an integer of more than MAX_INT_DIGITS digits (close 1007)
     MESSAGE_TOO_LARGE = "message_too_large"          # over max_start_bytes / max_control_bytes (close 1009)
     UNSUPPORTED_MESSAGE = "unsupported_message"      # binary on the first protocol, text on the second
@@ -32,6 +33,7 @@ class ErrorCode(StrEnum):
     INVALID_FIELD = "invalid_field"
     # the start
     INVALID_IMAGE = "invalid_image"
+    IMAGES_BUSY = "images_busy"                      # every first-frame decode slot stayed taken (1013, retry_after_s)
     INVALID_SIZE = "invalid_size"
     UNSUPPORTED_SIZE = "unsupported_size"
     DECODER_NOT_LOADED = "decoder_not_loaded"        # a frame decoder this deployment did not load

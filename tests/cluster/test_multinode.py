@@ -6,7 +6,9 @@ resources (1 CPU: one group of tiny SP-2 fits a node, two do not), and its own S
 The app is brought up with `serve deploy` of serve_config.yaml (test settings layered on it). It checks
 that each group's ranks and muxer share one node (STRICT_PACK) and the two groups sit on different nodes,
 that a client on every node's proxy reaches sessions on both groups, and that removing a worker node
-mid-session ends only that node's session while the app keeps serving new ones."""
+mid-session ends only that node's session while the app keeps serving new ones. The cluster runs under Ray's
+token authentication, as cluster/README.md starts one by hand: every `ray` and `serve` command with
+RAY_AUTH_MODE=token and the token in ~/.ray/auth_token (made first if missing)."""
 import asyncio
 import json
 import os
@@ -23,7 +25,7 @@ import pytest
 import yaml
 
 from deployments.client import RealtimeClient
-from deployments.local import RAY_ENV
+from deployments.local import CLUSTER_ENV, TOKEN_FILE
 from tests.deployments.test_app import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,10 +39,13 @@ SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_p
 
 
 def ray_cli(*args, env=None, timeout=180):
-    run_env = {**os.environ, **RAY_ENV, **(env or {})}
+    run_env = {**os.environ, **CLUSTER_ENV, **TOKEN_ENV, **(env or {})}
     done = subprocess.run([str(BIN / "ray"), *args], env=run_env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     return done.stdout
+
+
+TOKEN_ENV = {"RAY_AUTH_MODE": "token"}           # the token itself: ~/.ray/auth_token, Ray's default place
 
 
 def cluster_processes(temp_dir: Path) -> list:
@@ -55,17 +60,20 @@ def cluster_processes(temp_dir: Path) -> list:
 
 
 def state(kind: str, **filters) -> list[dict]:
-    """Ray's state API through the head's dashboard."""
-    from ray.util import state as api
-    lister = {"actors": api.list_actors, "placement_groups": api.list_placement_groups, "nodes": api.list_nodes}
-    rows = lister[kind](address=f"http://127.0.0.1:{DASHBOARD_PORT}",
-                        filters=[(k, "=", v) for k, v in filters.items()], detail=True, limit=1000)
+    """Ray's state API through the head's dashboard, with the cluster's token."""
+    from ray.util.state.api import StateApiClient
+    from ray.util.state.common import ListApiOptions, StateResource
+    client = StateApiClient(address=f"http://127.0.0.1:{DASHBOARD_PORT}",
+                            headers={"Authorization": f"Bearer {TOKEN_FILE.read_text().strip()}"})
+    rows = client.list(StateResource(kind), ListApiOptions(filters=[(k, "=", v) for k, v in filters.items()],
+                                                           detail=True, limit=1000), raise_on_missing_output=True)
     return [r if isinstance(r, dict) else r.__dict__ for r in rows]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     temp_dir = Path("/tmp") / f"lingbot-mn-{os.getpid()}"            # short: Ray's socket paths have a limit
+    ray_cli("get-auth-token", "--generate")                            # `ray start` makes none itself
     ray_cli("start", "--head", f"--port={GCS_PORT}", "--num-cpus=0", f"--temp-dir={temp_dir}",
             "--include-dashboard=true", f"--dashboard-port={DASHBOARD_PORT}", "--object-store-memory=150000000",
             f"--dashboard-agent-listen-port={AGENT_PORTS[0]}", "--disable-usage-stats")
@@ -88,7 +96,7 @@ def cluster(tmp_path_factory):
         config_path.write_text(yaml.safe_dump(config))
         serve = subprocess.run([str(BIN / "serve"), "deploy", str(config_path), "--address",
                                 f"http://127.0.0.1:{DASHBOARD_PORT}"],
-                               env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
+                               env={**os.environ, **TOKEN_ENV}, capture_output=True, text=True,
                                timeout=120, cwd=ROOT)
         assert serve.returncode == 0, serve.stdout + serve.stderr
         deadline = time.monotonic() + 300

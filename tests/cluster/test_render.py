@@ -1,6 +1,8 @@
 """The KubeRay manifests: rendered from serve_config.yaml and a hardware profile, committed without drift,
 their embedded Serve config the rendered input, and every field KubeRay's RayService requires present and
-typed as its CRD types it (ray.io/v1: rayStartParams map[string]string, min/maxReplicas int32, ...)."""
+typed as its CRD types it (ray.io/v1: rayStartParams map[string]string, min/maxReplicas int32, ...). Ray's
+control plane stays closed: token authentication from a Secret, no port beyond those Ray and Serve need, and a
+NetworkPolicy that lets only the Serve port in from outside the Ray pods."""
 import pytest
 import yaml
 
@@ -9,6 +11,12 @@ from cluster.profiles import PROFILES, get_profile
 from deployments.settings import ServeSettings
 
 NAMES = sorted(PROFILES)
+
+
+def documents(profile) -> tuple[dict, dict]:
+    """The committed manifest's RayService and NetworkPolicy."""
+    rayservice, policy = yaml.safe_load_all(render.manifest_path(profile).read_text())
+    return rayservice, policy
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -21,7 +29,7 @@ def test_committed_manifest_is_the_rendered_one(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_embedded_serve_config_is_serve_config_yaml_with_the_profile(name):
     profile = get_profile(name)
-    manifest = yaml.safe_load(render.manifest_path(profile).read_text())
+    manifest, _ = documents(profile)
     embedded = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     base = render.load_serve_config()
     assert embedded == render.serve_config_for(base, profile)
@@ -57,7 +65,7 @@ def _pod_template(template, where):
 @pytest.mark.parametrize("name", NAMES)
 def test_rayservice_has_what_kuberay_requires(name):
     profile = get_profile(name)
-    m = yaml.safe_load(render.manifest_path(profile).read_text())
+    m, _ = documents(profile)
     assert m["apiVersion"] == "ray.io/v1" and m["kind"] == "RayService"
     assert isinstance(m["metadata"]["name"], str)
     spec = m["spec"]
@@ -87,6 +95,51 @@ def test_rayservice_has_what_kuberay_requires(name):
     assert int(workers["rayStartParams"]["object-store-memory"]) < shm            # the store fits /dev/shm
     if profile.ray_resource == "NPU":                                             # Ray's NPU resource, by name
         assert workers["rayStartParams"]["resources"] == f'"{{\\"NPU\\": {profile.devices_per_node}}}"'
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ray_runs_under_token_authentication_from_a_secret(name):
+    profile = get_profile(name)
+    m, _ = documents(profile)
+    cluster = m["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "lingbot-ray-token"}
+    assert "disabled" not in render.manifest_path(profile).read_text()
+    for spec in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"]):
+        (container,) = spec["template"]["spec"]["containers"]
+        names = [e["name"] for e in container["env"]]
+        assert "RAY_AUTH_MODE" not in names and "RAY_AUTH_TOKEN" not in names     # KubeRay sets both, from the Secret
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_head_publishes_only_what_ray_and_serve_need(name):
+    m, _ = documents(get_profile(name))
+    cluster = m["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP"
+    (container,) = head["template"]["spec"]["containers"]
+    # the workers join through GCS, the KubeRay operator deploys through the dashboard; no Ray Client port
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"gcs-server": 6379, "dashboard": 8265,
+                                                                           "serve": 8000}
+    (worker,) = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    assert worker["ports"] == [{"containerPort": 8000, "name": "serve"}]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_network_policy_lets_only_the_serve_port_in_from_outside(name):
+    profile = get_profile(name)
+    m, policy = documents(profile)
+    cluster = m["spec"]["rayClusterConfig"]
+    labels = policy["spec"]["podSelector"]["matchLabels"]
+    for spec in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"]):      # it selects every Ray pod
+        assert spec["template"]["metadata"]["labels"].items() >= labels.items()
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, serve, operator = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": labels}}]}             # the Ray pods: every port
+    assert serve == {"ports": [{"protocol": "TCP", "port": 8000}]}                 # anyone: the Serve port only
+    assert operator == {"from": [{"namespaceSelector": {},
+                                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}],
+                        "ports": [{"protocol": "TCP", "port": 8265}]}          # the operator: the dashboard only
 
 
 def test_groups_per_node():

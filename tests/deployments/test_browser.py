@@ -1,5 +1,6 @@
 """The web page in a real browser (Debian's headless Chromium driven by Playwright): it starts a session,
-the <video> plays the fMP4 stream through Media Source Extensions, and a key press reaches the server."""
+the <video> plays the fMP4 stream through Media Source Extensions, and a key press reaches the server. The
+page works under the ingress's Content-Security-Policy: the browser reports no violation of it."""
 import asyncio
 import math
 import shutil
@@ -13,11 +14,14 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
 
 
 async def open_page(playwright):
-    """Headless Chromium on the app's page, once it has loaded the served config."""
+    """Headless Chromium on the app's page, once it has loaded the served config. Wait predicates are functions
+    ("() => ..."): Playwright evaluates a bare expression with eval, which the page's CSP forbids."""
     browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS, ignore_default_args=["--headless"])
     page = await browser.new_page()
+    await page.add_init_script("window.cspViolations = []; document.addEventListener('securitypolicyviolation', "
+                               "e => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));")
     await page.goto(f"{HTTP}/")
-    await page.wait_for_function("window.lingbot.config !== null", timeout=30000)
+    await page.wait_for_function("() => window.lingbot.config !== null", timeout=30000)
     return browser, page
 
 
@@ -29,21 +33,21 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
             browser, page = await open_page(p)
             await page.fill("#chunks", "8")
             await page.click("#start")
-            await page.wait_for_function("window.lingbot.chunks >= 2", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.chunks >= 2", timeout=90000)
             t_before = await page.evaluate("document.getElementById('video').currentTime")
             await page.keyboard.down("d")
-            await page.wait_for_function("window.lingbot.acks >= 1", timeout=30000)
+            await page.wait_for_function("() => window.lingbot.acks >= 1", timeout=30000)
             await page.keyboard.up("d")
-            await page.wait_for_function("window.lingbot.startedEvents.includes('ui-1')", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.startedEvents.includes('ui-1')", timeout=90000)
             # the page measures the press's control -> display latency once its chunk is on screen
-            await page.wait_for_function("window.lingbot.controlLatencies.length >= 1", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.controlLatencies.length >= 1", timeout=90000)
             control = await page.evaluate("[window.lingbot.controlLatencies.slice(), "
                                           "document.getElementById('s-control').textContent]")
-            await page.wait_for_function("window.lingbot.chunks >= 6", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.chunks >= 6", timeout=90000)
             await asyncio.sleep(1.0)
             info = await page.evaluate("""() => { const v = document.getElementById('video');
                 return {time: v.currentTime, frames: v.getVideoPlaybackQuality().totalVideoFrames,
-                        errors: window.lingbot.errors, mediaError: v.error && v.error.code,
+                        errors: window.lingbot.errors, mediaError: v.error && v.error.code, csp: window.cspViolations,
                         buffered: v.buffered.length ? v.buffered.end(v.buffered.length - 1) : 0}; }""")
             await page.screenshot(path=str(tmp_path / "page.png"))
             await browser.close()
@@ -54,7 +58,7 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
     recent = sorted(latencies[-8:])
     assert all(ms > 0 for ms in latencies)
     assert shown == f"{math.floor(recent[(len(recent) - 1) // 2] + 0.5)} ms"     # their median (JS Math.round)
-    assert info["errors"] == [] and info["mediaError"] is None
+    assert info["errors"] == [] and info["mediaError"] is None and info["csp"] == []
     assert info["time"] > t_before and info["time"] > 0.5          # playback advanced
     assert info["frames"] >= 20                                     # frames were decoded
     assert info["buffered"] >= (9 + 12 * 4) / 16 - 0.1              # the chunks were appended as they came
@@ -76,22 +80,22 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
             await page.select_option("#transport", "frames")
             await page.fill("#chunks", "3")
             await page.click("#start")
-            await page.wait_for_function("window.lingbot.framesDrawn >= 33 && !window.lingbot.running",
+            await page.wait_for_function("() => window.lingbot.framesDrawn >= 33 && !window.lingbot.running",
                                          timeout=90000)
             drawn = await page.evaluate("""() => { const c = document.getElementById('canvas');
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
                 const rgb = []; for (let i = 0; i < d.length; i += 4) rgb.push(d[i], d[i + 1], d[i + 2]);
                 return {rgb, w: c.width, h: c.height, image: window.lingbot.imageUrl, errors: window.lingbot.errors,
                         status: document.getElementById('status').textContent,
-                        prompt: document.getElementById('prompt').value}; }""")
+                        prompt: document.getElementById('prompt').value, csp: window.cspViolations}; }""")
             await page.fill("#chunks", "8")
             await page.click("#start")
-            await page.wait_for_function("window.lingbot.framesDrawn >= 12", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.framesDrawn >= 12", timeout=90000)
             await page.keyboard.down("d")
-            await page.wait_for_function("window.lingbot.acks >= 1", timeout=90000)
+            await page.wait_for_function("() => window.lingbot.acks >= 1", timeout=90000)
             await page.keyboard.up("d")
-            await page.wait_for_function("window.lingbot.controlLatencies.length >= 1", timeout=90000)
-            await page.wait_for_function("!window.lingbot.running && window.lingbot.frames.length === 0",
+            await page.wait_for_function("() => window.lingbot.controlLatencies.length >= 1", timeout=90000)
+            await page.wait_for_function("() => !window.lingbot.running && window.lingbot.frames.length === 0",
                                          timeout=90000)
             keys = await page.evaluate("[window.lingbot.controlLatencies, window.lingbot.errors, "
                                        "window.lingbot.framesDrawn, window.lingbot.startedEvents]")
@@ -103,6 +107,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
 
     drawn, keys, python = asyncio.run(scenario())
     assert drawn["errors"] == [] and drawn["status"] == "done: 3 chunks (generation complete)"
+    assert drawn["csp"] == []
     canvas = np.array(drawn["rgb"], np.uint8).reshape(drawn["h"], drawn["w"], 3)
     assert python.frames.shape[0] == 33 and np.array_equal(canvas, python.frames[-1])
     latencies, errors, frames, started = keys

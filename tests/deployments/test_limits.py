@@ -52,6 +52,12 @@ def test_origins_and_keys_by_hand():
     assert presented_key({"authorization": "Bearer k2"}, {}, keys) == "k2"
     assert presented_key({}, {"api_key": "k1"}, keys) == "k1"
     assert presented_key({}, {}, keys) is None and presented_key({}, {}, frozenset()) == ""
+    # text beyond ASCII (a query string decodes %C3%A9 to "é", headers arrive as Latin-1) is a key that does not
+    # match, never an error; a configured key beyond ASCII matches itself only
+    for text in ("é", "k1é", "\udce9", "\x00"):
+        assert presented_key({"authorization": f"Bearer {text}", "x-api-key": text}, {"api_key": text}, keys) is None
+    assert presented_key({}, {"api_key": "clé"}, frozenset({"clé"})) == "clé"
+    assert presented_key({}, {"api_key": "cle"}, frozenset({"clé"})) is None
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +90,8 @@ def test_api_key_is_required(strict_app):
 
     async def scenario():
         out = {}
-        for name, client in (("none", RealtimeClient(url)), ("wrong", RealtimeClient(url, api_key="nope"))):
+        for name, client in (("none", RealtimeClient(url)), ("wrong", RealtimeClient(url, api_key="nope")),
+                             ("non_ascii", RealtimeClient(f"{url}?api_key=%C3%A9"))):     # was internal_error
             async with client:                            # refused at the handshake's first message
                 out[name] = await client.receive_session(timeout=30)
         async with RealtimeClient(url, api_key=KEY) as client:               # Authorization: Bearer
@@ -96,7 +103,7 @@ def test_api_key_is_required(strict_app):
         return out
 
     out = run(scenario())
-    for name in ("none", "wrong"):
+    for name in ("none", "wrong", "non_ascii"):
         assert out[name].error["code"] == "unauthorized" and out[name].close_code == 1008, name
         assert out[name].chunks == []
     for name in ("bearer", "query"):

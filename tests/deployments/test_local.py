@@ -1,49 +1,93 @@
-"""`python -m deployments.local`'s wait for the first model group, against a real HTTP server (no Ray): the
-seconds it reports count from the start of the command it is given, not from when the wait began; a server
-that never becomes ready ends the wait with the timeout's message."""
-import threading
+"""deployments/local.py: a local Ray started as `make serve` starts it keeps Ray's token authentication on. Its
+dashboard's job API (which runs shell commands for whoever may submit) refuses a request without the token,
+or with a wrong one, and answers the token Ray keeps in ~/.ray/auth_token, a file only its owner may read.
+
+Ray runs in a child process (as `make serve` runs it), so this module never shares a Ray with the package's
+serving app; the dashboard's port is fixed, so it runs under the Serve tests' lock."""
+import json
+import os
+import subprocess
+import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
-from deployments.local import wait_ready
+from deployments.local import TOKEN_FILE, prepare_environment
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD_PORT = 18269
+MARKER = Path("/tmp") / f"lingbot-job-ran-{os.getpid()}"
+RAY = f"""
+import sys
+from deployments.local import start_ray
+start_ray(num_cpus=1, include_dashboard=True, dashboard_port={DASHBOARD_PORT}, object_store_memory=80 * 2 ** 20,
+          log_to_driver=False)
+print("ray is up", flush=True)
+sys.stdin.read()                           # until the test closes it
+import ray
+ray.shutdown()
+"""
 
 
-def readyz_server(status: int) -> ThreadingHTTPServer:
-    """A server whose /readyz answers `status` (anything else 404), serving on a thread of its own."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(status if self.path == "/readyz" else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def test_the_ready_seconds_count_from_the_start_of_the_command():
-    server = readyz_server(200)
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+def request(path: str, token=None, body=None) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"http://127.0.0.1:{DASHBOARD_PORT}{path}", headers=headers,
+                                 data=None if body is None else json.dumps(body).encode())
     try:
-        started = time.monotonic() - 30.0            # a command that started Ray and Serve 30 s ago
-        assert wait_ready(url, 10.0, since=started) >= 30.0
-        assert wait_ready(url, 10.0) < 30.0          # without a start given: from the wait's own start
-    finally:
-        server.shutdown()
-        server.server_close()
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
-def test_a_group_never_ready_ends_the_wait_with_the_timeout():
-    server = readyz_server(503)
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+@pytest.fixture(scope="module")
+def local_ray():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}     # a new user's shell
+    proc = subprocess.Popen([sys.executable, "-c", RAY], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        with pytest.raises(TimeoutError, match=r"no model group was ready within 0\.5 s; see the Ray logs"):
-            wait_ready(url, 0.5, since=time.monotonic() - 30.0)
+        lines = []
+        while not lines or lines[-1] != "ray is up":
+            line = proc.stdout.readline()
+            assert line, "\n".join(lines[-30:])
+            lines.append(line.rstrip())
+        deadline = time.monotonic() + 60                  # the dashboard answers a little after ray.init returns
+        while time.monotonic() < deadline:
+            try:
+                request("/api/version")
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield
     finally:
-        server.shutdown()
-        server.server_close()
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_dashboards_job_api_refuses_a_request_without_the_token(local_ray):
+    status, body = request("/api/jobs/")
+    assert (status, body) == (401, b"Unauthorized: Missing authentication token")
+    status, _ = request("/api/jobs/", token="0" * 32)
+    assert status == 403
+    job = {"entrypoint": f"touch {MARKER}"}                    # what an attacker would send
+    assert request("/api/jobs/", body=job)[0] == 401
+    token = TOKEN_FILE.read_text().strip()
+    status, body = request("/api/jobs/", token=token)
+    assert status == 200 and [j["type"] for j in json.loads(body)] == ["DRIVER"]     # the refused one left no job
+    assert not MARKER.exists()
+    assert TOKEN_FILE.stat().st_mode & 0o777 == 0o600           # the token is its owner's only
+
+
+def test_a_mode_other_than_token_is_refused(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(RuntimeError, match="RAY_AUTH_MODE=disabled: lingbot-serve keeps Ray's token authentication"):
+        prepare_environment()

@@ -1,0 +1,101 @@
+"""What the serving app shows to the outside, on the package's real Serve app: security headers on every HTTP
+answer, and a decompression bomb on either protocol refused without the ingress's memory moving (the parsers'
+own test, tests/deployments/ingress/test_parsing.py, has the refusal's details)."""
+import asyncio
+import base64
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import psutil
+
+from deployments.client import FramesClient, RealtimeClient
+from deployments.ingress.headers import CONTENT_SECURITY_POLICY
+from tests.deployments.conftest import HTTP
+from tests.deployments.ingress.test_parsing import webp_bomb
+from tests.deployments.test_app import H, W, run
+from tests.deployments.test_sglang_app import frames_url
+
+HEADERS = {"content-security-policy": CONTENT_SECURITY_POLICY, "x-content-type-options": "nosniff",
+           "x-frame-options": "DENY", "referrer-policy": "no-referrer"}
+
+
+def answer(path: str, method="GET"):
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{HTTP}{path}", method=method), timeout=30) as r:
+            return r.status, r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers
+
+
+def test_every_http_answer_carries_the_security_headers(serve_app):
+    assert "frame-ancestors 'none'" in CONTENT_SECURITY_POLICY and "script-src 'self'" in CONTENT_SECURITY_POLICY
+    for path, method, status in [("/", "GET", 200), ("/static/app.js", "GET", 200), ("/static/msgpack.js", "GET", 200),
+                                 ("/healthz", "GET", 200), ("/readyz", "GET", 200), ("/v1/config", "GET", 200),
+                                 ("/static/nope.js", "GET", 404), ("/no/such/page", "GET", 404),
+                                 ("/healthz", "POST", 405)]:
+        got, headers = answer(path, method)
+        assert got == status, (path, method)
+        for name, value in HEADERS.items():
+            assert headers.get_all(name) == [value], (path, name, headers.get_all(name))
+
+
+def ingress_peak_kib() -> int:
+    """The app's ingress replica's peak resident memory (VmHWM: the kernel's high-water mark, which a decode
+    that allocated and freed still leaves raised)."""
+    (proc,) = [p for p in psutil.process_iter(["cmdline"])
+               if "ServeReplica:lingbot:Ingress" in " ".join(p.info["cmdline"] or [])]
+    (line,) = [x for x in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if x.startswith("VmHWM:")]
+    return int(line.split()[1])
+
+
+def test_a_decompression_bomb_leaves_the_ingress_memory_where_it_was(serve_app):
+    bomb = webp_bomb()                                       # 6300x6300: 160 MB decoded, 480 MB as float
+
+    async def scenario():
+        async with RealtimeClient(serve_app) as client:
+            await client.start("p", "data:image/webp;base64," + base64.b64encode(bomb).decode(), W, H, 1)
+            first = await client.receive_session(timeout=30)
+        async with FramesClient(frames_url(serve_app)) as client:
+            await client.init("p", bomb, 1)
+            second = msgpack.unpackb(await client.ws.recv())
+        return first, second
+
+    before = ingress_peak_kib()
+    first, second = run(scenario())
+    assert first.error["code"] == "invalid_image" and first.close_code == 1008 and first.chunks == []
+    assert "image 6300x6300 has more than 2073600 pixels" in first.error["message"]
+    assert second["type"] == "error" and second["code"] == "invalid_image"
+    assert "image 6300x6300 has more than 2073600 pixels" in second["content"]
+    assert ingress_peak_kib() - before < 32 * 1024                 # the issue saw +1,673 MB
+
+
+def test_messages_of_a_million_empty_arrays_are_refused_and_the_ingress_answers_meanwhile(serve_app):
+    """The issue's four MessagePack inits of 1 MiB of empty arrays took 7-9 s to be refused and held up
+    /healthz; now the decoder stops at 65,536 containers (and JSON is counted before decoding)."""
+    nested = b"\x82\xa4type\xa4init\xa1x\xdc" + (1000).to_bytes(2, "big") + \
+        (b"\xdc" + (1000).to_bytes(2, "big") + b"\x90" * 1000) * 1000        # {type: init, x: 1000 x 1000 []}
+    assert len(nested) > 10 ** 6
+
+    async def frames(data):
+        async with FramesClient(frames_url(serve_app)) as client:
+            await client.ws.send(data)
+            return msgpack.unpackb(await client.ws.recv())
+
+    async def video():
+        async with RealtimeClient(serve_app) as client:
+            await client.ws.send("[" + ",".join(["[]"] * 2 ** 19) + "]")
+            return await client.receive_session(timeout=30)
+
+    async def scenario():
+        refusals = asyncio.gather(*(frames(nested) for _ in range(4)), video())
+        health = await asyncio.to_thread(answer, "/healthz")
+        return await refusals, health
+
+    (*errors, json_result), health = run(scenario())
+    assert health[0] == 200
+    for error in errors:
+        assert (error["type"], error["code"]) == ("error", "too_complex")
+        assert error["content"] == "the message holds more than 65536 arrays and maps"
+    assert json_result.error["code"] == "too_complex" and json_result.close_code == 1007
