@@ -17,7 +17,9 @@ Not counted: a snapshot after a lost put copies the whole set of slots a continu
 keeper's failure that loses a put usually frees far more: every snapshot it held).
 
 `SnapshotHost` adds these up for a group (every rank: they share one node) and tells how many sessions a
-host budget holds. `lingbot snapshot-budget` prints them for every preset and SP degree.
+host budget holds; `plan_snapshots` decides what the group does on that budget (`SnapshotPlan`: snapshots
+for the first sessions it holds, or none at all when it holds not one). `lingbot snapshot-budget` prints
+them for every preset and SP degree.
 """
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ from .kv_cache import KVWindow
 from .snapshot import SNAPSHOTS_IN_FLIGHT
 
 GIB = 2 ** 30
+SNAPSHOT_HOST_SHARE = 0.3    # of a node's memory by default: Ray's default object store, where the keeper puts them
+# A budget beyond this part of the node would leave too little for what else the node runs (the ranks'
+# processes and their pinned pools, Ray, the page cache a load reads the weights through).
+SNAPSHOT_HOST_MAX_SHARE = 0.5
 RNG_STATE_BYTES = torch.Generator().get_state().numel()    # the CPU generator's 5 KiB (a CUDA one's is 16 bytes)
 
 
@@ -148,6 +154,61 @@ def snapshot_host(preset: Preset, world_size: int = 1, interval: int = 1, cuda: 
                   in_flight: int = SNAPSHOTS_IN_FLIGHT) -> SnapshotHost:
     return SnapshotHost(tuple(snapshot_footprint(preset, world_size, r, interval) for r in range(world_size)),
                         in_flight, cuda)
+
+
+def default_host_budget(node_memory: int, group_share: float = 1.0) -> int:
+    """The host bytes a group's snapshots may use when its settings do not say (snapshot_host_budget_gib
+    unset): SNAPSHOT_HOST_SHARE of its node's memory, times the group's part of the node's accelerators."""
+    return int(SNAPSHOT_HOST_SHARE * node_memory * group_share)
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """What a group does with its sessions' snapshots on a host budget: the first `sessions` to open keep
+    them, the others resume by replaying their journal. With none (`enabled` false) the group takes no
+    snapshot at all, and says so once when it starts: on one H200 with a 128 GiB host, a 14B SP-1 session's
+    snapshots take 88 GiB (46 once, 42 per session) against a default share of 38, so every session resumes
+    by replay. A budget large enough for one (`first_session`) would be over SNAPSHOT_HOST_MAX_SHARE of that
+    host: none is worth it there, and the ranks save the copy of 9 GiB per chunk that nobody would keep."""
+    budget: int
+    sessions: int
+    first_session: int            # host bytes the first session's snapshots take: the ranks' once and its own
+    per_session: int              # and each session after it
+    node_memory: Optional[int] = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.sessions > 0
+
+    @property
+    def host_can_hold_one(self) -> Optional[bool]:
+        """Whether a budget for one session stays within SNAPSHOT_HOST_MAX_SHARE of the node (None: unknown)."""
+        if self.node_memory is None:
+            return None
+        return self.first_session <= SNAPSHOT_HOST_MAX_SHARE * self.node_memory
+
+    def summary(self) -> str:
+        """One line for the group's log at start (and the device check's report)."""
+        budget = f"the budget is {_size(self.budget)}"
+        if self.enabled:
+            return (f"snapshots for {self.sessions} session{'s' if self.sessions > 1 else ''} ({budget}; the first "
+                    f"takes {_size(self.first_session)}, each more {_size(self.per_session)}); sessions beyond "
+                    f"resume by replaying their journal")
+        line = (f"no snapshots: one session's take {_size(self.first_session)} of host memory and {budget}; "
+                f"every session resumes by replaying its journal")
+        if self.host_can_hold_one is True:
+            line += (f" (snapshot_host_budget_gib >= {self.first_session / GIB:.1f}, with Ray's object store as "
+                     f"large, would keep one)")
+        elif self.host_can_hold_one is False:
+            line += (f" (more than {SNAPSHOT_HOST_MAX_SHARE:.0%} of this host's {_size(self.node_memory)}: no "
+                     f"budget here keeps one)")
+        return line
+
+
+def plan_snapshots(host: SnapshotHost, budget_bytes: int, node_memory: Optional[int] = None) -> SnapshotPlan:
+    """The group's snapshots on `budget_bytes` of host memory (`node_memory`: its node's, for the advice)."""
+    return SnapshotPlan(budget_bytes, host.sessions_within(budget_bytes), host.for_sessions(1), host.per_session,
+                        node_memory)
 
 
 def _size(nbytes: float) -> str:

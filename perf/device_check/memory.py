@@ -1,6 +1,7 @@
-"""The device check's stages about what a session holds and where it goes: snapshot copies against the
-chunk (synchronous and asynchronous), one session's memory measured and predicted part by part
-(`held_bytes`), and RankLifecycle run from a safetensors folder of a few layers (`few_layer_preset`)."""
+"""The device check's stages about what a session holds and where it goes: snapshots (what a deployment on
+this host does with them, `host_plan`; their copies against the chunk, synchronous and asynchronous), one
+session's memory measured and predicted part by part (`held_bytes`), and RankLifecycle run from a
+safetensors folder of a few layers (`few_layer_preset`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ from lingbot.runtime.budget import session_footprint
 from lingbot.runtime.compile import compile_default
 from lingbot.runtime.condition import LatentCondition
 from lingbot.runtime.snapshot import HostCopier, take_snapshot
-from lingbot.runtime.snapshot_budget import snapshot_footprint
+from lingbot.runtime.snapshot_budget import default_host_budget, plan_snapshots, snapshot_footprint, snapshot_host
 
 from .check import KEYS, LIFECYCLE_LAYERS, LIFECYCLE_MAX_SESSIONS, Check, _allocated, _free_memory, _sync, _timed
 from .timing import _prime_conditions
@@ -32,21 +33,41 @@ def _snapshot_tensors(snapshot) -> list:
     return [t for slot in slots for t in slot.tensors()] + state.tensors()
 
 
-def stage_snapshots(c: Check) -> dict:
-    """The steady whole chunk with no snapshot, a synchronous one and an asynchronous one after each (median
-    of `steady` each); the copies alone with the device idle; then one asynchronous snapshot copied while
-    the next chunk runs, against a synchronous snapshot of the same moment. Per chunk: the bytes copied (the
-    K/V slot and the state, against the budget's, lingbot/runtime/snapshot_budget.py), the copy's time and
-    what it adds to the chunk; and the copy time of the budget's largest snapshot at the measured rate (the
-    session here replays its first frame's conditions: it holds no encoder cache)."""
+def host_plan(c: Check) -> dict:
+    """What a deployment of this preset at SP-1 on this host does with its sessions' snapshots (one group
+    holding the node's accelerators: the default share of the whole host), from the budget model alone."""
+    host = snapshot_host(c.preset, 1, 1, cuda=c.device.type == "cuda")
+    node = c.host_memory_bytes
+    plan = plan_snapshots(host, default_host_budget(node), node)
+    return {"host_memory_bytes": node, "host_budget_bytes": plan.budget, "host_sessions": plan.sessions,
+            "host_first_session_bytes": plan.first_session, "host_per_session_bytes": plan.per_session,
+            "host_plan": plan.summary()}
+
+
+def stage_snapshots(c: Check) -> None:
+    """What a deployment on this host does with snapshots (`host_plan`); then the steady whole chunk with no
+    snapshot, a synchronous one and an asynchronous one after each (median of `steady` each); the copies
+    alone with the device idle; then one asynchronous snapshot copied while the next chunk runs, against a
+    synchronous snapshot of the same moment. Per chunk: the bytes copied (the K/V slot and the state, against
+    the budget's, lingbot/runtime/snapshot_budget.py), the copy's time and what it adds to the chunk; and the
+    copy time of the budget's largest snapshot at the measured rate (the session here replays its first
+    frame's conditions: it holds no encoder cache). Each copier copies once before anything is timed, so
+    that pinning the host memory on first touch lands in no timed copy."""
+    c.keep(**host_plan(c))
     if not c.conditions_primed:
         _prime_conditions(c)
     session = c.pipe.new_session(c.image, None, seed=0, text_embedding=c.text)
     for _ in range(2):
         session.step(KEYS)
     sync_copier, async_copier = HostCopier("cpu"), HostCopier(c.device)
+    take_snapshot(session, copier=sync_copier)
+    take_snapshot(session, copier=async_copier, key="check")
+    if async_copier.last is not None:
+        async_copier.last.synchronize()
+    _sync(c.device)
 
     def period(after) -> float:
+        _sync(c.device)
         times = []
         for _ in range(c.steady):
             t0 = time.perf_counter()
@@ -59,6 +80,8 @@ def stage_snapshots(c: Check) -> dict:
     alone = period(lambda: None)
     synchronous = period(lambda: take_snapshot(session, copier=sync_copier))
     asynchronous = period(lambda: take_snapshot(session, copier=async_copier, key="check"))
+    c.keep(regions=c.mode, asynchronous=async_copier.asynchronous, chunk_s=alone, chunk_sync_snapshot_s=synchronous,
+           chunk_async_snapshot_s=asynchronous, sync_cost=synchronous / alone - 1, async_cost=asynchronous / alone - 1)
     # the synchronous copy alone, the device idle; then an asynchronous one of the same moment, queued
     # (pinned buffers, side stream) and left to run under the next chunk
     copy_sync_s, reference = _timed(c.device, lambda: take_snapshot(session, copier=sync_copier))
@@ -82,15 +105,12 @@ def stage_snapshots(c: Check) -> dict:
     nbytes = slot_bytes + state_bytes
     budget = snapshot_footprint(c.preset)
     rate = nbytes / copy_async_s if async_copier.asynchronous else nbytes / copy_sync_s
-    return {"regions": c.mode, "bytes": nbytes, "slot_bytes": slot_bytes, "state_bytes": state_bytes,
-            "budget_slot_bytes": budget.slot, "budget_state_bytes": budget.state,
-            "budget_model_bytes": budget.per_chunk, "budget_held_bytes": budget.held,
-            "budget_copy_s": budget.per_chunk / rate, "budget_copy_fraction_of_chunk": budget.per_chunk / rate / alone,
-            "asynchronous": async_copier.asynchronous, "chunk_s": alone, "chunk_sync_snapshot_s": synchronous,
-            "chunk_async_snapshot_s": asynchronous, "sync_cost": synchronous / alone - 1,
-            "async_cost": asynchronous / alone - 1, "copy_sync_s": copy_sync_s, "copy_async_s": copy_async_s,
-            "copy_async_queue_s": queue_s, "copy_sync_gb_per_s": nbytes / copy_sync_s / 1e9,
-            "copy_async_gb_per_s": nbytes / copy_async_s / 1e9, "async_bitwise": exact}
+    c.keep(bytes=nbytes, slot_bytes=slot_bytes, state_bytes=state_bytes, budget_slot_bytes=budget.slot,
+           budget_state_bytes=budget.state, budget_model_bytes=budget.per_chunk, budget_held_bytes=budget.held,
+           budget_copy_s=budget.per_chunk / rate, budget_copy_fraction_of_chunk=budget.per_chunk / rate / alone,
+           copy_sync_s=copy_sync_s, copy_async_s=copy_async_s, copy_async_queue_s=queue_s,
+           copy_sync_gb_per_s=nbytes / copy_sync_s / 1e9, copy_async_gb_per_s=nbytes / copy_async_s / 1e9,
+           async_bitwise=exact)
 
 
 def held_bytes(root, shared=()) -> int:
@@ -112,7 +132,7 @@ def held_bytes(root, shared=()) -> int:
     return sum(storages.values())
 
 
-def stage_memory(c: Check) -> dict:
+def stage_memory(c: Check) -> None:
     """One session's memory, measured and predicted alike. The budget model (`session_footprint`) is per
     part; a DiT-only session holds two of them (its K/V window and its prompt's text K/V), a whole session
     all of them but the camera modulation, which lives within a chunk. Measured twice: the tensors the
@@ -133,6 +153,7 @@ def stage_memory(c: Check) -> dict:
                    "allocated_bytes": None if before is None else _allocated(device) - before,
                    "budget_bytes": budget["kv_window"] + budget["text_kv"],
                    "kv_window_bytes": held_bytes(dit.kv), "text_kv_bytes": held_bytes(dit.text)}
+    c.keep(regions=c.mode, budget_model=budget, dit_session=dit_figures)
     del dit
     _free_memory(device)
 
@@ -156,7 +177,7 @@ def stage_memory(c: Check) -> dict:
              "budget_bytes": footprint.total,
              "budget_held_bytes": footprint.total - budget.get("camera_modulation", 0),
              "fixed_point_chunk": session.condition.fixed_point_chunk}
-    return {"regions": c.mode, "budget_model": budget, "dit_session": dit_figures, "whole_session": whole}
+    c.keep(whole_session=whole)
 
 
 def few_layer_preset(preset: Preset, layers: int = LIFECYCLE_LAYERS) -> Preset:
@@ -169,21 +190,25 @@ def few_layer_preset(preset: Preset, layers: int = LIFECYCLE_LAYERS) -> Preset:
                                transformer=dataclasses.replace(preset.transformer, num_layers=layers))
 
 
-def stage_lifecycle(c: Check) -> dict:
-    """RankLifecycle as a serving rank runs it, compile as the serving default (on for accelerators). The
-    main model is freed first, so the rank measures the device as a rank would find it."""
+def stage_lifecycle(c: Check) -> None:
+    """RankLifecycle as a serving rank runs it, compile as the serving default (on for accelerators), on a
+    folder of LIFECYCLE_LAYERS blocks: its capacity is that model's, not the preset's. The main model is
+    freed first, so the rank measures the device as a rank would find it."""
     if c.pipe is not None:
         c.to_eager()
         c.pipe = c.text = c.latents = None
         c.latents_by_mode.clear()
         _free_memory(c.device)
     preset = few_layer_preset(c.preset)
+    c.keep(layers=LIFECYCLE_LAYERS, compiled=compile_default(c.device), capacity_cap=LIFECYCLE_MAX_SESSIONS,
+           session_budget_bytes=session_footprint(preset).total)
     with tempfile.TemporaryDirectory(prefix="lingbot-device-check-") as folder:
         t0 = time.perf_counter()
         write_random_checkpoint(preset, folder, seed=0)
         write_s = time.perf_counter() - t0
         nbytes = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
         c.progress(f"  wrote {nbytes / 2 ** 30:.2f} GiB of safetensors in {write_s:.1f} s")
+        c.keep(checkpoint_bytes=nbytes, write_s=write_s)
         life = RankLifecycle(rank=0, world_size=1, device=c.device)
         t0 = time.perf_counter()
         life.connect(None, timeout_s=60)
@@ -191,11 +216,9 @@ def stage_lifecycle(c: Check) -> dict:
         _sync(c.device)
         load_s = time.perf_counter() - t0
         c.progress(f"  connected and loaded in {load_s:.1f} s")
+        c.keep(connect_and_load_s=load_s, loaded_bytes=life.loaded_bytes)
         warmup = life.warm_up()
+        c.keep(warmup=dataclasses.asdict(warmup), attention_kernel=life.attention_kernel)
         memory = life.measure()
-        capacity = life.capacity(LIFECYCLE_MAX_SESSIONS)
-    return {"layers": LIFECYCLE_LAYERS, "checkpoint_bytes": nbytes, "write_s": write_s, "connect_and_load_s": load_s,
-            "compiled": compile_default(c.device), "warmup": dataclasses.asdict(warmup),
-            "attention_kernel": life.attention_kernel, "loaded_bytes": life.loaded_bytes,
-            "memory": None if memory is None else dataclasses.asdict(memory), "capacity": capacity,
-            "capacity_cap": LIFECYCLE_MAX_SESSIONS, "session_budget_bytes": session_footprint(preset).total}
+        c.keep(memory=None if memory is None else dataclasses.asdict(memory))
+        c.keep(capacity=life.capacity(LIFECYCLE_MAX_SESSIONS))

@@ -1,7 +1,7 @@
-"""The device check's timing stages: setup (the pipeline, the attention kernel, the matmul peak), the DiT
-and the whole chunk eager, compiled and as CUDA graphs (with their latents against eager's), no host sync
-on the DiT step path, and two sessions interleaved; and the chunk loops they share (`_dit_chunks`,
-`_whole_chunks`, `_prime_conditions`)."""
+"""The device check's timing stages: setup (the matmul peak, the pipeline, the attention kernel), the DiT
+and the whole chunk eager, compiled and as CUDA graphs (with one denoising step and the latents against
+eager's), no host sync on the DiT step path, and two sessions interleaved; and the chunk loops they share
+(`_dit_chunks`, `_whole_chunks`, `_prime_conditions`). Each keeps its figures as it measures them."""
 from __future__ import annotations
 
 import statistics
@@ -15,17 +15,17 @@ import torch
 from lingbot.builder import build_pipeline
 from lingbot.io.images import model_image
 from lingbot.runtime.attention import choose_for_steady_state
-from lingbot.runtime.compile import compile_blocks
 from lingbot.runtime.condition import CONDITION_CACHE_CHUNKS, CausalConditionEncoder, LatentCondition
 from lingbot.transfer import to_device
 from perf.cost_model import matmul_peak
 
-from .check import COMPILE_TOLERANCE, KEYS, Check, _allocated, _sync, _timed
+from .check import KEYS, STEP_TOLERANCE, Check, NotApplicable, _allocated, _sync, _timed
 
 
 def _dit_chunks(c: Check, seed: int = 0) -> dict:
     """A DiT-only session through warm-up (every window length) and `steady` chunks; keeps its latents by
-    mode (one session at a time: at 14B a session's K/V slab is ~21 GiB)."""
+    mode (one session at a time: at 14B a session's K/V slab is ~21 GiB) and its figures as measured (the
+    first chunk's, which holds any compile, at once)."""
     session = c.pipe.runner.new_session(LatentCondition(c.latents), text_embedding=c.text, seed=seed)
     times, outs = [], []
     for i in range(c.warm + c.steady):
@@ -34,12 +34,29 @@ def _dit_chunks(c: Check, seed: int = 0) -> dict:
         outs.append(result.latents)
         if i == 0:
             c.progress(f"  {c.mode}: first DiT chunk {seconds:.2f} s")
+            c.keep(regions=c.mode, dit_first_chunk_s=seconds)
     c.latents_by_mode[c.mode] = torch.cat(outs, dim=1).float().cpu()
     steady = statistics.median(times[c.warm:])
     c.seconds["dit"] = steady
-    return {"regions": c.mode, "dit_warmup_s": sum(times[:c.warm]), "dit_first_chunk_s": times[0],
-            "dit_steady_s": steady, "dit_chunk_s": times, "dit_tflops": c.flops / steady / 1e12,
-            "dit_fraction_of_peak": c.flops / steady / c.peak_flops if c.peak_flops else None}
+    figures = {"dit_first_chunk_s": times[0], "dit_warmup_s": sum(times[:c.warm]), "dit_steady_s": steady,
+               "dit_chunk_s": times,
+               "dit_tflops": c.flops / steady / 1e12,
+               "dit_fraction_of_peak": c.flops / steady / c.peak_flops if c.peak_flops else None}
+    c.keep(**figures)
+    return figures
+
+
+def _first_step(c: Check, seed: int = 0) -> None:
+    """Chunk 0's first DiT forward (one denoising step through every layer) of a fresh session, kept by mode:
+    the comparison of modes at depth, before the chained steps and chunks add their own drift."""
+    outputs = []
+    hook = c.pipe.runner.model.register_forward_hook(lambda module, args, out: outputs.append(out.float().cpu()))
+    try:
+        session = c.pipe.runner.new_session(LatentCondition(c.latents), text_embedding=c.text, seed=seed)
+        session.run_chunk(KEYS, should_stop=lambda: len(outputs) > 0)     # stops before the second step
+    finally:
+        hook.remove()
+    c.step_by_mode[c.mode] = outputs[0]
 
 
 def _prime_conditions(c: Check) -> dict:
@@ -67,7 +84,8 @@ def _prime_conditions(c: Check) -> dict:
 def _whole_chunks(c: Check, seed: int = 0) -> dict:
     """A whole session (conditions, DiT, decode, uint8 frames copied to the host, as a rank runs a chunk)
     through warm-up and `steady` chunks."""
-    figures = {} if c.conditions_primed else _prime_conditions(c)
+    if not c.conditions_primed:
+        c.keep(**_prime_conditions(c))
     session = c.pipe.new_session(c.image, None, seed=seed, text_embedding=c.text)
     times = []
     for _ in range(c.warm + c.steady):
@@ -75,35 +93,46 @@ def _whole_chunks(c: Check, seed: int = 0) -> dict:
         times.append(seconds)
     steady = statistics.median(times[c.warm:])
     c.seconds["whole"] = steady
-    return {**figures, "regions": c.mode, "whole_warmup_s": sum(times[:c.warm]), "whole_first_chunk_s": times[0],
-            "whole_steady_s": steady, "whole_chunk_s": times,
-            "condition_replayed": session.condition.replay is not None,
-            "condition_encoded_chunks": session.condition.encoded_chunks}
+    figures = {"regions": c.mode, "whole_warmup_s": sum(times[:c.warm]), "whole_first_chunk_s": times[0],
+               "whole_steady_s": steady, "whole_chunk_s": times,
+               "condition_replayed": session.condition.replay is not None,
+               "condition_encoded_chunks": session.condition.encoded_chunks}
+    c.keep(**figures)
+    return figures
 
 
-def _versus(c: Check, mode: str) -> dict:
-    """`mode`'s DiT latents against eager's (chunk 0 relative to its largest value, judged; all chunks,
-    reported) and, for graphs, bitwise against the compiled regions' (where those stages ran)."""
+def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def _versus(c: Check, mode: str) -> None:
+    """`mode`'s DiT outputs against eager's, kept: one denoising step and chunk 0's latents (each against
+    STEP_TOLERANCE), all chunks' (reported: later chunks drift further through the chained K/V); for
+    graphs, bitwise against the compiled regions' (where those ran)."""
     out = {}
-    got = c.latents_by_mode[mode]
-    if "eager" in c.latents_by_mode:
+    if "eager" in c.step_by_mode and mode in c.step_by_mode:
+        step = _relative(c.step_by_mode[mode], c.step_by_mode["eager"])
+        out.update(step_relative_diff=step, within_tolerance=step <= STEP_TOLERANCE)
+    got = c.latents_by_mode.get(mode)
+    if "eager" in c.latents_by_mode and got is not None:
         ref = c.latents_by_mode["eager"]
         first = c.preset.transformer.num_frames_per_block                 # chunk 0's latent frames
-        relative = ((got[:, :first] - ref[:, :first]).abs().max() / ref[:, :first].abs().max()).item()
-        out.update(vs_eager_max_abs=(got - ref).abs().max().item(), chunk0_relative_diff=relative,
-                   within_tolerance=relative <= COMPILE_TOLERANCE)
-    if mode == "compiled+graphs" and "compiled" in c.latents_by_mode:
+        chunk0 = _relative(got[:, :first], ref[:, :first])
+        out.update(vs_eager_max_abs=(got - ref).abs().max().item(), chunk0_relative_diff=chunk0,
+                   chunk0_within_tolerance=chunk0 <= STEP_TOLERANCE)
+    if mode == "compiled+graphs" and "compiled" in c.latents_by_mode and got is not None:
         out["graphs_vs_compiled_bitwise"] = torch.equal(got, c.latents_by_mode["compiled"])
-    return out
+    c.keep(**out)
 
 
 # ---------------------------------------------------------------------------------------------------
 # the stages
 # ---------------------------------------------------------------------------------------------------
-def stage_setup(c: Check) -> dict:
+def stage_setup(c: Check) -> None:
     # large matmuls on a GPU: small ones stay far from its peak and would flatter the achieved fraction
     c.peak_flops = matmul_peak(str(c.device), c.preset.dtype, n=8192 if c.device.type == "cuda" else 2048,
                                seconds=c.args.peak_seconds)
+    c.keep(matmul_peak_tflops=c.peak_flops / 1e12, dit_chunk_tflop=c.flops / 1e12)
     cfg = c.preset.transformer
     t0 = time.perf_counter()
     c.pipe = build_pipeline(c.preset, device=c.device, compile=False, text_encoder=False, seed=0)
@@ -111,6 +140,7 @@ def stage_setup(c: Check) -> dict:
     build_s = time.perf_counter() - t0
     c.weights_bytes = _allocated(c.device) or sum(p.numel() * p.element_size()
                                                   for p in c.pipe.runner.model.parameters())
+    c.keep(build_s=build_s, weights_bytes=c.weights_bytes)
     g = torch.Generator().manual_seed(0)
     # stand-ins: a text encoder output [1, T, text_dim] and image latents [16, F, h, w] for every chunk run
     c.text = (torch.randn(1, c.preset.text.max_length, cfg.text_dim, generator=g) * 0.1).to(
@@ -119,52 +149,50 @@ def stage_setup(c: Check) -> dict:
                             generator=g).to(c.device)
     c.image = np.random.RandomState(0).randint(0, 256, (c.preset.height, c.preset.width, 3), dtype=np.uint8)
     kernel, trials = choose_for_steady_state(c.pipe.runner.model, c.preset, c.device)
-    return {"build_s": build_s, "weights_bytes": c.weights_bytes, "matmul_peak_tflops": c.peak_flops / 1e12,
-            "dit_chunk_tflop": c.flops / 1e12, "attention_kernel": kernel,
-            "attention_trials": [{"name": t.name, "ms": None if t.seconds is None else t.seconds * 1e3,
-                                  "dropped": t.error} for t in trials]}
+    c.keep(attention_kernel=kernel,
+           attention_trials=[{"name": t.name, "ms": None if t.seconds is None else t.seconds * 1e3,
+                              "dropped": t.error} for t in trials])
 
 
-def stage_eager_dit(c: Check) -> dict:
-    return _dit_chunks(c)
+def stage_eager_dit(c: Check) -> None:
+    _dit_chunks(c)
+    _first_step(c)
 
 
-def stage_eager_whole(c: Check) -> dict:
-    return _whole_chunks(c)
+def stage_eager_whole(c: Check) -> None:
+    _whole_chunks(c)
 
 
-def _compiled(c: Check, graphs: bool) -> dict:
-    c.to_eager()
+def _compiled(c: Check) -> None:
+    """The regions the runner put in place (compiled, or as CUDA graphs), compiled at their first chunk."""
     t0 = time.perf_counter()
-    compile_blocks(c.pipe.runner.model, graphs=graphs)
-    c.mode = "compiled+graphs" if graphs else "compiled"
     figures = _dit_chunks(c)
     # compiles (and graph captures) land in the first chunk; later window lengths reuse them
     c.seconds["compile"] = max(0.0, figures["dit_first_chunk_s"] - figures["dit_steady_s"])
-    figures.update(_whole_chunks(c))
-    figures["compile_and_warmup_s"] = time.perf_counter() - t0
-    figures.update(_versus(c, c.mode))
-    return figures
+    _first_step(c)
+    _versus(c, c.mode)
+    _whole_chunks(c)
+    c.keep(compile_and_warmup_s=time.perf_counter() - t0)
 
 
-def stage_compiled(c: Check) -> dict:
-    return _compiled(c, graphs=False)
+def stage_compiled(c: Check) -> None:
+    _compiled(c)
 
 
-def stage_graphs(c: Check) -> dict:
+def stage_graphs(c: Check) -> None:
     """On CUDA the regions as CUDA graphs; elsewhere inductor runs the same mode without graphs."""
-    return _compiled(c, graphs=True)
+    _compiled(c)
 
 
-def stage_no_sync(c: Check, warm: int = 2) -> dict:
+def stage_no_sync(c: Check, warm: int = 2) -> None:
     """A DiT chunk after `warm` chunks, and a host-to-device copy through to_device, with every host
     synchronisation an error (CUDA); 'ok' or where."""
+    if c.device.type != "cuda":
+        raise NotApplicable("no sync debug mode off CUDA (tests/lingbot/runtime/test_dit_runner.py forbids "
+                            "host reads on CPU instead)")
     session = c.pipe.runner.new_session(LatentCondition(c.latents), text_embedding=c.text, seed=1)
     for _ in range(warm):
         session.run_chunk(KEYS)
-    if c.device.type != "cuda":
-        return {"regions": c.mode,
-                "result": "n/a (CPU: tests/lingbot/runtime/test_dit_runner.py forbids host reads instead)"}
     torch.cuda.set_sync_debug_mode("error")
     try:
         # the one way host data reaches the device on the chunk path: pinned and asynchronous
@@ -176,10 +204,10 @@ def stage_no_sync(c: Check, warm: int = 2) -> dict:
         result = f"synced: {str(e).splitlines()[0][:120]} at {where.filename}:{where.lineno}"
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    return {"regions": c.mode, "result": result}
+    c.keep(regions=c.mode, result=result)
 
 
-def stage_interleaving(c: Check, chunks: int = 3) -> dict:
+def stage_interleaving(c: Check, chunks: int = 3) -> None:
     """With the regions in place (graphs when built): session A alone, then A again interleaved chunk by
     chunk with a session B; A's latents must be the same bitwise (no replay overwrote what A still used)."""
     def session(seed):
@@ -193,5 +221,4 @@ def stage_interleaving(c: Check, chunks: int = 3) -> dict:
         again.append(a.run_chunk(KEYS).latents)
         b.run_chunk(KEYS)
     _sync(c.device)
-    return {"regions": c.mode, "chunks": chunks,
-            "intact": all(torch.equal(x, y) for x, y in zip(reference, again))}
+    c.keep(regions=c.mode, chunks=chunks, intact=all(torch.equal(x, y) for x, y in zip(reference, again)))

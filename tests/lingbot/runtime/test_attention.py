@@ -78,3 +78,26 @@ def test_the_kernel_is_checked_on_the_layout_each_degree_passes(tiny):
     dropped = {t.name: t.error for t in trials2}["packed_rows_only"]
     assert name2 == "sdpa" and "q must be [B, L, H, D] rows" in dropped              # refused at SP-2
     assert name1 in kernels and all(a.attend is F.scaled_dot_product_attention for a in window_attentions(two))
+
+
+def test_a_kernel_wrong_on_the_last_head_only_is_dropped():
+    """Head 0 alone would pass a kernel that misreads the heads' stride; the last head catches it."""
+    def last_head_wrong(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v)
+        out[:, -1] = out[:, 0]                              # e.g. every head read at head 0's offset
+        return out
+
+    def first_head_wrong(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v)
+        out[:, 0] = out[:, -1]
+        return out
+
+    q, k, v = _probe()                                     # 2 heads
+    kernels = {"sdpa": F.scaled_dot_product_attention, "last": last_head_wrong, "first": first_head_wrong}
+    name, trials = choose(kernels, q, k, v, repeats=1)
+    by_name = {t.name: t for t in trials}
+    assert name == "sdpa" and by_name["sdpa"].error is None
+    for bad in ("last", "first"):
+        assert by_name[bad].seconds is None and by_name[bad].error.startswith("relative max |diff|")
+    name, trials = choose(kernels, q[:, :1], k[:, :1], v[:, :1], repeats=1)      # one head: first is last
+    assert {t.name for t in trials if t.seconds is not None} == {"sdpa", "last", "first"}
