@@ -130,6 +130,15 @@ def growth(samples, role: str) -> float:
     return (statistics.mean(v for _, v in series[-third:]) - statistics.mean(v for _, v in series[:third])) / 2 ** 20
 
 
+def slope(samples, role: str, after_s: float = 180.0) -> float:
+    """Resident memory of `role` in MiB per minute: the least-squares line through its samples after the first
+    `after_s` seconds (start-up and warm-up); NaN with fewer than 8 such samples."""
+    series = [(t / 60, rss[role] / 2 ** 20) for t, rss in samples if t >= after_s and rss.get(role)]
+    if len(series) < 8:
+        return float("nan")
+    return statistics.linear_regression(*zip(*series)).slope
+
+
 async def soak(url: str, image: bytes, minutes: float, capacity: int, chunks: int, references: dict,
                api_key=None) -> dict:
     import numpy as np
@@ -218,6 +227,7 @@ def main(argv=None) -> dict:
     report["kills"] = [role for _, role in kills]
     report["growth_mib"] = {role: round(growth(sampler.samples, role), 2)
                             for role in sorted({r for _, rss in sampler.samples for r in rss})}
+    report["slope_mib_per_min"] = {role: round(slope(sampler.samples, role), 3) for role in report["growth_mib"]}
     report["samples"] = [(round(t, 1), rss) for t, rss in sampler.samples]
     if args.plot:
         plot(sampler.samples, kills, args.plot)
@@ -228,8 +238,10 @@ def main(argv=None) -> dict:
     print(f"  incomplete sessions {report['incomplete']}, frames not bitwise the reference {report['mismatched']}, "
           f"live sessions after {report['live_sessions_after']}, starts refused (1013, retried) "
           f"{report['refused_at_start']}")
-    print("  unique resident memory growth after warm-up (last third - first third), MiB: "
-          + ", ".join(f"{k} {v:+.1f}" for k, v in report["growth_mib"].items()))
+    print("  unique resident memory after warm-up, per role: slope after minute 3 (least squares), MiB per minute; "
+          "growth (last third - first third), MiB")
+    for role, growth_mib in report["growth_mib"].items():
+        print(f"    {role:8s} slope {report['slope_mib_per_min'][role]:+7.3f} MiB/min   growth {growth_mib:+7.1f} MiB")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=1)
