@@ -35,13 +35,12 @@ from .builder import build_pipeline
 from .camera import Controls
 from .parallel.comm import Comm
 from .runtime.attention import choose_for_steady_state
-from .runtime.budget import session_footprint, sessions_that_fit, shared_cache_bytes
+from .runtime.budget import CPU_BUDGET_BYTES, session_footprint, sessions_that_fit, shared_cache_bytes
 from .runtime.pipeline import WorldPipeline
 
 log = logging.getLogger(__name__)
 
 MEMORY_MARGIN = 0.05            # of the device's memory, kept free for fragmentation and stray buffers
-CPU_BUDGET_BYTES = 2 ** 30      # the budget rule on CPU when none is configured
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,11 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from lingbot.runtime.snapshot_budget import GIB, SnapshotHost
+from lingbot.runtime.snapshot_budget import GIB, SnapshotHost, default_host_budget, plan_snapshots
 
 from ..settings import ACCELERATOR_RESOURCE, ServeSettings
 
 log = logging.getLogger(__name__)
-
-SNAPSHOT_HOST_SHARE = 0.3    # of a node's memory by default: Ray's default object store, where the keeper puts them
-
 
 def group_share(settings: ServeSettings, node_resources: dict) -> float:
     """This group's part of its node: its ranks' accelerators over the node's (CPUs on cpu); 1 when the node's
@@ -42,7 +39,7 @@ def snapshot_host_budget(settings: ServeSettings, node_memory: int, node_resourc
     """The host bytes this group's snapshots may use: snapshot_host_budget_gib, or its share of the node's."""
     if settings.snapshot_host_budget_gib is not None:
         return int(settings.snapshot_host_budget_gib * GIB)
-    return int(SNAPSHOT_HOST_SHARE * node_memory * group_share(settings, node_resources))
+    return default_host_budget(node_memory, group_share(settings, node_resources))
 
 
 def node_host() -> tuple[int, dict]:
@@ -84,6 +81,8 @@ class SnapshotSeats:
         if keeper is None or session_id in self.holders:
             return keeper
         if len(self.holders) >= self.seats:
+            if self.seats == 0:                      # no session's fit: the group said so once, when it started
+                return None
             log.warning("group %s: session %s runs without snapshots: the host memory for snapshots holds %d "
                         "sessions (snapshot_host_budget_gib; `lingbot snapshot-budget`); a resume replays it",
                         self.group_id, session_id, self.seats)
@@ -97,11 +96,12 @@ class SnapshotSeats:
     @staticmethod
     def of(group_id: str, settings: ServeSettings, host: Optional[SnapshotHost]) -> Optional[SnapshotSeats]:
         """The group's seats on its node (this process's: the replica shares its ranks' node), counted once by
-        the group from what rank 0 reported a session's snapshots cost; None when snapshots are off."""
+        the group from what rank 0 reported a session's snapshots cost, and said once in its log (with the
+        budget that would keep one, where none fits); None when snapshots are off."""
         if host is None:
             return None
-        sessions, budget = snapshot_sessions(settings, host, *node_host())
-        log.info("group %s: snapshots of %d sessions fit in %.1f GiB of host memory (%.2f GiB per session, %.2f GiB "
-                 "once; every %d chunks)", group_id, sessions, budget / GIB, host.per_session / GIB, host.once / GIB,
-                 settings.snapshot_interval_chunks)
-        return SnapshotSeats(group_id, sessions)
+        node_memory, node_resources = node_host()
+        plan = plan_snapshots(host, snapshot_host_budget(settings, node_memory, node_resources), node_memory)
+        (log.info if plan.enabled else log.warning)("group %s: %s (every %d chunks)", group_id, plan.summary(),
+                                                    settings.snapshot_interval_chunks)
+        return SnapshotSeats(group_id, plan.sessions)

@@ -209,7 +209,7 @@ class ServeSettings:
     def budget_bytes(self) -> Optional[int]:
         """The per-rank memory budget of the config rule; None where capacity is measured (accelerators
         without memory_budget_gib)."""
-        from lingbot.lifecycle import CPU_BUDGET_BYTES
+        from lingbot.runtime.budget import CPU_BUDGET_BYTES
         if self.memory_budget_gib is not None:
             return int(self.memory_budget_gib * 2 ** 30)
         return CPU_BUDGET_BYTES if self.device == "cpu" else None

@@ -24,6 +24,8 @@ from .condition import CONDITION_CACHE_CHUNKS, CONDITION_CACHE_IMAGES
 from .dit_runner import PROMPT_CACHE_SIZE
 from .kv_cache import KVWindow
 
+CPU_BUDGET_BYTES = 2 ** 30      # the budget rule on CPU when none is configured
+
 
 @dataclass(frozen=True)
 class SessionFootprint:

@@ -2,8 +2,8 @@
 the capacity rule for measured device memory, against numbers worked by hand."""
 import numpy as np
 
-from lingbot.lifecycle import CPU_BUDGET_BYTES, MemoryReport, RankLifecycle, measured_capacity
-from lingbot.runtime.budget import session_footprint, sessions_that_fit
+from lingbot.lifecycle import MemoryReport, RankLifecycle, measured_capacity
+from lingbot.runtime.budget import CPU_BUDGET_BYTES, session_footprint, sessions_that_fit
 
 GIB = 2 ** 30
 

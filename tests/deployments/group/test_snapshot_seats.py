@@ -7,7 +7,6 @@ import psutil
 
 from deployments.group.rank import RankWorker
 from deployments.group.snapshots import (
-    SNAPSHOT_HOST_SHARE,
     SnapshotSeats,
     group_share,
     snapshot_host_budget,
@@ -15,7 +14,7 @@ from deployments.group.snapshots import (
 )
 from deployments.settings import ServeSettings
 from lingbot.config import get_preset
-from lingbot.runtime.snapshot_budget import GIB, snapshot_host
+from lingbot.runtime.snapshot_budget import GIB, SNAPSHOT_HOST_SHARE, snapshot_host
 
 BIG = get_preset("lingbot-world-v2-14b")
 CUDA = dict(preset="lingbot-world-v2-14b", model_path="/models/x", device="cuda", rank_devices=1)

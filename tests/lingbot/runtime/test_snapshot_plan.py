@@ -1,10 +1,8 @@
 """What a group does with its sessions' snapshots on a host budget (`plan_snapshots`): on one H200 with a
 128 GiB host a 14B SP-1 group keeps none, and says why once; a larger budget keeps the first sessions."""
-from deployments.group import snapshots as serving
 from lingbot.config import get_preset
 from lingbot.runtime.snapshot_budget import (
     GIB,
-    SNAPSHOT_HOST_SHARE,
     default_host_budget,
     plan_snapshots,
     snapshot_host,
@@ -41,6 +39,3 @@ def test_a_budget_that_holds_sessions_keeps_the_first_of_them():
     assert plan_snapshots(BIG, plan.first_session).sessions == 1
     assert plan_snapshots(BIG, plan.first_session - 1).sessions == 0
 
-
-def test_the_default_share_is_the_one_serving_counts_with():
-    assert SNAPSHOT_HOST_SHARE == serving.SNAPSHOT_HOST_SHARE == 0.3
