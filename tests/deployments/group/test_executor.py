@@ -12,6 +12,7 @@ from deployments.group.messages import OpenSession, RunChunk, SnapshotPlan
 from deployments.group.rank import RankWorker
 from deployments.session.events import ChunkControls, RankRestore
 from tests.deployments.group.rank_calls import opening
+from tests.deployments.group.test_chunk_loop import Remote
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 RANK_METHODS = {name for name, _ in inspect.getmembers(RankWorker, inspect.isfunction) if not name.startswith("_")}
@@ -33,14 +34,6 @@ def test_only_the_executor_names_a_rank_method():
                     and isinstance(node.args[1], ast.Constant) and node.args[1].value in RANK_METHODS:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} getattr(..., {node.args[1].value!r})")
     assert found == []
-
-
-class Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
 
 
 class Rank:
