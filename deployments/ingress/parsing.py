@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import math
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -60,9 +62,18 @@ def check_json_text(text: str) -> None:
     MAX_CONTAINERS keys, counted before it is decoded (an upper bound: brackets and colons in strings count too;
     a real message has a few)."""
     if text.count("[") + text.count("{") > MAX_CONTAINERS:
+        if _json_depth(text) > MAX_DEPTH:          # one deep nest is too deep before it is too many
+            raise too_deep()
         raise too_complex(f"more than {MAX_CONTAINERS} arrays and objects")
     if text.count(":") > MAX_CONTAINERS:
         raise too_complex(f"more than {MAX_CONTAINERS} keys")
+
+
+def _json_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON text (its strings left out), without decoding it."""
+    brackets = re.sub(r"[^\[\]{}]", "", re.sub(r'"(?:[^"\\]|\\.)*"', "", text))
+    steps = [1 if c in "[{" else -1 for c in brackets]
+    return max(itertools.accumulate(steps), default=0)
 
 
 def json_object(pairs: list) -> dict:

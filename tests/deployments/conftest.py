@@ -8,7 +8,6 @@ import pytest
 
 PORT = 18765
 METRICS_PORT = 18767
-METRICS_REPORT_S = 2.0     # Ray exports recorded metrics this often here (its default: every 10 s)
 URL = f"ws://127.0.0.1:{PORT}/v1/realtime/video"
 HTTP = f"http://127.0.0.1:{PORT}"
 TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2, min_groups=1, max_groups=1,
@@ -19,12 +18,8 @@ TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2
 
 @pytest.fixture(scope="package")
 def serve_app():
-    import os
-
     from deployments.local import prepare_environment
     prepare_environment()                  # before Ray starts: the proxy's handshake limits (deployments/local.py)
-    # Ray's processes read it when they start: the metrics tests wait for exports, not for Ray's default 10 s
-    os.environ["RAY_metrics_report_interval_ms"] = str(int(METRICS_REPORT_S * 1000))
     import ray
     from ray import serve
 

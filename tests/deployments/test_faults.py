@@ -99,8 +99,8 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
 
 
 def test_soak_with_chaos_short(faults_app):
-    """A short soak with chaos (the long ones: python -m perf.soak): sessions two at a time for 15 s while
-    a random rank or the muxer is killed once, 8 s in. Every session completes with every chunk and the raw
+    """A short soak with chaos (the long ones: python -m perf.soak): sessions two at a time for 20 s while
+    a random rank or the muxer is killed every 15 s. Every session completes with every chunk and the raw
     frames of its inputs without a fault; afterwards no session is left live."""
     import random
     import threading
@@ -115,15 +115,15 @@ def test_soak_with_chaos_short(faults_app):
     sampler = Sampler(app="faults", period=1.0)
     sampler.start()
     stop, kills = threading.Event(), []
-    threading.Thread(target=chaos, args=(stop, 8.0, kills, random.Random(1), "faults", 1), daemon=True).start()
+    threading.Thread(target=chaos, args=(stop, 15.0, kills, random.Random(1), "faults"), daemon=True).start()
     try:
-        report = run(soak(frames_url, image, 15 / 60, 2, 6, references, KEY3))
+        report = run(soak(frames_url, image, 20 / 60, 2, 6, references, KEY3))
     finally:
         stop.set()
         sampler.halt.set()
     assert report["incomplete"] == 0 and report["mismatched"] == 0, (report["errors"], report)
     assert report["sessions"] >= 3 and report["chunks"] == 6 * report["sessions"]
-    assert len(kills) == 1 and report["resumed"] >= 1, (kills, report)
+    assert len(kills) >= 1 and report["resumed"] >= 1, (kills, report)
     time.sleep(1.0)
     assert live_sessions(f"http://127.0.0.1:{PORT}/faults") == 0
     roles = {r for _, rss in sampler.samples for r in rss}
