@@ -81,8 +81,9 @@ def _conditions(c: Check, chunks: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def stage_tf32(c: Check, chunks: int = 2) -> None:
+def stage_tf32(c: Check) -> None:
     applies = c.device.type == "cuda"
+    chunks = 2 if applies else 1            # the first frame's chunk and a full one; off CUDA the path alone
     tf32 = _conditions(c, chunks)                                # under the serving flags: cuDNN TF32
     with flags_set(IEEE_FLOAT32):
         ieee = _conditions(c, chunks)

@@ -97,7 +97,7 @@ class Stage:
     the device unusable): the stages run in order of risk, so the riskier cannot cost the safer their run."""
     name: str
     title: str
-    run: Callable[[Check], Optional[dict]]
+    run: Callable[[Check], None]    # keeps its figures through Check.keep as it measures them
     estimate: Callable[[Check], float]
     regions: Optional[str] = None
     risk: int = 0

@@ -1,11 +1,14 @@
 """The device check's run, decided without a device: the stages' order by risk and the mode each declares,
 the serving flags set before every stage, figures written as they are measured and kept when the stage
-fails later, "not applicable" apart from passing, the watchdog's stack dump on an overrun, and the
+fails later (or the command's timeout ends it), "not applicable" apart from passing, the watchdog's stack
+dump on an overrun, the comm stage's collectives (over gloo), the report's references, and the
 environment record. Stages of the check's own where they are cheap on CPU, else small stand-ins."""
 import argparse
 import json
 import platform
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -180,3 +183,27 @@ def test_each_mode_stands_beside_the_measured_peak_the_datasheets_and_the_peers_
     # another device: no peers, no datasheet figure it does not know
     other = device_check.render_table(_report("NVIDIA A100-SXM4-80GB"))
     assert "vLLM-Omni" not in other and "| eager | - | - | 2000.0 | 573.7 | 72.6% | - | 2500.0 | - | - |" in other
+
+
+def test_the_commands_timeout_leaves_the_figures_so_far_and_every_threads_stack(tmp_path):
+    """As the GPU command's `timeout` ends it: SIGTERM mid-stage. The JSON is whole, the stage that was
+    running says so, what earlier stages measured is there, and the log holds the stacks."""
+    proc = subprocess.Popen([sys.executable, "-m", "perf.device_check", *TINY, "--out", str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            saved = tmp_path / "device_check.json"
+            if saved.exists() and json.loads(saved.read_text())["stages"]["eager_dit"]["status"] == "running":
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        proc.kill()
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert report["stages"]["setup"]["status"] == "ok" and report["stages"]["setup"]["figures"]["build_s"] > 0
+    assert report["stages"]["eager_dit"]["status"] == "running" and report["stages"]["lifecycle"]["status"] == "pending"
+    log = (tmp_path / "device_check.log").read_text()
+    assert "most recent call first" in log[log.index("eager_dit: eager DiT chunk and one step ..."):]
