@@ -159,3 +159,19 @@ def test_messages_past_the_container_bounds_are_refused_while_they_decode():
     keys = {f"k{i}": i for i in range(parsing.MAX_MAP_LEN - 1)}
     assert unpack(msgpack.packb({"type": "init", **keys}), limit)["k254"] == 254
     assert parse_json(json.dumps({"type": "x", **keys}), limit)["k254"] == 254
+
+
+def test_json_text_nested_too_deep_is_too_deep_before_it_is_too_many():
+    """Counted before decoding: one deep nest of brackets is too_deep, many shallow ones too_complex; brackets
+    inside strings do not nest."""
+    from deployments.ingress.parsing import MAX_CONTAINERS, check_json_text
+    from deployments.session.codes import ErrorCode, ProtocolError
+    with pytest.raises(ProtocolError) as deep:
+        check_json_text("[" * (MAX_CONTAINERS + 1) + "]" * (MAX_CONTAINERS + 1))
+    assert deep.value.code == ErrorCode.TOO_DEEP
+    with pytest.raises(ProtocolError) as many:
+        check_json_text("[" + "[]," * MAX_CONTAINERS + "[]]")
+    assert many.value.code == ErrorCode.TOO_COMPLEX
+    with pytest.raises(ProtocolError) as strings:
+        check_json_text('["' + "[" * 40 + '"' + ",[]" * MAX_CONTAINERS + "]")
+    assert strings.value.code == ErrorCode.TOO_COMPLEX
