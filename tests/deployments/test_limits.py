@@ -15,7 +15,7 @@ KEY = "test-key-1"
 KEY2 = "test-key-2"                       # the door-limit test's tenant
 KEY3 = "test-key-3"                       # the second protocol's tenant
 IMAGES_PORT = PORT + 30                   # a local image server for the allow-list
-STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=6, max_lifetime_s=12,
+STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=10, max_lifetime_s=12,
               max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3}", stall_timeout_s=60, restart_stale_chunks=True,
               max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example",
               image_url_allowlist=f"http://127.0.0.1:{IMAGES_PORT}/ok/")
@@ -111,7 +111,7 @@ def test_api_key_is_required(strict_app):
 
 
 def test_idle_and_lifetime_limits(strict_app):
-    """Pings alone do not keep a session: it ends after idle_timeout_s (6 s) without interactions. A
+    """Pings alone do not keep a session: it ends after idle_timeout_s (10 s) without interactions. A
     session that keeps interacting ends at max_lifetime_s (12 s)."""
     async def idle():
         client = await endless()
@@ -136,7 +136,7 @@ def test_idle_and_lifetime_limits(strict_app):
 
     idle_result, busy_result = run(idle()), run(busy())
     assert idle_result.error["code"] == "idle_timeout" and idle_result.close_code == 1008
-    assert "no interaction for 6 s" in idle_result.error["message"]
+    assert "no interaction for 10 s" in idle_result.error["message"]
     assert busy_result.error["code"] == "max_lifetime" and busy_result.close_code == 1008
     assert "maximum lifetime of 12 s" in busy_result.error["message"]
     assert len(busy_result.chunks) > len(idle_result.chunks)               # it outlived the idle limit
@@ -157,7 +157,7 @@ def test_second_protocol_limits_close_normally_with_their_reason(strict_app):
 
     nokey, quiet, beating = run(scenario())
     assert [e["code"] for e in nokey.errors] == ["unauthorized"] and nokey.close_code == 1008
-    assert quiet.errors == [] and (quiet.close_code, quiet.close_reason) == (1000, "no interaction for 6 s")
+    assert quiet.errors == [] and (quiet.close_code, quiet.close_reason) == (1000, "no interaction for 10 s")
     assert beating.errors == [] and beating.close_code == 1000
     assert beating.close_reason == "session reached its maximum lifetime of 12 s"
     assert len(beating.chunks) > len(quiet.chunks) > 0
