@@ -30,7 +30,7 @@ def test_generate_cli_end_to_end_is_deterministic(tmp_path, image_file, capsys):
     (["--keys", "w,x"], "unknown key(s) 'x'"),
     (["--image", "/nonexistent.png"], "image /nonexistent.png does not exist"),
     (["--model-path", "/nonexistent"], "model path /nonexistent is not a directory"),
-    (["--image", __file__], "is not a readable image"),
+    (["--image", __file__], "is not a readable PNG, JPEG or WebP image"),
     (["--preset", "lingbot-world-v2-14b"], "preset lingbot-world-v2-14b has no random weights"),
 ])
 def test_generate_cli_bad_arguments_give_one_line(tmp_path, image_file, capsys, extra, message):
