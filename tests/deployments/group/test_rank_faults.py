@@ -86,21 +86,31 @@ def test_a_rank_killed_inside_a_collective_fails_the_other_ranks_chunk_call_at_o
     assert seconds < 30, f"rank 0 took {seconds:.1f} s to notice (collective timeout 120 s)"
 
 
-def _slow_load_then_a_hung_peer(rank, world_size, init_method, settings, load_delay_s, hang_s):
+def _slow_load_then_a_hung_peer(rank, world_size, init_method, settings, load_delay_s, hang_s, released):
+    """Rank 1 hangs (alive) for up to `hang_s`; rank 0 ends the hang by creating the file `released` once its
+    own chunk call has returned, so the test does not wait out the whole hang."""
     worker, joined_s = _start(rank, world_size, init_method, settings, load_delay_s if rank == 0 else 0.0)
     if rank == 1:                     # hangs inside the third all-to-all of chunk 1, alive
-        _in_the_nth_all_to_all(3, lambda: time.sleep(hang_s))
-    return joined_s, _chunk_outcome(worker, 1)
+
+        def hang():
+            until = time.monotonic() + hang_s
+            while time.monotonic() < until and not os.path.exists(released):
+                time.sleep(0.1)
+        _in_the_nth_all_to_all(3, hang)
+    outcome = _chunk_outcome(worker, 1)
+    if rank == 0:
+        open(released, "w").close()
+    return joined_s, outcome
 
 
-def test_a_slow_load_does_not_abort_the_group_and_a_hung_peer_fails_the_chunk_call_within_the_timeout():
-    """Rank 0 loads 3 collective timeouts late: rank 1 waits for it after load (the group start timeout)
+def test_a_slow_load_does_not_abort_the_group_and_a_hung_peer_fails_the_chunk_call_within_the_timeout(tmp_path):
+    """Rank 0 loads 2 collective timeouts late: rank 1 waits for it after load (the group start timeout)
     instead of timing out in the warm-up's first collective. Then rank 1 hangs inside a collective: rank 0's
     chunk call raises after the collective timeout, long before the peer would have come back."""
-    timeout_s, load_delay_s, hang_s = 6.0, 18.0, 30.0
+    timeout_s, load_delay_s, hang_s = 6.0, 12.0, 30.0
     settings = _settings(collective_timeout_s=timeout_s, group_start_timeout_s=120.0)
     (_, outcome0), (joined1, outcome1) = run_ranks(_slow_load_then_a_hung_peer, 2, settings, load_delay_s, hang_s,
-                                                   timeout_s=240)
+                                                   str(tmp_path / "released"), timeout_s=240)
     assert joined1 >= load_delay_s                            # it did wait for rank 0, past the collective timeout
     kind, message, seconds = outcome0
     assert kind == "ParallelError" and "rank 0/2: all_to_all failed" in message, message
