@@ -21,10 +21,9 @@ install: $(VENV)/.installed
 lint: install
 	$(PY) -m ruff check .
 
-# Two pytest workers: every test that starts a Ray cluster (they share fixed ports and Ray's notion of the
-# current cluster) runs in one of them, in order (the `ray` group, tests/conftest.py); the rest shares the other.
+# Two pytest runs side by side (tests/suite.py): the tests that start a Ray cluster, in order, and the rest.
 test: lint browser
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 tests
+	$(PY) -m tests.suite
 
 # The browser tests drive Debian's Chromium (root installs it; elsewhere install `chromium` yourself).
 browser:
