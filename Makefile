@@ -21,9 +21,10 @@ install: $(VENV)/.installed
 lint: install
 	$(PY) -m ruff check .
 
-# Two pytest runs side by side (tests/suite.py): the tests that start a Ray cluster, in order, and the rest.
+# Two pytest workers: every test that starts a Ray cluster (they share fixed ports and Ray's notion of the
+# current cluster) runs in one of them, in order (the `ray` group, tests/conftest.py); the rest shares the other.
 test: lint browser
-	$(PY) -m tests.suite
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 tests
 
 # The browser tests drive Debian's Chromium (root installs it; elsewhere install `chromium` yourself).
 browser:
