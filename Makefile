@@ -21,10 +21,8 @@ install: $(VENV)/.installed
 lint: install
 	$(PY) -m ruff check .
 
-# Two pytest workers: every test that starts a Ray cluster (they share fixed ports and Ray's notion of the
-# current cluster) runs in one of them, in order (the `ray` group, tests/conftest.py); the rest shares the other.
 test: lint browser
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The browser tests drive Debian's Chromium (root installs it; elsewhere install `chromium` yourself).
 browser:

@@ -51,17 +51,3 @@ def random_image(preset, seed=0):
     """A first frame in [-1, 1] of the preset's size."""
     g = torch.Generator().manual_seed(seed)
     return torch.rand(3, preset.height, preset.width, generator=g) * 2 - 1
-
-
-# Tests that start a Ray cluster (the served app of tests/deployments, the local and multi-node clusters of
-# tests/cluster) share fixed ports and Ray's record of the current cluster: under `pytest -n 2 --dist loadgroup`
-# (make test) they all run on one worker, one after the other; everything else is spread over the workers.
-RAY_CLUSTER_TESTS = ("tests/cluster/", "tests/deployments/test_")
-
-
-def pytest_collection_modifyitems(config, items):
-    root = config.rootpath
-    for item in items:
-        where = item.path.relative_to(root).as_posix()
-        if where.startswith(RAY_CLUSTER_TESTS):
-            item.add_marker(pytest.mark.xdist_group("ray"))
