@@ -377,19 +377,19 @@ def test_grafana_dashboard_queries_only_exported_metrics(serve_app):
 
 
 def test_a_quiet_client_that_reads_is_never_cut(serve_app):
-    """9 chunks to a client that never sends a message (no pings either): longer than stall_timeout_s
-    (15 s here), and the session runs to its end. At 2 fps the 9 chunks are 52.5 s of video and pacing
-    lets a session run at most 30 s ahead (pacing_lead_s), so it lasts 22 s or more on any machine (most of
+    """16 chunks to a client that never sends a message (no pings either): longer than stall_timeout_s
+    (15 s here), and the session runs to its end. At 4 fps the 16 chunks are 47.25 s of video and pacing
+    lets a session run at most 30 s ahead (pacing_lead_s), so it lasts 17 s or more on any machine (most of
     it waiting for real time, not generating)."""
     async def quiet():
         async with RealtimeClient(serve_app) as client:
-            await client.start("a long road", png_url(), W, H, 9, fps=2)
+            await client.start("a long road", png_url(), W, H, 16, fps=4)
             return await client.receive_session(timeout=600, ping_interval=None)
 
     result = run(quiet())
-    assert result.error is None and result.done == {"type": "session.done", "chunks": 9, "stopped": False}
+    assert result.error is None and result.done == {"type": "session.done", "chunks": 16, "stopped": False}
     assert result.arrivals[-1] - result.started_at > 15                   # outlived the stall bound
-    assert sum(c["num_frames"] for c in result.chunks) == 12 * 9 - 3
+    assert sum(c["num_frames"] for c in result.chunks) == 12 * 16 - 3
 
 
 def live_sessions() -> int:
