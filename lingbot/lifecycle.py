@@ -9,7 +9,8 @@ sits one floor above the builder, which it loads through, and the runtime, whose
     warm_up  -> the attention kernel is chosen at the steady-state shape; then a throwaway session runs
                 through every window length a session passes through (chunks 0 to window_chunks), so
                 compiles, kernel choices and allocator growth happen here, never in a viewer's time to
-                first chunk; then the session is freed
+                first chunk; then the session is freed. Eager on CPU none of those depend on the window's
+                length: one chunk (every code path once) is the warm-up there
     measure  -> device memory after warm-up
     capacity -> sessions this rank can hold
 
@@ -36,6 +37,7 @@ from .camera import Controls
 from .parallel.comm import Comm
 from .runtime.attention import choose_for_steady_state
 from .runtime.budget import CPU_BUDGET_BYTES, session_footprint, sessions_that_fit, shared_cache_bytes
+from .runtime.compile import compile_default
 from .runtime.pipeline import WorldPipeline
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class RankLifecycle:
         self.pipeline: Optional[WorldPipeline] = None
         self.loaded_bytes = 0
         self.cuda_graphs = False
+        self.compiled = False
         self.waited_for_group_s = 0.0       # after load, for the slowest rank (the group start timeout)
         self.warmup: Optional[WarmupReport] = None
         self.attention_kernel: Optional[str] = None
@@ -92,6 +95,8 @@ class RankLifecycle:
         torch.set_grad_enabled(False)
         self.pipeline = build_pipeline(preset, model_path, device=self.device, comm=self.comm, **pipeline_kwargs)
         self.cuda_graphs = bool(pipeline_kwargs.get("cuda_graphs")) and self.device.type == "cuda"
+        compile = pipeline_kwargs.get("compile")
+        self.compiled = self.cuda_graphs or (compile_default(self.device) if compile is None else bool(compile))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.loaded_bytes = torch.cuda.memory_allocated(self.device)
@@ -105,8 +110,9 @@ class RankLifecycle:
 
     # ---- 3. warm up ---------------------------------------------------------------------------
     def warm_up(self, chunks: Optional[int] = None) -> WarmupReport:
-        """Run a throwaway session through every window length (window_chunks + 1 chunks by default), with
-        keys, then free it. Every rank of the group runs it together (it holds the same collectives)."""
+        """Run a throwaway session through every window length (window_chunks + 1 chunks by default; one
+        chunk eager on CPU, warm_up_chunks), with keys, then free it. Every rank of the group runs it together
+        (it holds the same collectives)."""
         pipeline = self.pipeline
         preset = pipeline.preset
         cfg = preset.transformer
@@ -114,7 +120,7 @@ class RankLifecycle:
         if self.device.type == "cuda":                     # the probe is not a session's: off the peak
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        chunks = chunks or cfg.window_chunks + 1
+        chunks = chunks or warm_up_chunks(cfg.window_chunks, self.device, self.compiled)
         image = np.zeros((preset.height, preset.width, 3), dtype=np.uint8)
         session = pipeline.new_session(image, "warm-up", seed=0)
         keys = Controls(keys=("w", "l", "i")[:preset.transformer.num_frames_per_block])
@@ -158,6 +164,13 @@ class RankLifecycle:
                                      decoders, self.device)
         return measured_capacity(self.memory, session_footprint(preset, self.world_size, decoders, self.device).total,
                                  shared_cache_bytes(preset), max_sessions)
+
+
+def warm_up_chunks(window_chunks: int, device: torch.device, compiled: bool) -> int:
+    """Chunks of the warm-up session: every window length (window_chunks + 1) where the shapes matter,
+    on an accelerator (kernel choices, allocator growth) or compiled (a graph per shape); one chunk eager on
+    CPU, where nothing is chosen or grown per shape (6 chunks more cost a tiny group start ~3 s a rank)."""
+    return window_chunks + 1 if compiled or device.type != "cpu" else 1
 
 
 def measured_capacity(memory: MemoryReport, session_bytes: int, shared_caches: int, max_sessions: int) -> int:

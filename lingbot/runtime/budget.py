@@ -11,6 +11,7 @@ snapshots cost on the host is snapshot_budget.py's.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -47,8 +48,14 @@ def vae_cache_entries(preset: Preset, world_size: int = 1, rank: int = 0) -> tup
     the meta device (shapes only). Under SP each 3x3 causal conv of the decoder caches its input with the
     halo and the zero rows it was assembled with (lingbot/parallel/vae_shard.py): 2 rows and 2 columns
     more than its share."""
-    lh, lw = preset.latent_hw
-    width = split_sizes(lw, world_size)[rank]
+    width = split_sizes(preset.latent_hw[1], world_size)[rank]
+    decoded, encoded = _vae_cache_entries(preset, width, world_size > 1)
+    return list(decoded), list(encoded)
+
+
+@functools.lru_cache(maxsize=64)            # a fact of the preset and the columns; a meta run costs ~0.6 s on CPU
+def _vae_cache_entries(preset: Preset, width: int, sharded: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    lh, _ = preset.latent_hw
     with torch.device("meta"):
         vae = WanVAE(preset.vae).to(parse_dtype(preset.vae_dtype))
         decoder, encoder = CausalCache(), CausalCache()
@@ -56,7 +63,7 @@ def vae_cache_entries(preset: Preset, world_size: int = 1, rank: int = 0) -> tup
         vae.decode(torch.zeros(1, 16, preset.transformer.num_frames_per_block, lh, width), decoder)
         vae.encode(torch.zeros(1, 3, preset.geometry.pixel_frames(0), preset.height, preset.width), encoder)
     halo = {f"decoder.{name}": m.space_pad for name, m in vae.decoder.named_modules()
-            if world_size > 1 and isinstance(m, CausalConv3d) and m.space_pad[0] > 0}
+            if sharded and isinstance(m, CausalConv3d) and m.space_pad[0] > 0}
     decoded = []
     for key, t in decoder.entries.items():
         shape = list(t.shape)                                     # [1, C, frames, H, W]
@@ -64,7 +71,7 @@ def vae_cache_entries(preset: Preset, world_size: int = 1, rank: int = 0) -> tup
             pad_w, _, pad_h, _ = halo[key]
             shape[-2:] = shape[-2] + 2 * pad_h, shape[-1] + 2 * pad_w
         decoded.append(math.prod(shape) * t.element_size())
-    return decoded, [t.numel() * t.element_size() for t in encoder.entries.values()]
+    return tuple(decoded), tuple(t.numel() * t.element_size() for t in encoder.entries.values())
 
 
 def _vae_cache_bytes(preset: Preset, world_size: int = 1) -> tuple[int, int]:

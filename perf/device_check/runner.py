@@ -300,11 +300,13 @@ def run(args, out: Output, started: Optional[float] = None, stages: tuple[Stage,
                     c.progress(f"{stage.name}: skipped ({reason})")
                     save()
                     continue
-                record.update(status="running", started_s=elapsed(), figures={})
-                save()
+                # the log line first: a SIGTERM as soon as the report says "running" finds it in the log above
+                # the stacks it writes
                 c.progress(f"{stage.name}: {stage.title} ..."
                            + ("" if estimate is None else f" (estimate {estimate:.0f} s, "
                                                           f"{args.deadline_s - elapsed():.0f} s left)"))
+                record.update(status="running", started_s=elapsed(), figures={})
+                save()
                 if cuda:
                     _quietly(torch.cuda.reset_peak_memory_stats, device)
                 t0 = time.perf_counter()

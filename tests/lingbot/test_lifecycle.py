@@ -1,8 +1,8 @@
-"""The rank lifecycle on CPU: connect, load, warm up through every window length, measure, capacity; and
+"""The rank lifecycle on CPU: connect, load, warm up (one chunk eager on CPU), measure, capacity; and
 the capacity rule for measured device memory, against numbers worked by hand."""
 import numpy as np
 
-from lingbot.lifecycle import MemoryReport, RankLifecycle, measured_capacity
+from lingbot.lifecycle import MemoryReport, RankLifecycle, measured_capacity, warm_up_chunks
 from lingbot.runtime.budget import CPU_BUDGET_BYTES, session_footprint, sessions_that_fit
 
 GIB = 2 ** 30
@@ -14,13 +14,21 @@ def test_lifecycle_in_order_on_cpu(tiny):
     assert comm.world_size == 1
     pipeline = life.load("tiny")
     report = life.warm_up()
-    assert report.chunks == tiny.transformer.window_chunks + 1 == 7       # every window length, then steady
+    assert report.chunks == 1 and not life.compiled                         # eager on CPU: one chunk
+    assert life.warm_up(chunks=3).chunks == 3
     assert life.measure() is None                                          # CPU: the budget rule
     assert life.capacity(max_sessions=4) == sessions_that_fit(tiny, 1, CPU_BUDGET_BYTES, 4)
     assert life.capacity(max_sessions=4, budget_bytes=1) == 0
     # the warm-up session is gone and the pipeline serves real ones from chunk 0
     session = pipeline.new_session(np.zeros((64, 112, 3), np.uint8), "p", seed=1)
     assert session.step().index == 0
+
+
+def test_the_warm_up_runs_every_window_length_where_shapes_matter():
+    import torch
+    assert warm_up_chunks(6, torch.device("cpu"), compiled=False) == 1
+    assert warm_up_chunks(6, torch.device("cpu"), compiled=True) == 7          # a graph per window length
+    assert warm_up_chunks(6, torch.device("cuda", 0), compiled=False) == 7     # kernel choices, allocator growth
 
 
 def test_measured_capacity_by_hand(tiny):
