@@ -8,11 +8,12 @@ import pytest
 
 PORT = 18765
 METRICS_PORT = 18767
+METRICS_INTERVAL_MS = 2000                # Ray exports recorded metrics this often (its default: 10 s)
 URL = f"ws://127.0.0.1:{PORT}/v1/realtime/video"
 HTTP = f"http://127.0.0.1:{PORT}"
 TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2, min_groups=1, max_groups=1,
-                     start_timeout_s=3, admission_wait_s=3, retry_after_s=7, stall_timeout_s=15,
-                     pacing_lead_s=30, graceful_shutdown_timeout_s=5, decoder="wan,tae",
+                     start_timeout_s=3, admission_wait_s=3, retry_after_s=7, stall_timeout_s=8,
+                     pacing_lead_s=8, graceful_shutdown_timeout_s=5, decoder="wan,tae",
                      max_in_flight_chunks=2)        # the GPU default, so the overlap is tested here too
 
 
@@ -25,7 +26,7 @@ def serve_app():
 
     from deployments.app import build_app
     ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=METRICS_PORT)
+             _metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(TEST_SETTINGS), name="lingbot", route_prefix="/")
     yield URL
