@@ -112,7 +112,7 @@ def test_api_key_is_required(strict_app):
 
 def test_idle_and_lifetime_limits(strict_app):
     """Pings alone do not keep a session: it ends after idle_timeout_s (10 s) without interactions. A
-    session that keeps interacting ends at max_lifetime_s (12 s)."""
+    session that keeps interacting ends at max_lifetime_s (12 s). The two run side by side."""
     async def idle():
         client = await endless()
         try:
@@ -134,7 +134,10 @@ def test_idle_and_lifetime_limits(strict_app):
         finally:
             await client.__aexit__()
 
-    idle_result, busy_result = run(idle()), run(busy())
+    async def both():
+        return await asyncio.gather(idle(), busy())
+
+    idle_result, busy_result = run(both())
     assert idle_result.error["code"] == "idle_timeout" and idle_result.close_code == 1008
     assert "no interaction for 10 s" in idle_result.error["message"]
     assert busy_result.error["code"] == "max_lifetime" and busy_result.close_code == 1008

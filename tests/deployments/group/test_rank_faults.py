@@ -107,7 +107,7 @@ def test_a_slow_load_does_not_abort_the_group_and_a_hung_peer_fails_the_chunk_ca
     """Rank 0 loads 2 collective timeouts late: rank 1 waits for it after load (the group start timeout)
     instead of timing out in the warm-up's first collective. Then rank 1 hangs inside a collective: rank 0's
     chunk call raises after the collective timeout, long before the peer would have come back."""
-    timeout_s, load_delay_s, hang_s = 6.0, 12.0, 30.0
+    timeout_s, load_delay_s, hang_s = 4.0, 8.0, 30.0
     settings = _settings(collective_timeout_s=timeout_s, group_start_timeout_s=120.0)
     (_, outcome0), (joined1, outcome1) = run_ranks(_slow_load_then_a_hung_peer, 2, settings, load_delay_s, hang_s,
                                                    str(tmp_path / "released"), timeout_s=240)
