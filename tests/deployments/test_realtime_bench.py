@@ -7,7 +7,7 @@ from perf import realtime
 def test_benchmark_json(serve_app, tmp_path, capsys):
     out = tmp_path / "bench.json"
     report = realtime.main(["--url", serve_app, "--num-chunks", "8", "--sessions", "2", "--concurrency", "2",
-                            "--warmup-sessions", "1", "--ping-interval", "1", "--profile-stages",
+                            "--warmup-sessions", "0", "--ping-interval", "1", "--profile-stages",
                             "--control-interval", "0.5",
                             "--output-json", str(out), "--plot", str(tmp_path / "p.png")])
     data = json.loads(out.read_text())
