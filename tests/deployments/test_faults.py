@@ -111,7 +111,9 @@ def test_soak_with_chaos_short(faults_app):
     assert wait_for_group() < 120
     frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
     image = png()
-    references = {i["seed"]: run(run_session(frames_url, image, i, 6, KEY3)).frames for i in INPUTS}
+    async def clean():                            # side by side: the group holds two sessions
+        return await asyncio.gather(*[run_session(frames_url, image, i, 6, KEY3) for i in INPUTS])
+    references = {i["seed"]: r.frames for i, r in zip(INPUTS, run(clean()))}
     sampler = Sampler(app="faults", period=1.0)
     sampler.start()
     stop, kills = threading.Event(), []
