@@ -4,24 +4,23 @@ parsed and checked with the settings: deployments.settings.parse_allowlist).
 Off by default: a server that fetches whatever URL a client names can be made to probe its own network.
 With an allow-list, a URL is fetched only when it starts with one of the listed prefixes (each a full
 `scheme://host[:port]/path/`, ending in "/", so that a prefix never matches another host), without
-credentials in it, without following redirects, within a time and a size limit. Every refusal is a
-ProtocolError with code `invalid_image` and says why. Plain Python (no Ray).
+credentials in it, without dot-segments or encoded separators in its path (`..`, `%2e%2e`, `%2f`: a
+server that resolves them would serve what lies outside the prefix), without following redirects, within
+a size limit and one overall deadline (connect, headers and body together: a host that answers one byte at
+a time cannot hold the thread that fetches). Every refusal is a ProtocolError with code `invalid_image`
+and says why. Plain Python (no Ray).
 """
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
+import http.client
+import ssl
+import time
 from dataclasses import dataclass
 from typing import Optional
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ..session.codes import ErrorCode, ProtocolError
 from ..settings import parse_allowlist
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url redirects (HTTP {code}); redirects are not followed")
 
 
 @dataclass(frozen=True)
@@ -38,25 +37,68 @@ class ImageFetcher:
     def allowed(self, url: str) -> bool:
         parts = urlsplit(url)
         return parts.scheme in ("http", "https") and "@" not in parts.netloc and \
-            any(url.startswith(p) for p in self.prefixes)
+            any(url.startswith(p) for p in self.prefixes) and not _escapes(parts.path)
 
     def fetch(self, url: str) -> bytes:
         if not self.allowed(url):
             raise ProtocolError(ErrorCode.INVALID_IMAGE, "this server fetches images only from its allow-list "
-                                "(image_url_allowlist); send the image inline")
-        opener = urllib.request.build_opener(_NoRedirect)
+                                "(image_url_allowlist), by a plain path; send the image inline")
+        deadline = time.monotonic() + self.timeout_s
         try:
-            with opener.open(urllib.request.Request(url, headers={"User-Agent": "lingbot-serve"}),
-                             timeout=self.timeout_s) as response:
-                data = response.read(self.max_bytes + 1)
+            return self._fetch(url, deadline)
         except ProtocolError:
             raise
-        except urllib.error.HTTPError as e:
-            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url answered HTTP {e.code}") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            reason = getattr(e, "reason", e)
+        except TimeoutError:
+            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url took longer than {self.timeout_s:g} s") from None
+        except (OSError, http.client.HTTPException, ValueError) as e:   # resets, refusals, bad answers
             raise ProtocolError(ErrorCode.INVALID_IMAGE,
-                                f"image_url could not be fetched ({type(reason).__name__})") from None
-        if len(data) > self.max_bytes:
-            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url holds more than {self.max_bytes} bytes")
-        return data
+                                f"image_url could not be fetched ({type(e).__name__})") from None
+
+    def _fetch(self, url: str, deadline: float) -> bytes:
+        parts = urlsplit(url)
+        connection = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=_left(deadline, self),
+                                                  context=ssl.create_default_context())
+                      if parts.scheme == "https" else
+                      http.client.HTTPConnection(parts.hostname, parts.port, timeout=_left(deadline, self)))
+        try:
+            target = parts.path + (f"?{parts.query}" if parts.query else "")
+            connection.request("GET", target, headers={"User-Agent": "lingbot-serve", "Accept-Encoding": "identity"})
+            sock = connection.sock                      # the connection lets go of it once the body is read
+            sock.settimeout(_left(deadline, self))
+            response = connection.getresponse()
+            if 300 <= response.status < 400:
+                raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url redirects (HTTP {response.status}); "
+                                    "redirects are not followed")
+            if response.status != 200:
+                raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url answered HTTP {response.status}")
+            data = bytearray()
+            while len(data) <= self.max_bytes and not response.isclosed():
+                sock.settimeout(_left(deadline, self))
+                piece = response.read1(min(2 ** 16, self.max_bytes + 1 - len(data)))
+                if not piece:
+                    break
+                data += piece
+            if len(data) > self.max_bytes:
+                raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url holds more than {self.max_bytes} bytes")
+            return bytes(data)
+        finally:
+            connection.close()
+
+
+def _left(deadline: float, fetcher: ImageFetcher) -> float:
+    """Seconds left before the fetch's deadline; past it, the fetch is refused."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url took longer than {fetcher.timeout_s:g} s")
+    return left
+
+
+def _escapes(path: str) -> bool:
+    """Whether a URL path could leave its prefix on a server that resolves it: a `.` or `..` segment, plain or
+    percent-encoded (once or more), or an encoded or backslash separator."""
+    decoded = path
+    for _ in range(3):                                   # %252e%252e: encoded twice
+        decoded = unquote(decoded)
+    lowered = path.lower()
+    return "\\" in decoded or "%2f" in lowered or "%5c" in lowered or "%25" in lowered or \
+        any(segment in (".", "..") for segment in decoded.split("/"))

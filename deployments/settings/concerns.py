@@ -295,7 +295,7 @@ class DoorSettings(SettingsConcern):
                                        "WebSocket (*: any)")
     image_url_allowlist: str = setting("", "comma-separated URL prefixes (scheme://host[:port]/path/) image_url "
                                            "and first_frame may be fetched from; empty: none (inline images only)")
-    image_fetch_timeout_s: float = setting(10.0, "time limit of one image fetch")
+    image_fetch_timeout_s: float = setting(10.0, "time limit of one image fetch, start to end")
     image_fetch_max_bytes: int = setting(20 * 2 ** 20, "size limit of one fetched image")
     max_header_bytes: int = setting(16 * 2 ** 10, "a WebSocket handshake whose headers (names and values) are "
                                                   "larger is refused (headers_too_large)")

@@ -1,7 +1,9 @@
-"""Fetching a first frame over http(s): only from the operator's allow-list, no redirects, bounded in size.
-A real HTTP server on localhost serves the images."""
+"""Fetching a first frame over http(s): only from the operator's allow-list, by a plain path, no redirects,
+bounded in size and in time overall. A real HTTP server on localhost serves the images."""
 import io
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -27,6 +29,18 @@ class Images(BaseHTTPRequestHandler):
             body, code = png(), 200
         elif self.path == "/ok/big.png":
             body, code = b"\x89PNG" + b"0" * 5000, 200
+        elif self.path == "/ok/slow.png":              # one byte every 0.2 s: each read is quick, the whole is not
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            try:
+                for _ in range(100):
+                    self.wfile.write(b"0")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:
+                pass
+            return
         elif self.path == "/ok/moved.png":
             self.send_response(302)
             self.send_header("Location", "/private/secret.png")
@@ -84,3 +98,36 @@ def test_fetch_from_the_allowlist_only(server):
     refused(lambda: decode_image(f"{server}/ok/missing.png", 112, 64, fetcher), "HTTP 404")
     closed = ImageFetcher(("http://127.0.0.1:9/",), timeout_s=2.0)
     refused(lambda: decode_image("http://127.0.0.1:9/a.png", 112, 64, closed), "could not be fetched")
+
+
+def test_paths_that_could_leave_the_prefix_are_refused(server):
+    """Dot-segments, plain or percent-encoded (once or twice), and encoded or backslash separators: a server
+    that resolves them would serve what lies outside the allowed prefix. Refused before any request."""
+    fetcher = ImageFetcher((f"{server}/ok/",), timeout_s=5.0)
+    for path in ("../private/a.png", "%2e%2e/private/a.png", "%2E%2e/private/a.png", ".%2e/private/a.png",
+                 "%252e%252e/private/a.png", "..%2fprivate/a.png", "..%5cprivate", "..\\private/a.png",
+                 "./a.png", "sub/../../private/a.png", "a%2fb.png"):
+        assert not fetcher.allowed(f"{server}/ok/{path}"), path
+        refused(lambda p=path: fetcher.fetch(f"{server}/ok/{p}"), "allow-list")
+    for path in ("a.png", "a..png", "..a.png", "sub/.hidden.png", "a%20b.png"):      # dots inside a name are fine
+        assert fetcher.allowed(f"{server}/ok/{path}"), path
+
+
+def test_the_fetch_has_one_overall_deadline(server):
+    """A host that answers a byte at a time (every read within the socket timeout), or accepts and never
+    answers, is cut at the fetch's deadline, not after its whole body."""
+    fetcher = ImageFetcher((f"{server}/ok/",), timeout_s=1.0)
+    t0 = time.monotonic()
+    refused(lambda: fetcher.fetch(f"{server}/ok/slow.png"), "took longer than 1 s")
+    assert time.monotonic() - t0 < 1.8
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)                                    # accepts (the kernel does), never answers
+    try:
+        port = silent.getsockname()[1]
+        mute = ImageFetcher((f"http://127.0.0.1:{port}/",), timeout_s=1.0)
+        t0 = time.monotonic()
+        refused(lambda: mute.fetch(f"http://127.0.0.1:{port}/a.png"), "took longer than 1 s")
+        assert time.monotonic() - t0 < 1.8
+    finally:
+        silent.close()
