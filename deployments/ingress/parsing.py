@@ -38,6 +38,11 @@ MAX_INT_DIGITS = 40
 # (11 minutes at 16 fps); real maps hold a few dozen keys.
 MAX_CONTAINERS = 2 ** 16            # arrays and maps in one message
 MAX_MAP_LEN = 256                   # keys in one map
+# text a client sends that is kept: a prompt is tokenized whole before the text encoder cuts it at 512 tokens
+# (umT5: about 4 characters each in English, 1 in Chinese), and it stays in the session's journal; an event id is
+# echoed in every chunk's metadata
+MAX_PROMPT_CHARS = 4096
+MAX_EVENT_ID_CHARS = 128
 INLINE_DECODE_BYTES = 64 * 2 ** 10  # larger messages (starts, with their image) decode in a worker thread
 # First frames decoded at once in this process. One at the pixel cap (6.4 M pixels at 832x480) takes about
 # 150 MB (the decoded image, its RGB copy, uint8 and float arrays) and under a second of a core; starts parse in
@@ -198,6 +203,14 @@ def decode_image(url: str, width: int, height: int, fetcher=None) -> np.ndarray:
     return first_frame_pixels(raw, width, height, "image data URL")
 
 
+def bounded_text(value: str, limit: int, what: str, close: Optional[int] = None, **extra) -> str:
+    """`value` when it holds at most `limit` characters; else the refusal text_too_long."""
+    if len(value) > limit:
+        raise ProtocolError(ErrorCode.TEXT_TOO_LONG, f"{what} holds {len(value)} characters; at most {limit}",
+                            close=close, **extra)
+    return value
+
+
 def finite(value) -> float:
     try:
         out = float(value)
@@ -270,6 +283,9 @@ class StartRules:
         if (width, height) != tuple(served):
             raise ProtocolError(ErrorCode.UNSUPPORTED_SIZE, f"this deployment serves {served[0]}x{served[1]}, "
                                 f"not {width}x{height}", close=self.close)
+
+    def prompt(self, value: str, what: str) -> str:
+        return bounded_text(value, MAX_PROMPT_CHARS, what, close=self.close)
 
     def fps(self, value: Optional[float], default: float) -> float:
         """The session's fps (`value` a number the dialect read, None: the deployment's `default`)."""

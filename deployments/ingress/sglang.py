@@ -23,8 +23,10 @@ from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
     INLINE_DECODE_BYTES,
+    MAX_PROMPT_CHARS,
     StartRules,
     ascii_int,
+    bounded_text,
     check_size,
     checked_message,
     decode_image,
@@ -142,6 +144,7 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     prompt = msg.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ProtocolError(ErrorCode.MISSING_FIELD, "init needs a non-empty string 'prompt'")
+    START.prompt(prompt, "init.prompt")
     _opt(msg, "model", str, "a string")
     width, height = parse_size(msg["size"]) if msg.get("size") is not None else served_size
     START.served_size(width, height, served_size)
@@ -224,7 +227,7 @@ def _apply(kind: str, payload: Any, out: Interaction) -> None:
     if kind == "prompt":
         if not isinstance(payload, str) or not payload.strip():
             raise ProtocolError(ErrorCode.INVALID_FIELD, "prompt event payload must be a non-empty string")
-        out.prompt = payload
+        out.prompt = bounded_text(payload, MAX_PROMPT_CHARS, "prompt event payload")
         return
     if isinstance(payload, dict) and payload.get("mode") == "state":
         transitions = payload.get("transitions")

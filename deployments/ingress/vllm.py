@@ -17,8 +17,11 @@ from ..session.ports import STOP
 from ..session.requests import Interaction, StartRequest
 from .parsing import (
     INLINE_DECODE_BYTES,
+    MAX_EVENT_ID_CHARS,
+    MAX_PROMPT_CHARS,
     StartRules,
     bounded_int,
+    bounded_text,
     check_json_text,
     check_size,
     checked_message,
@@ -59,7 +62,7 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
     where = "session.start"
     extra = msg.get("extra_params")
     decoder = START.decoder(extra.get("decoder") if isinstance(extra, dict) else None, decoders)
-    prompt = require(msg, "prompt", str, where)
+    prompt = START.prompt(require(msg, "prompt", str, where), f"{where}.prompt")
     width = require(msg, "width", int, where) if "width" in msg else served_size[0]
     height = require(msg, "height", int, where) if "height" in msg else served_size[1]
     if width <= 0 or height <= 0 or width % 16 or height % 16:
@@ -135,7 +138,9 @@ def parse_interaction(msg: dict) -> Interaction:
     event_id = body.get("event_id")
     if event_id is None:
         raise ProtocolError(ErrorCode.MISSING_FIELD, "session.interaction needs interaction.event_id")
-    event_id = str(event_id)
+    if isinstance(event_id, bool) or not isinstance(event_id, (str, int)):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "interaction.event_id must be a string or an integer")
+    event_id = bounded_text(str(event_id), MAX_EVENT_ID_CHARS, "interaction.event_id")
     try:
         return _parse_event(body, event_id)
     except ProtocolError as e:
@@ -156,7 +161,7 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
     if event.get("prompt") is not None:
         if not isinstance(event["prompt"], str):
             raise ProtocolError(ErrorCode.INVALID_FIELD, "event.prompt must be a string", event_id=event_id)
-        out.prompt = event["prompt"]
+        out.prompt = bounded_text(event["prompt"], MAX_PROMPT_CHARS, "event.prompt", event_id=event_id)
     camera = (event.get("multi_modal_data") or {}).get("camera") if isinstance(event.get("multi_modal_data"), dict) \
         else None
     if camera is not None:

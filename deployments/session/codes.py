@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_EVENT = "unsupported_event"          # second protocol: an event kind it does not know
     MISSING_FIELD = "missing_field"
     INVALID_FIELD = "invalid_field"
+    TEXT_TOO_LONG = "text_too_long"                  # a prompt or an event id longer than parsing.py allows
     # the start
     INVALID_IMAGE = "invalid_image"
     IMAGES_BUSY = "images_busy"                      # every first-frame decode slot stayed taken (1013, retry_after_s)
@@ -54,7 +55,7 @@ class ErrorCode(StrEnum):
     HEADERS_TOO_LARGE = "headers_too_large"          # a handshake's headers over max_header_bytes (1008)
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
     TOO_MANY_SESSIONS = "too_many_sessions"
-    RATE_LIMITED = "rate_limited"
+    RATE_LIMITED = "rate_limited"                    # a key's starts, or a session's messages, too fast
     # time limits
     START_TIMEOUT = "start_timeout"
     STALL_TIMEOUT = "stall_timeout"

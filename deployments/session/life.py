@@ -48,6 +48,7 @@ from .events import (
 from .ledger import ContinuityLedger
 from .phases import PhaseMachine
 from .ports import ACTIVITY, STOP, ClientGone, GroupLink, SessionMetrics, Wire
+from .rate import MessageRate
 from .requests import Interaction, StartRequest
 from .waiting import WaitingRoom
 
@@ -88,6 +89,7 @@ class SessionLife:
         self.chunks_sent = 0
         self.sequence = 0                       # interactions posted (their arrival order)
         self.last_interaction = self.started_at = time.monotonic()
+        self.rate = MessageRate(settings.max_messages_per_s, self.started_at)
         self.scripted = False                   # the camera follows an offline trajectory: no camera or key events
         self.resumes = 0                        # every resume (each has its own id at its group)
         self.faults = 0                         # resumes after a fault (at most max_resumes); a drain is not one
@@ -150,6 +152,12 @@ class SessionLife:
                 await self.refuse(e)
                 if self.ended:
                     return None
+                continue
+            now = time.monotonic()
+            if not self.rate.take(now):                     # dropped; the client hears it once a second
+                refusal = self.rate.refusal(now)
+                if refusal is not None:
+                    await self.refuse(refusal)
                 continue
             reply = self.wire.keepalive_reply(msg)
             if reply is None:
@@ -338,12 +346,20 @@ class SessionLife:
                 return None
 
     async def post(self, interaction: Interaction) -> bool:
-        """Send a client's interaction to its group (refused while the camera follows a path)."""
+        """Send a client's interaction to its group (refused while the camera follows a path, and past
+        max_queued_controls owed while no group holds the session)."""
         if self.scripted and (interaction.camera is not None or interaction.keys is not None
                               or interaction.hold is not None):
             await self.refuse(ProtocolError(ErrorCode.CAMERA_SCRIPTED, "this session's camera follows its "
                                             "camera_trajectory; only prompt events apply",
                                             event_id=interaction.event_id))
+            return False
+        limit = self.settings.max_queued_controls
+        if self.phase is not Phase.STREAMING and len(self.ledger.unstarted) >= limit:
+            # no group holds the session to refuse the excess (it does while streaming): the ledger does, so
+            # what waits for the next group stays bounded however long the resume takes
+            await self.refuse(ProtocolError(ErrorCode.TOO_MANY_CONTROLS, f"more than {limit} interactions wait "
+                                            "for the session's next group", event_id=interaction.event_id))
             return False
         self.last_interaction = time.monotonic()
         self.sequence += 1

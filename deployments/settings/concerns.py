@@ -328,11 +328,13 @@ class SessionLimits(SettingsConcern):
     max_start_bytes: int = setting(4 * 2 ** 20, "size limit of the session.start message (with its image)")
     max_control_bytes: int = setting(128 * 2 ** 10, "size limit of any later client message")
     max_queued_controls: int = setting(64, "client messages queued per session (flow control)")
+    max_messages_per_s: float = setting(50.0, "client messages a session may send per second, in bursts of twice "
+                                              "that; past it a message is dropped (one rate_limited a second)")
     default_chunks: int = setting(8, "chunks of a session whose session.start gives no num_frames")
     max_chunks: int = setting(100000, "chunks one session may ask for, at most")
 
     def __post_init__(self):
-        self._positive("start_timeout_s", "stall_timeout_s", "idle_timeout_s", "max_lifetime_s")
+        self._positive("start_timeout_s", "stall_timeout_s", "idle_timeout_s", "max_lifetime_s", "max_messages_per_s")
         self._at_least(1, "max_start_bytes", "max_control_bytes", "max_queued_controls", "default_chunks")
         if self.default_chunks > self.max_chunks:
             raise ConfigError(f"default_chunks ({self.default_chunks}) must be <= max_chunks ({self.max_chunks})")

@@ -114,6 +114,7 @@ class ServeSettings:
     max_start_bytes: int = SessionLimits.max_start_bytes
     max_control_bytes: int = SessionLimits.max_control_bytes
     max_queued_controls: int = SessionLimits.max_queued_controls
+    max_messages_per_s: float = SessionLimits.max_messages_per_s
     default_chunks: int = SessionLimits.default_chunks
     max_chunks: int = SessionLimits.max_chunks
     # health

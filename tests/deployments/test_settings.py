@@ -40,7 +40,7 @@ FLAT_DEFAULTS = {
     "restart_stale_chunks": False, "admission_wait_s": 0.0, "resume_sessions": True, "resume_wait_s": 120.0,
     "max_resumes": 3, "snapshots": True, "drain_poll_s": 2.0, "drain_lead_s": 3.0, "retry_after_s": 10.0,
     "start_timeout_s": 10.0, "stall_timeout_s": 60.0, "idle_timeout_s": 300.0, "max_lifetime_s": 3600.0,
-    "max_start_bytes": 4194304, "max_control_bytes": 131072, "max_queued_controls": 64,
+    "max_start_bytes": 4194304, "max_control_bytes": 131072, "max_queued_controls": 64, "max_messages_per_s": 50.0,
     "max_ingress_sessions": 64, "default_chunks": 8, "max_chunks": 100000, "group_start_timeout_s": 1800.0,
     "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
     "max_in_flight_chunks": None, "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
@@ -249,6 +249,7 @@ def test_each_group_is_a_frozen_dataclass_of_its_concern():
     (lambda: DoorSettings(image_fetch_max_bytes=0), "image_fetch_max_bytes must be > 0, got 0"),
     (lambda: SessionLimits(stall_timeout_s=0), "stall_timeout_s must be > 0, got 0"),
     (lambda: SessionLimits(max_queued_controls=0), "max_queued_controls must be >= 1, got 0"),
+    (lambda: SessionLimits(max_messages_per_s=0), "max_messages_per_s must be > 0, got 0"),
     (lambda: SessionLimits(default_chunks=9, max_chunks=8), r"default_chunks \(9\) must be <= max_chunks \(8\)"),
     (lambda: HealthSettings(chunk_timeout_s=0), "chunk_timeout_s must be > 0, got 0"),
     # across groups: ServeSettings checks the device against the placement's accelerators

@@ -56,6 +56,7 @@ def test_init_defaults_and_fields():
     (dict(type="event"), "not_started", "first message must be an init"),
     (dict(prompt=""), "missing_field", "non-empty string 'prompt'"),
     (dict(prompt=3), "missing_field", "prompt"),
+    (dict(prompt="a" * 4097), "text_too_long", "init.prompt holds 4097 characters; at most 4096"),
     (dict(first_frame=None), "missing_field", "first_frame"),
     (dict(first_frame=b"not an image"), "invalid_image", "first_frame"),
     (dict(first_frame="https://example.com/a.png"), "invalid_image", "not fetched"),
@@ -110,6 +111,11 @@ def event(kind, payload=None, event_id=None, seq=1):
     return sglang.parse_event(msg, seq)
 
 
+def test_a_prompt_of_the_longest_length_is_taken():
+    assert init(prompt="p" * 4096).prompt == "p" * 4096
+    assert sglang.parse_event({"type": "event", "kind": "prompt", "payload": "q" * 4096}, 1).prompt == "q" * 4096
+
+
 def test_event_kinds():
     assert event("heartbeat") is None
     e = event("camera_actions", [["w"], [], ["a", "j"]], event_id=7)
@@ -129,6 +135,10 @@ def test_event_kinds():
     ({"type": "event", "kind": "dance"}, "unsupported_event", "unknown event kind 'dance'"),
     ({"type": "event", "kind": "prompt", "payload": ""}, "invalid_field", "non-empty string"),
     ({"type": "event", "kind": "prompt", "payload": None}, "invalid_field", "non-empty string"),
+    ({"type": "event", "kind": "prompt", "payload": "é" * 4097, "event_id": 3}, "text_too_long",
+     "prompt event payload holds 4097 characters; at most 4096"),
+    ({"type": "event", "kind": "composite_input", "payload": {"input_types": ["prompt"], "prompt": "x" * 5000}},
+     "text_too_long", "at most 4096"),
     ({"type": "event", "kind": "prompt", "payload": "x", "event_id": "7"}, "invalid_field", "event_id"),
     ({"type": "event", "kind": "prompt", "payload": "x", "event_id": True}, "invalid_field", "event_id"),
     ({"type": "event", "kind": "camera_actions", "payload": "w"}, "invalid_field", "list of action lists"),

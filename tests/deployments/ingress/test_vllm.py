@@ -53,6 +53,7 @@ def test_start_parsing():
     (dict(num_frames=34), "invalid_num_frames", 1008),
     (dict(num_frames=frames_for_chunks(101)), "invalid_num_frames", 1008),
     (dict(prompt=None), "missing_field", None),
+    (dict(prompt="p" * 4097), "text_too_long", 1008),
     (dict(seed="x"), "invalid_field", None),
     (dict(fps=0), "invalid_field", 1008),
     (dict(image_reference={"image_url": "data:image/png;base64,@@@"}), "invalid_image", None),
@@ -103,6 +104,26 @@ def test_interaction_parsing():
     with pytest.raises(ProtocolError, match="camera mode 'spin'"):
         parse_interaction({"interaction": {"event_id": "e", "event": {"multi_modal_data": {"camera": {
             "mode": "spin", "data": {"translation": [0, 0, 0], "rotation": [0, 0, 0, 1]}}}}}})
+
+
+def test_prompts_and_event_ids_are_bounded():
+    """A prompt of at most 4096 characters (the text encoder reads 512 tokens), an event id a string or an
+    integer of at most 128 characters (echoed in every chunk's metadata)."""
+    assert start(prompt="p" * 4096).prompt == "p" * 4096
+    ok = parse_interaction({"interaction": {"event_id": "e" * 128, "event": {"prompt": "q" * 4096}}})
+    assert ok.event_id == "e" * 128 and ok.prompt == "q" * 4096
+    cases = [({"event_id": "e" * 129, "event": {"prompt": "q"}}, "text_too_long",
+              "interaction.event_id holds 129 characters; at most 128", None),
+             ({"event_id": 10 ** 130, "event": {"prompt": "q"}}, "text_too_long", "at most 128", None),
+             ({"event_id": {"a": 1}, "event": {"prompt": "q"}}, "invalid_field", "a string or an integer", None),
+             ({"event_id": True, "event": {"prompt": "q"}}, "invalid_field", "a string or an integer", None),
+             ({"event_id": "e1", "event": {"prompt": "q" * 4097}}, "text_too_long",
+              "event.prompt holds 4097 characters; at most 4096", "e1")]
+    for body, code, match, echoed in cases:
+        with pytest.raises(ProtocolError, match=match) as info:
+            parse_interaction({"interaction": body})
+        assert info.value.code == code and info.value.close is None          # the session goes on
+        assert info.value.extra.get("event_id") == echoed
 
 
 def test_out_of_range_values_are_refused():

@@ -351,3 +351,43 @@ def test_the_queue_wait_is_bounded_and_a_deployment_that_stops_growing_refuses()
                     growth=lambda now: Growth(1, 1, 2, 20.0) if now < flip else Growth(2, 0, 2, 20.0))
     live(wire, groups)
     assert flip + 0.5 <= time.monotonic() < flip + 2.0 and wire.log[-1][1] == ErrorCode.CAPACITY_EXHAUSTED
+
+
+def test_a_flood_of_messages_is_dropped_past_the_rate_and_the_client_told_once_a_second():
+    """max_messages_per_s 10 (a burst of 20): of 60 pings at once about 20 are answered, one rate_limited; after a
+    pause the bucket has refilled and the session goes on to its end."""
+    settings = dataclasses.replace(SETTINGS, max_messages_per_s=10.0)
+    wire = Wire([{"type": "start", "chunks": 1}, *[{"type": "ping"}] * 60, 0.5, {"type": "ping"}])
+    groups = Groups(Lease([admitted("g1"), 0.8, chunk(0), SessionDone(1)]))
+    life, _, _ = live(wire, groups, settings)
+    pongs = [e for e in wire.log if e == ("send", {"pong": True})]
+    # the start took one token, the flood 19 (20 if the bucket refilled one while it was read), the late ping one
+    assert 40 <= life.rate.dropped <= 41 and len(pongs) == 61 - life.rate.dropped
+    assert wire.log.count(("error", ErrorCode.RATE_LIMITED)) == 1 and wire.log[-1] == ("done", False, 1)
+    assert life.metrics.refusals == [ErrorCode.RATE_LIMITED]
+
+
+def test_the_rate_refills_and_tells_at_most_once_a_second():
+    from deployments.session.rate import MessageRate
+    rate = MessageRate(per_s=2.0, now=0.0)
+    assert [rate.take(0.0) for _ in range(5)] == [True] * 4 + [False]         # a burst of twice the rate
+    first = rate.refusal(0.0)
+    assert first.code == ErrorCode.RATE_LIMITED and first.extra["retry_after_s"] == 0.5 and first.close is None
+    assert rate.refusal(0.5) is None and rate.refusal(1.0) is not None         # told again a second later
+    assert rate.take(1.0) and rate.take(1.0) and not rate.take(1.0)            # 1 s refilled 2
+    assert rate.take(100.0) and rate.tokens == 3.0 and rate.dropped == 2       # never more than the burst
+
+
+def test_while_no_group_holds_the_session_the_interactions_waiting_for_one_are_bounded():
+    """A fault, and the next group is slow to come: interactions wait in the ledger, at most
+    max_queued_controls of them; the excess is refused with too_many_controls and the rest go to the new group."""
+    settings = dataclasses.replace(SETTINGS, max_queued_controls=3, resume_wait_s=5.0)
+    acts = [{"type": "act", "id": f"e{i}"} for i in range(5)]
+    wire = Wire([{"type": "start", "chunks": 2}, 0.2, *acts])
+    failed = Lease([admitted("g1"), chunk(0), 0.1, SessionFailed(ErrorCode.INTERNAL_ERROR, "rank died")])
+    late = Lease([0.6, admitted("g2"), Resumed(0, 0.0, 1), chunk(1, started=["e0", "e1", "e2"]), SessionDone(2)])
+    life, phases, _ = live(wire, Groups(failed, late), settings)
+    assert Phase.RESUMING in phases and wire.log[-1] == ("done", False, 2)
+    assert wire.log.count(("error", ErrorCode.TOO_MANY_CONTROLS)) == 2
+    assert [eid for _, _, eid in life.groups.posted] == ["e0", "e1", "e2"]      # to the new group only
+    assert life.ledger.unstarted == []
