@@ -30,7 +30,7 @@ from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import sglang
 from .census import GroupCensus, serve_counts
-from .door import TenantLimits, origin_allowed, presented_key
+from .door import TenantLimits, host_allowed, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
@@ -175,6 +175,9 @@ class Ingress:
             return ProtocolError(ErrorCode.HEADERS_TOO_LARGE, f"the handshake's headers hold {size} bytes; at most "
                                  f"{self.settings.max_header_bytes} are accepted", close=CLOSE_POLICY), ""
         headers = dict(ws.headers)
+        if not host_allowed(headers, self.settings.allowed_host_set):
+            return ProtocolError(ErrorCode.HOST_NOT_ALLOWED, "sessions are not opened through this host name "
+                                 "(allowed_hosts)", close=CLOSE_POLICY), ""
         if not origin_allowed(headers, self.settings.allowed_origin_set):
             return ProtocolError(ErrorCode.ORIGIN_NOT_ALLOWED, f"pages from {headers.get('origin')} may not open "
                                  "sessions here (allowed_origins)", close=CLOSE_POLICY), ""

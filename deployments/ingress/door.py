@@ -6,6 +6,7 @@ on its own connections."""
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections import deque
 from typing import Optional
 
@@ -69,6 +70,28 @@ def presented_key(headers: dict, query: dict, keys: frozenset) -> Optional[str]:
 def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
     """True when no keys are configured, or the client presents one (see presented_key)."""
     return presented_key(headers, query, keys) is not None
+
+
+def host_allowed(headers: dict, allowed: frozenset) -> bool:
+    """A WebSocket handshake's Host: an IP address (a page cannot rebind one), a name in `allowed` (the
+    `allowed_hosts` setting, localhost by default), or anything when `allowed` holds "*". A name elsewhere is
+    refused: under DNS rebinding a page's own name resolves to this server, so Origin and Host agree and only
+    the name gives it away."""
+    if "*" in allowed:
+        return True
+    host = headers.get("host", "").strip()
+    if host.startswith("["):                                   # [v6]:port
+        name = host[1:host.find("]")] if "]" in host else ""
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    if not name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name in allowed
 
 
 def origin_allowed(headers: dict, allowed: frozenset) -> bool:

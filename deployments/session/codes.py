@@ -54,6 +54,7 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     HEADERS_TOO_LARGE = "headers_too_large"          # a handshake's headers over max_header_bytes (1008)
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+    HOST_NOT_ALLOWED = "host_not_allowed"            # a Host name not in allowed_hosts (DNS rebinding)
     TOO_MANY_SESSIONS = "too_many_sessions"
     RATE_LIMITED = "rate_limited"                    # a key's starts, or a session's messages, too fast
     # time limits

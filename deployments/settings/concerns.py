@@ -293,6 +293,9 @@ class DoorSettings(SettingsConcern):
                                                     "0: no limit")
     allowed_origins: str = setting("", "comma-separated page origins besides the server's own that may open a "
                                        "WebSocket (*: any)")
+    allowed_hosts: str = setting("localhost", "comma-separated host names clients may reach the server by to open a "
+                                              "session (IP addresses always may; *: any name): others are refused, "
+                                              "against DNS rebinding")
     image_url_allowlist: str = setting("", "comma-separated URL prefixes (scheme://host[:port]/path/) image_url "
                                            "and first_frame may be fetched from; empty: none (inline images only)")
     image_fetch_timeout_s: float = setting(10.0, "time limit of one image fetch, start to end")
@@ -307,6 +310,10 @@ class DoorSettings(SettingsConcern):
             raise ConfigError(str(e)) from None
         self._at_least(0, "max_sessions_per_key", "max_starts_per_minute_per_key")
         self._positive("image_fetch_timeout_s", "image_fetch_max_bytes", "max_header_bytes")
+
+    @property
+    def allowed_host_set(self) -> frozenset:
+        return frozenset(h.strip().lower().rstrip(".") for h in self.allowed_hosts.split(",") if h.strip())
 
     @property
     def allowed_origin_set(self) -> frozenset:

@@ -102,6 +102,7 @@ class ServeSettings:
     max_sessions_per_key: int = DoorSettings.max_sessions_per_key
     max_starts_per_minute_per_key: int = DoorSettings.max_starts_per_minute_per_key
     allowed_origins: str = DoorSettings.allowed_origins
+    allowed_hosts: str = DoorSettings.allowed_hosts
     image_url_allowlist: str = DoorSettings.image_url_allowlist
     image_fetch_timeout_s: float = DoorSettings.image_fetch_timeout_s
     image_fetch_max_bytes: int = DoorSettings.image_fetch_max_bytes

@@ -60,6 +60,19 @@ def test_origins_and_keys_by_hand():
     assert presented_key({}, {"api_key": "cle"}, frozenset({"clé"})) is None
 
 
+def test_hosts_by_hand():
+    from deployments.ingress.door import host_allowed
+    local = frozenset({"localhost"})
+    for host in ("localhost:8000", "LOCALHOST", "localhost.", "127.0.0.1:8000", "10.1.2.3", "[::1]:8000", "[::1]",
+                 "::1"):
+        assert host_allowed({"host": host}, local), host
+    for host in ("evil.example:8000", "localhost.evil.example", "127.0.0.1.nip.io:8000", "", "[::1", ":8000"):
+        assert not host_allowed({"host": host}, local), host
+    assert not host_allowed({}, local)                                   # no Host at all
+    assert host_allowed({"host": "world.example.com:443"}, frozenset({"world.example.com"}))
+    assert host_allowed({"host": "anything.example"}, frozenset({"*"}))
+
+
 @pytest.fixture(scope="module")
 def strict_app(serve_app):
     """The strict app, and the process ids of the rank actors it added to the cluster."""

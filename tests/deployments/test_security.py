@@ -99,3 +99,36 @@ def test_messages_of_a_million_empty_arrays_are_refused_and_the_ingress_answers_
         assert (error["type"], error["code"]) == ("error", "too_complex")
         assert error["content"] == "the message holds more than 65536 arrays and maps"
     assert json_result.error["code"] == "too_complex" and json_result.close_code == 1007
+
+
+def test_a_session_through_a_host_name_not_allowed_is_refused(serve_app):
+    """DNS rebinding: a page on a name that now resolves to this server sends its own name as Host (and as
+    Origin, so the origin check agrees). Refused with host_not_allowed; localhost (the default allowed_hosts)
+    and an IP address open sessions."""
+    import json
+    import socket
+
+    import websockets
+
+    from tests.deployments.conftest import PORT
+
+    async def handshake(host: str, origin: bool):
+        sock = socket.create_connection(("127.0.0.1", PORT))
+        url = f"ws://{host}:{PORT}/v1/realtime/video"
+        headers = {"Origin": f"http://{host}:{PORT}"} if origin else {}
+        async with websockets.connect(url, sock=sock, additional_headers=headers, open_timeout=30) as ws:
+            await ws.send(json.dumps({"type": "session.ping"}))
+            try:
+                return json.loads(await asyncio.wait_for(ws.recv(), 30)), None
+            except websockets.ConnectionClosed as e:
+                return None, e.rcvd.code
+
+    async def scenario():
+        return [await handshake(host, origin) for host, origin in
+                (("rebound.example", True), ("Rebound.Example.", False), ("localhost", True), ("127.0.0.1", False))]
+
+    (evil, _), (evil_dotted, _), (local, _), (ip, _) = run(scenario())
+    assert evil["type"] == "error" and evil["code"] == "host_not_allowed", evil
+    assert "rebound" not in evil["message"]                          # fixed texts: nothing of the request echoed
+    assert evil_dotted["code"] == "host_not_allowed"
+    assert local["type"] != "error" and ip["type"] != "error", (local, ip)

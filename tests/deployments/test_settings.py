@@ -44,7 +44,8 @@ FLAT_DEFAULTS = {
     "max_ingress_sessions": 64, "default_chunks": 8, "max_chunks": 100000, "group_start_timeout_s": 1800.0,
     "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
     "max_in_flight_chunks": None, "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
-    "api_keys": "", "max_sessions_per_key": 0, "max_starts_per_minute_per_key": 0, "allowed_origins": "",
+    "api_keys": "", "max_sessions_per_key": 0, "max_starts_per_minute_per_key": 0,
+    "allowed_origins": "", "allowed_hosts": "localhost",
     "image_url_allowlist": "", "image_fetch_timeout_s": 10.0, "image_fetch_max_bytes": 20971520,
 }
 # the drain"s constants, settings now (today"s values)
@@ -207,8 +208,10 @@ def test_each_group_is_a_frozen_dataclass_of_its_concern():
     assert (s.drain.margin_s, s.drain.flush_timeout_s, s.drain.fill_max_s, s.drain.wait_new_s,
             s.drain.new_group_slack_s) == (30.0, 10.0, 10.0, 30.0, 10.0)
     assert s.h264_settings == s.encoding.h264 and s.h264_settings.preset == "veryfast"
-    door = ServeSettings(api_keys="a, b", allowed_origins="https://x.example/, ,https://y.example").door
+    door = ServeSettings(api_keys="a, b", allowed_origins="https://x.example/, ,https://y.example",
+                         allowed_hosts="World.Example.com., localhost").door
     assert door.api_key_set == {"a", "b"} and door.allowed_origin_set == {"https://x.example", "https://y.example"}
+    assert door.allowed_host_set == {"world.example.com", "localhost"}
 
 
 @pytest.mark.parametrize("make, message", [
