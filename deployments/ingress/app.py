@@ -115,6 +115,7 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.live = 0
+        self.connections: dict[str, int] = {}    # open WebSocket connections per client address
         try:                                     # the first group's start, measured for the first burst's estimate
             self.census_task = asyncio.get_running_loop().create_task(self.groups.census.follow_first_start())
         except RuntimeError:                     # constructed off an event loop: the first burst has no estimate
@@ -190,9 +191,16 @@ class Ingress:
         ws = wire.ws
         await ws.accept()
         self.live += 1
+        address = ws.client.host if ws.client else "?"
+        self.connections[address] = self.connections.get(address, 0) + 1
         try:
             life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room)
             refusal, tenant = self._door(ws)
+            cap = self.settings.max_connections_per_address
+            if refusal is None and cap and self.connections[address] > cap:
+                refusal = ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, f"this address holds {cap} connections "
+                                        "already (max_connections_per_address)", close=CLOSE_TRY_AGAIN,
+                                        retry_after_s=5)
             if refusal is not None:
                 await life.refuse(refusal)
             else:
@@ -205,3 +213,6 @@ class Ingress:
                                                 close=CLOSE_SERVER_ERROR))
         finally:
             self.live -= 1
+            self.connections[address] -= 1
+            if not self.connections[address]:
+                del self.connections[address]

@@ -56,6 +56,7 @@ class ErrorCode(StrEnum):
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
     HOST_NOT_ALLOWED = "host_not_allowed"            # a Host name not in allowed_hosts (DNS rebinding)
     TOO_MANY_SESSIONS = "too_many_sessions"
+    TOO_MANY_CONNECTIONS = "too_many_connections"    # an address holds max_connections_per_address (1013)
     RATE_LIMITED = "rate_limited"                    # a key's starts, or a session's messages, too fast
     # time limits
     START_TIMEOUT = "start_timeout"

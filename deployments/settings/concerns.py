@@ -291,6 +291,8 @@ class DoorSettings(SettingsConcern):
                                            "once; 0: no limit")
     max_starts_per_minute_per_key: int = setting(0, "session starts per key (or client address) per minute; "
                                                     "0: no limit")
+    max_connections_per_address: int = setting(16, "WebSocket connections one client address may hold open at "
+                                                   "once, started or not; 0: no limit")
     allowed_origins: str = setting("", "comma-separated page origins besides the server's own that may open a "
                                        "WebSocket (*: any)")
     allowed_hosts: str = setting("localhost", "comma-separated host names clients may reach the server by to open a "
@@ -308,7 +310,7 @@ class DoorSettings(SettingsConcern):
             parse_allowlist(self.image_url_allowlist)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self._at_least(0, "max_sessions_per_key", "max_starts_per_minute_per_key")
+        self._at_least(0, "max_sessions_per_key", "max_starts_per_minute_per_key", "max_connections_per_address")
         self._positive("image_fetch_timeout_s", "image_fetch_max_bytes", "max_header_bytes")
 
     @property

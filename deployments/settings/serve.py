@@ -101,6 +101,7 @@ class ServeSettings:
     api_keys: str = DoorSettings.api_keys
     max_sessions_per_key: int = DoorSettings.max_sessions_per_key
     max_starts_per_minute_per_key: int = DoorSettings.max_starts_per_minute_per_key
+    max_connections_per_address: int = DoorSettings.max_connections_per_address
     allowed_origins: str = DoorSettings.allowed_origins
     allowed_hosts: str = DoorSettings.allowed_hosts
     image_url_allowlist: str = DoorSettings.image_url_allowlist

@@ -132,3 +132,39 @@ def test_a_session_through_a_host_name_not_allowed_is_refused(serve_app):
     assert "rebound" not in evil["message"]                          # fixed texts: nothing of the request echoed
     assert evil_dotted["code"] == "host_not_allowed"
     assert local["type"] != "error" and ip["type"] != "error", (local, ip)
+
+
+def test_one_address_holds_at_most_max_connections_per_address(serve_app):
+    """16 connections from one address (started or not) by default; one more is refused with
+    too_many_connections (1013, retry_after_s) at once, and once they close a new one is served."""
+    import json
+
+    import websockets
+
+    from tests.deployments.conftest import URL
+
+    async def ping(ws):
+        try:
+            await ws.send(json.dumps({"type": "session.ping"}))
+            return json.loads(await asyncio.wait_for(ws.recv(), 30))
+        except websockets.ConnectionClosed as e:
+            return {"closed": e.rcvd.code}
+
+    async def scenario():
+        held = [await websockets.connect(URL, open_timeout=30) for _ in range(17)]
+        try:
+            answers = [await ping(ws) for ws in held]
+        finally:
+            for ws in held:
+                await ws.close()
+        await asyncio.sleep(0.5)
+        async with websockets.connect(URL, open_timeout=30) as ws:
+            after = await ping(ws)
+        return answers, after
+
+    answers, after = run(scenario())
+    refused = [a for a in answers if a.get("code") == "too_many_connections"]
+    assert all(a["type"] == "session.pong" for a in answers[:15]), answers[:15]
+    assert answers[-1] in refused and 1 <= len(refused) <= 2               # 2: one of an earlier test still closing
+    assert refused[0]["retry_after_s"] == 5
+    assert after["type"] == "session.pong"

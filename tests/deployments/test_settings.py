@@ -44,7 +44,7 @@ FLAT_DEFAULTS = {
     "max_ingress_sessions": 64, "default_chunks": 8, "max_chunks": 100000, "group_start_timeout_s": 1800.0,
     "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
     "max_in_flight_chunks": None, "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
-    "api_keys": "", "max_sessions_per_key": 0, "max_starts_per_minute_per_key": 0,
+    "api_keys": "", "max_sessions_per_key": 0, "max_starts_per_minute_per_key": 0, "max_connections_per_address": 16,
     "allowed_origins": "", "allowed_hosts": "localhost",
     "image_url_allowlist": "", "image_fetch_timeout_s": 10.0, "image_fetch_max_bytes": 20971520,
 }
