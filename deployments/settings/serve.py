@@ -200,6 +200,10 @@ class ServeSettings:
         return self.door.allowed_origin_set
 
     @property
+    def allowed_host_set(self) -> frozenset:
+        return self.door.allowed_host_set
+
+    @property
     def api_key_set(self) -> frozenset:
         return self.door.api_key_set
 
