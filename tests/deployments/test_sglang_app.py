@@ -123,9 +123,7 @@ def test_held_w_moves_the_camera_over_the_chunks_it_spans(serve_app):
 
 def test_bad_input_gets_its_error_and_nobody_else_notices(serve_app):
     """Bad inits are refused and the connection waits for a good one; a live session (of the other protocol)
-    streams on while a second session floods it with 168 malformed messages at once and still completes: past
-    its message rate (50 a second, bursts of 100) the flood is dropped with a rate_limited, the rest refused one
-    by one; a second later its events are handled again."""
+    streams on while a second session takes a few hundred malformed messages and still completes."""
     url = frames_url(serve_app)
     rng = random.Random(3)
     junk = [m for m in _mutations(rng)][::2]
@@ -143,7 +141,6 @@ def test_bad_input_gets_its_error_and_nobody_else_notices(serve_app):
                 if chunk.index == 0:
                     for data in junk:
                         await c.ws.send(data)
-                    await asyncio.sleep(1.5)             # the bucket refills
                     await c.event("prompt", "", event_id=5)
                     await c.event("camera_actions", [["w"], ["q"]], event_id=6)
             fuzzed = await client.receive_session(lambda r, c: fuzz(client, r, c))
@@ -152,10 +149,7 @@ def test_bad_input_gets_its_error_and_nobody_else_notices(serve_app):
     fuzzed, live = run(scenario())
     codes = [e["code"] for e in fuzzed.errors]
     assert codes[:4] == ["unsupported_message", "invalid_image", "invalid_image", "not_started"]
-    assert "internal_error" not in codes and codes.count("rate_limited") == 1
-    # about 90 tokens were left for the flood (a few refilled while it came): most of those messages are refused
-    # on their own (some mutations are valid messages, answered with nothing), the rest dropped
-    assert 60 <= len(codes) - 4 - 3 <= len(junk)
+    assert len(codes) >= 4 + len(junk) * 0.8 and "internal_error" not in codes
     assert all(e["content"] and "Traceback" not in e["content"] for e in fuzzed.errors)
     assert [e.get("event_id") for e in fuzzed.errors[-2:]] == [5, 6]
     assert (fuzzed.close_code, fuzzed.close_reason) == (1000, "generation complete")
