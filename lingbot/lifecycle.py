@@ -37,7 +37,7 @@ from .camera import Controls
 from .parallel.comm import Comm
 from .runtime.attention import choose_for_steady_state
 from .runtime.budget import CPU_BUDGET_BYTES, session_footprint, sessions_that_fit, shared_cache_bytes
-from .runtime.compile import compile_default
+from .runtime.compile import blocks_compiled
 from .runtime.pipeline import WorldPipeline
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,6 @@ class RankLifecycle:
         self.pipeline: Optional[WorldPipeline] = None
         self.loaded_bytes = 0
         self.cuda_graphs = False
-        self.compiled = False
         self.waited_for_group_s = 0.0       # after load, for the slowest rank (the group start timeout)
         self.warmup: Optional[WarmupReport] = None
         self.attention_kernel: Optional[str] = None
@@ -95,8 +94,6 @@ class RankLifecycle:
         torch.set_grad_enabled(False)
         self.pipeline = build_pipeline(preset, model_path, device=self.device, comm=self.comm, **pipeline_kwargs)
         self.cuda_graphs = bool(pipeline_kwargs.get("cuda_graphs")) and self.device.type == "cuda"
-        compile = pipeline_kwargs.get("compile")
-        self.compiled = self.cuda_graphs or (compile_default(self.device) if compile is None else bool(compile))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.loaded_bytes = torch.cuda.memory_allocated(self.device)
@@ -107,6 +104,12 @@ class RankLifecycle:
         if self.world_size > 1:
             log.info("rank %d loaded; waited %.1f s for the other ranks to load", self.rank, self.waited_for_group_s)
         return self.pipeline
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the loaded DiT's regions are compiled (the builder's choice: the config, else the device's
+        default; CUDA graphs are compiled regions too)."""
+        return self.pipeline is not None and blocks_compiled(self.pipeline.runner.model)
 
     # ---- 3. warm up ---------------------------------------------------------------------------
     def warm_up(self, chunks: Optional[int] = None) -> WarmupReport:

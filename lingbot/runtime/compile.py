@@ -59,6 +59,11 @@ def _mark_graph_step(module, args) -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
+def blocks_compiled(model: CausalWanModel) -> bool:
+    """Whether compile_blocks compiled this model's regions (and uncompile_blocks has not undone it)."""
+    return any("attention_inputs" in block.__dict__ for block in model.blocks)
+
+
 def uncompile_blocks(model: CausalWanModel) -> CausalWanModel:
     """Back to the eager regions (the class's methods)."""
     hook = model.__dict__.pop("graph_step_hook", None)
