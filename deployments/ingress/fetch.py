@@ -49,22 +49,22 @@ class ImageFetcher:
         except ProtocolError:
             raise
         except TimeoutError:
-            raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url took longer than {self.timeout_s:g} s") from None
+            raise self._too_slow() from None
         except (OSError, http.client.HTTPException, ValueError) as e:   # resets, refusals, bad answers
             raise ProtocolError(ErrorCode.INVALID_IMAGE,
                                 f"image_url could not be fetched ({type(e).__name__})") from None
 
     def _fetch(self, url: str, deadline: float) -> bytes:
         parts = urlsplit(url)
-        connection = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=_left(deadline, self),
+        connection = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self._left(deadline),
                                                   context=ssl.create_default_context())
                       if parts.scheme == "https" else
-                      http.client.HTTPConnection(parts.hostname, parts.port, timeout=_left(deadline, self)))
+                      http.client.HTTPConnection(parts.hostname, parts.port, timeout=self._left(deadline)))
         try:
             target = parts.path + (f"?{parts.query}" if parts.query else "")
             connection.request("GET", target, headers={"User-Agent": "lingbot-serve", "Accept-Encoding": "identity"})
             sock = connection.sock                      # the connection lets go of it once the body is read
-            sock.settimeout(_left(deadline, self))
+            sock.settimeout(self._left(deadline))
             response = connection.getresponse()
             if 300 <= response.status < 400:
                 raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url redirects (HTTP {response.status}); "
@@ -73,7 +73,7 @@ class ImageFetcher:
                 raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url answered HTTP {response.status}")
             data = bytearray()
             while len(data) <= self.max_bytes and not response.isclosed():
-                sock.settimeout(_left(deadline, self))
+                sock.settimeout(self._left(deadline))
                 piece = response.read1(min(2 ** 16, self.max_bytes + 1 - len(data)))
                 if not piece:
                     break
@@ -84,13 +84,15 @@ class ImageFetcher:
         finally:
             connection.close()
 
+    def _left(self, deadline: float) -> float:
+        """Seconds left before the fetch's deadline; past it, the fetch is refused."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise self._too_slow()
+        return left
 
-def _left(deadline: float, fetcher: ImageFetcher) -> float:
-    """Seconds left before the fetch's deadline; past it, the fetch is refused."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url took longer than {fetcher.timeout_s:g} s")
-    return left
+    def _too_slow(self) -> ProtocolError:
+        return ProtocolError(ErrorCode.INVALID_IMAGE, f"image_url took longer than {self.timeout_s:g} s")
 
 
 def _escapes(path: str) -> bool:
