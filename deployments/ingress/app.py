@@ -104,6 +104,11 @@ class IngressMetrics:
         self.m.resumes.inc(tags={"outcome": outcome, "reason": reason})
 
 
+def _address(ws: WebSocket) -> str:
+    """The client's address (Serve's proxy passes the client's own)."""
+    return ws.client.host if ws.client else "?"
+
+
 @serve.ingress(app)
 class Ingress:
     def __init__(self, group, settings: dict):
@@ -185,22 +190,21 @@ class Ingress:
         key = presented_key(headers, dict(ws.query_params), self.settings.api_key_set)
         if key is None:
             return ProtocolError(ErrorCode.UNAUTHORIZED, "a valid API key is required", close=CLOSE_POLICY), ""
-        return None, f"key:{key}" if key else f"addr:{ws.client.host if ws.client else '?'}"
+        cap = self.settings.max_connections_per_address
+        if cap and self.connections.get(_address(ws), 0) > cap:           # this one counted (_serve)
+            return ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, f"this address holds {cap} connections already "
+                                 "(max_connections_per_address)", close=CLOSE_TRY_AGAIN, retry_after_s=5), ""
+        return None, f"key:{key}" if key else f"addr:{_address(ws)}"
 
     async def _serve(self, wire) -> None:
         ws = wire.ws
         await ws.accept()
         self.live += 1
-        address = ws.client.host if ws.client else "?"
+        address = _address(ws)
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
             life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room)
             refusal, tenant = self._door(ws)
-            cap = self.settings.max_connections_per_address
-            if refusal is None and cap and self.connections[address] > cap:
-                refusal = ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, f"this address holds {cap} connections "
-                                        "already (max_connections_per_address)", close=CLOSE_TRY_AGAIN,
-                                        retry_after_s=5)
             if refusal is not None:
                 await life.refuse(refusal)
             else:
@@ -216,3 +220,4 @@ class Ingress:
             self.connections[address] -= 1
             if not self.connections[address]:
                 del self.connections[address]
+
