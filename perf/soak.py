@@ -174,6 +174,14 @@ def live_sessions(base: str = f"http://127.0.0.1:{PORT}") -> int:
         return json.loads(r.read())["live_sessions"]
 
 
+def census(app: str = "soak") -> dict:
+    """What the app's ingress and group hold once its sessions are over (their `census`): every per-session
+    count 0, and the keeper owning no snapshot anyone still holds."""
+    from ray import serve
+    return {role: serve.get_deployment_handle(name, app).census.remote().result(timeout_s=60)
+            for role, name in (("ingress", "Ingress"), ("group", "WorldGroup"))}
+
+
 def plot(samples, kills, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -224,6 +232,7 @@ def main(argv=None) -> dict:
     time.sleep(3)
     sampler.halt.set()
     report["live_sessions_after"] = live_sessions()
+    report["census_after"] = census()
     report["kills"] = [role for _, role in kills]
     report["growth_mib"] = {role: round(growth(sampler.samples, role), 2)
                             for role in sorted({r for _, rss in sampler.samples for r in rss})}
@@ -242,6 +251,7 @@ def main(argv=None) -> dict:
           "growth (last third - first third), MiB")
     for role, growth_mib in report["growth_mib"].items():
         print(f"    {role:8s} slope {report['slope_mib_per_min'][role]:+7.3f} MiB/min   growth {growth_mib:+7.1f} MiB")
+    print(f"  held after the run (per-session counts, object references): {json.dumps(report['census_after'])}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=1)

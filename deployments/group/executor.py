@@ -4,7 +4,7 @@ every rank and fail the same way. No other module names a rank method (a test re
 
 Time limits: a chunk's is `chunk_timeout_s` (the executor's default); opening and resetting a session are
 unbounded (a session opens while a compile or a restore may take long; its lease is cancelled if the client
-goes); a snapshot flush and device stats take the limit their caller gives; join and the rendezvous address
+goes); a snapshot flush, device stats and the census take the limit their caller gives; join and the rendezvous address
 take the group's start timeout. Stop, close and abort are told, not awaited: each rank acts on its own."""
 from __future__ import annotations
 
@@ -72,6 +72,10 @@ class RankExecutor:
 
     async def device_stats(self, timeout_s: float) -> list[Optional[DeviceStats]]:
         return await self._gather("device_stats", self._same(), timeout_s, "device stats")
+
+    async def census(self, timeout_s: float) -> list[dict[str, int]]:
+        """What each rank holds for its sessions, and its object references (RankWorker.holdings)."""
+        return await self._gather("holdings", self._same(), timeout_s, "the census")
 
     # ---- sessions ---------------------------------------------------------------------------------
     async def open(self, session_id: str, start: StartRequest, snapshots: Optional[SnapshotPlan],

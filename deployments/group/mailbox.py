@@ -44,3 +44,7 @@ class ControlMailbox:
     async def close(self, session_id: str) -> None:
         self.items.pop(session_id, None)
         self.closed.add(session_id)
+
+    async def census(self) -> dict[str, int]:
+        """Sessions with controls waiting (0 once none is open)."""
+        return {"sessions": len(self.items)}

@@ -18,6 +18,7 @@ import numpy as np
 from lingbot.io.frames import FMP4, FrameBatcher, FrameFormat
 from lingbot.io.video import FragmentedMp4Encoder, H264Settings, pick_h264_encoder
 
+from ..memory import held_refs
 from .messages import Fragment
 from .tombstones import Tombstones
 
@@ -98,3 +99,9 @@ class Muxer:
             self.streams.pop(session_id, None)
             self.closed.add(session_id)
             self.turn.notify_all()
+
+    def census(self) -> dict[str, int]:
+        """Sessions with an encoder (0 once none is open) and the object references it holds."""
+        with self.turn:
+            streams = len(self.streams)
+        return {"sessions": streams, "object_refs": held_refs()}

@@ -27,6 +27,7 @@ from lingbot.camera import CameraRig, Controls
 from lingbot.runtime.pipeline import WorldSession
 from lingbot.runtime.snapshot import HostCopier, restore_snapshots
 
+from ..memory import Trimmer, held_refs
 from ..session.events import ModelFacts, RankRestore, SnapshotRef
 from ..settings import ServeSettings
 from .device import DeviceProbe, rank_device
@@ -61,8 +62,10 @@ class RankWorker:
         self.lock = threading.Lock()        # sessions, stopped, abort indices
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
         self.probe = DeviceProbe(self.device, rank)
+        self.trim = Trimmer()                # freed host memory back to the system (deployments/memory.py)
         # on CUDA a snapshot's copy overlaps the next chunk (a side stream)
-        self.snapshots = RankSnapshots(rank, world_size, HostCopier(self.device), self.device_thread.submit)
+        self.snapshots = RankSnapshots(rank, world_size, HostCopier(self.device), self.device_thread.submit,
+                                       self.trim)
         self._on_device(torch.set_grad_enabled, False)
 
     def _on_device(self, fn, *args):
@@ -187,6 +190,16 @@ class RankWorker:
             self.stopped.add(session_id)
             self.sessions.pop(session_id, None)
         self.device_thread.submit(self.snapshots.copier.forget, session_id)
+        self.trim()
+
+    def holdings(self) -> dict[str, int]:
+        """What the rank holds for its sessions (every count 0 once none is open; the tombstones are bounded and
+        left out) and the object references it holds."""
+        with self.lock:
+            sessions = len(self.sessions)
+        copier = self.snapshots.copier
+        return {"sessions": sessions, "snapshot_copies": len(copier.copies), "copies_pending": len(copier.pending),
+                "snapshots_unput": self.snapshots.unput, "object_refs": held_refs()}
 
     def abort_chunk(self, session_id: str, index: int) -> None:
         """Give up chunk `index` of the session at its next step before the commit (the group runs it again

@@ -44,10 +44,13 @@ class SessionSnapshots:
 
 class RankSnapshots:
     """The rank's copier (on CUDA the copy overlaps the next chunk on a side stream) and put thread, shared by
-    its sessions. `on_device(fn, *args)` queues work on the rank's device thread, behind what is queued."""
+    its sessions. `on_device(fn, *args)` queues work on the rank's device thread, behind what is queued;
+    `trim()` is called after each put (the rank's Trimmer, deployments/memory.py)."""
 
-    def __init__(self, rank: int, world_size: int, copier: HostCopier, on_device: Callable):
+    def __init__(self, rank: int, world_size: int, copier: HostCopier, on_device: Callable,
+                 trim: Callable[[], object] = lambda: None):
         self.rank = rank
+        self.trim = trim                               # after a put: its host copy's memory back (memory.py)
         self.world_size = world_size
         self.copier = copier
         self.on_device = on_device
@@ -124,6 +127,7 @@ class RankSnapshots:
     def _one_put(self, _: Future) -> None:
         with self.lock:
             self.unput -= 1
+        self.trim()
 
     @staticmethod
     def _put(keeper, slots: list, state, copied) -> tuple[list, object]:

@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..memory import held_refs
 from ..metrics import Metrics
 from ..session.codes import ErrorCode
 from ..session.events import (
@@ -46,6 +47,7 @@ log = logging.getLogger("ray.serve")
 WATCH_S = 1.0              # how often the group checks that its ranks, muxer and mailbox are alive
 EXIT_DELAY_S = 1.0         # a failed group exits this soon after telling its sessions (Serve replaces it)
 DEVICE_STATS_TIMEOUT_S = 5.0
+CENSUS_TIMEOUT_S = 30.0
 
 
 def device_metric_tags(group: str, stats: list[Optional[DeviceStats]]) -> list[tuple[DeviceStats, dict]]:
@@ -128,6 +130,18 @@ class WorldGroup:
     def facts(self) -> ModelFacts:
         """What this group's ranks run (the ingress checks starts against it)."""
         return self.model
+
+    async def census(self) -> dict:
+        """What the group, its ranks, muxer and mailbox hold for their sessions (every per-session count is 0
+        once none is open) and the object references each process holds: what a finished session must not
+        leave behind (the tests; `python -m perf.soak` prints it after its run)."""
+        ranks = await self.ranks.census(CENSUS_TIMEOUT_S)
+        muxer, mailbox = await asyncio.gather(self.muxer.census.remote(), self.mailbox.census.remote())
+        own = {"sessions": len(self.chunks.sessions), "outboxes": len(self.chunks.outboxes),
+               "deliveries": len(self.chunks.deliveries), "object_refs": held_refs()}
+        if self.leases.snapshot_seats is not None:
+            own["snapshot_seats_held"] = len(self.leases.snapshot_seats.holders)
+        return {"group": own, "ranks": ranks, "muxer": muxer, "mailbox": mailbox}
 
     # ---- healing ------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -20,6 +20,7 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
 
+from ..memory import held_refs
 from ..metrics import Metrics
 from ..session.codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 from ..session.events import ModelFacts, SessionRequest
@@ -130,6 +131,14 @@ class Ingress:
     @app.get("/healthz")
     def healthz(self):
         return {"status": "ok", "live_sessions": self.live}
+
+    async def census(self) -> dict:
+        """Not a route (a deployment handle's call: tests, `perf.soak`): the sessions this ingress serves, the
+        object references it holds (a live session's snapshots) and those its snapshot keeper owns that
+        someone still holds; all of a finished session's are gone."""
+        keeper = await self.groups.keeper()
+        owned = None if keeper is None else (await keeper.census.remote())["object_refs"]
+        return {"live_sessions": self.live, "object_refs": held_refs(), "keeper_object_refs": owned}
 
     @app.get("/readyz")
     def readyz(self):

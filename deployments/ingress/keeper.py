@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ..memory import Trimmer, held_refs
+
 log = logging.getLogger("ray.serve")
 
 
@@ -18,13 +20,23 @@ class SnapshotKeeper:
     lets the rest go. What that costs per session: lingbot/runtime/snapshot_budget.py. The ingress creates
     one per replica (and another if it dies)."""
 
+    def __init__(self):
+        self.trim = Trimmer()                       # the unpickled snapshots' freed heap back (deployments/memory.py)
+
     def ready(self) -> bool:
         return True
 
     def keep(self, slots: list, state) -> list:
         """[a reference per slot, in order, then the state's]."""
         import ray
-        return [*(ray.put(slot) for slot in slots), ray.put(state)]
+        refs = [*(ray.put(slot) for slot in slots), ray.put(state)]
+        del slots, state
+        self.trim()
+        return refs
+
+    def census(self) -> dict[str, int]:
+        """The snapshots it owns that someone still holds (0 once every session it kept for has ended)."""
+        return {"object_refs": held_refs()}
 
 
 def start_keeper():

@@ -97,3 +97,23 @@ def test_snapshots_every_3_chunks_resume_by_restore_and_replay_bitwise(worker, t
     assert [(r.chunk, r.state is not None) for r in refs] == [(0, False), (1, False), (2, False), (9, False),
                                                              (10, True)]
     assert worker.flush_snapshots("b") == ()           # nothing newer to take
+
+
+def test_closed_sessions_leave_nothing_on_the_rank(worker):
+    """Sessions with snapshots, run and closed (one mid-chunk-stream, one after a flush): the rank's per-session
+    structures (its sessions, the copier's last copies and pending copies, puts not done) are back to empty."""
+    image = np.random.RandomState(4).randint(0, 256, (64, 112, 3), dtype=np.uint8)
+    muxer, keeper = Muxer(), Keeper()
+    before = worker.holdings()
+    assert {k: v for k, v in before.items() if k != "object_refs"} == {"sessions": 0, "snapshot_copies": 0,
+                                                                      "copies_pending": 0, "snapshots_unput": 0}
+    for n, sid in enumerate(("x", "y", "z")):
+        assert worker.open_session(opening(sid, image, "a harbour", n, keeper, every_chunks=2)) == 0
+        for index in range(3 + n):
+            _run(worker, sid, index, muxer)
+    worker.flush_snapshots("y")
+    assert worker.holdings()["sessions"] == 3 and worker.holdings()["snapshot_copies"] == 3
+    for sid in ("x", "y", "z"):
+        worker.close_session(sid)
+    worker._on_device(lambda: None)                    # the copier forgets on the device thread
+    assert worker.holdings() == before

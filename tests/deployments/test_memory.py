@@ -1,0 +1,113 @@
+"""A serving process's own memory (deployments/memory.py): the trim gives back the heap freed in many threads'
+arenas, at most once per interval."""
+import threading
+
+import psutil
+
+from deployments.memory import Trimmer, trim
+
+
+def test_a_trim_gives_back_the_heap_freed_in_threads_arenas():
+    """4 threads each allocate 70 MiB in 48 KiB blocks (under malloc's mmap threshold: in the thread's arena) and
+    keep every 16th: the rest is free, but stays resident (a block kept above it pins the arena's top) until
+    the trim hands its pages back."""
+    proc = psutil.Process()
+    kept = []
+
+    def churn():
+        blocks = [bytearray(48 * 1024) for _ in range(1500)]
+        for block in blocks:
+            block[::4096] = b"\1" * len(block[::4096])         # touched: resident
+        kept.extend(blocks[::16])
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    before = proc.memory_full_info().uss
+    assert trim()
+    after = proc.memory_full_info().uss
+    assert before - after > 100 * 2 ** 20, (before >> 20, after >> 20)
+    assert len(kept) == 4 * 94
+
+
+def test_the_trimmer_trims_at_most_once_per_interval():
+    now = [100.0]
+    trimmer = Trimmer(every_s=10.0, clock=lambda: now[0])
+    assert trimmer() is True                   # the first call trims
+    now[0] = 109.9
+    assert trimmer() is False
+    now[0] = 110.0
+    assert trimmer() is True and trimmer() is False
+
+
+def _per_session(census: dict) -> dict:
+    """Every per-session count of the census (deployments' `census`), by where it is held."""
+    group = census["group"]
+    counts = {f"group.{k}": v for k, v in group["group"].items() if k != "object_refs"}
+    for i, rank in enumerate(group["ranks"]):
+        counts |= {f"rank{i}.{k}": v for k, v in rank.items() if k != "object_refs"}
+    counts |= {"muxer.sessions": group["muxer"]["sessions"], "mailbox.sessions": group["mailbox"]["sessions"],
+               "ingress.live_sessions": census["ingress"]["live_sessions"],
+               "keeper.object_refs": census["ingress"]["keeper_object_refs"]}
+    return counts
+
+
+def _refs(census: dict) -> dict:
+    group = census["group"]
+    ranks = {f"rank{i}": r["object_refs"] for i, r in enumerate(group["ranks"])}
+    return {"ingress": census["ingress"]["object_refs"], "group": group["group"]["object_refs"],
+            "muxer": group["muxer"]["object_refs"], **ranks}
+
+
+def _settled(timeout_s: float = 20.0) -> dict:
+    """The census once every session's end has reached every process (closes are told, not awaited)."""
+    import time
+
+    from perf.soak import census
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = census("lingbot")
+        if not any(_per_session(now).values()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def test_finished_sessions_leave_nothing_behind(serve_app):
+    """Sessions through the served group with snapshots after every chunk, two at a time: run to their end,
+    stopped, and one whose client went away mid-stream. Afterwards every per-session structure of the ingress,
+    the group, its ranks, muxer and mailbox is empty, the snapshot keeper owns no snapshot anyone still holds,
+    and no process holds more object references than before them."""
+    import asyncio
+    import json
+
+    from deployments.client import RealtimeClient
+    from tests.deployments.test_app import H, W, png_url, run, session
+
+    async def gone_after_one_chunk():
+        async with RealtimeClient(serve_app) as client:
+            await client.start("a lake", png_url(), W, H, None, seed=7)
+            while json.loads(await client.ws.recv())["type"] != "video.chunk_metadata":
+                pass
+        # the socket closed without a stop
+
+    async def stopped_after_two_chunks(client, result, meta):
+        if len(result.chunks) == 2:
+            await client.send({"type": "session.stop"})
+
+    run(session(serve_app, 1))                                  # what a first session makes once, made
+    before = _settled()
+    assert not any(_per_session(before).values()), _per_session(before)
+    async def two_at_a_time():
+        ended = await asyncio.gather(session(serve_app, 3, seed=1),
+                                     session(serve_app, None, seed=2, on_chunk=stopped_after_two_chunks))
+        await asyncio.gather(gone_after_one_chunk(), session(serve_app, 2, seed=3))
+        return ended
+
+    results = run(two_at_a_time())
+    assert [r.done["chunks"] for r in results] == [3, 2] and results[1].done["stopped"] is True
+    after = _settled()
+    assert not any(_per_session(after).values()), _per_session(after)
+    held, held_before = _refs(after), _refs(before)     # (one in flight before, e.g. a keeper ping, may be gone)
+    assert all(held[p] <= held_before[p] for p in held), (held, held_before)
