@@ -64,16 +64,23 @@ def _refs(census: dict) -> dict:
 
 def _settled(than: Optional[dict] = None, timeout_s: float = 20.0) -> dict:
     """The census once every session's end has reached every process (closes are told, not awaited): each
-    per-session count 0, or (`than`, a census before) no higher than there."""
+    per-session count 0, or (`than`, a census before) per-session counts and object references no higher than
+    there (the group's watcher has a liveness probe of each actor in flight at times: the references at a
+    moment when it has none)."""
     import time
 
     from perf.soak import census
     deadline = time.monotonic() + timeout_s
     while True:
-        now = _per_session(census("lingbot"))
-        limit = {k: 0 for k in now} if than is None else than
-        if all(now[k] <= limit[k] for k in now) or time.monotonic() > deadline:
-            return census("lingbot")
+        now = census("lingbot")
+        counts = _per_session(now)
+        if than is None:
+            ok = not any(counts.values())
+        else:
+            limit, refs, refs_before = _per_session(than), _refs(now), _refs(than)
+            ok = all(counts[k] <= limit[k] for k in counts) and all(refs[p] <= refs_before[p] for p in refs)
+        if ok or time.monotonic() > deadline:
+            return now
         time.sleep(0.5)
 
 
@@ -110,7 +117,7 @@ def test_finished_sessions_leave_nothing_behind(serve_app):
 
     results = run(two_at_a_time())
     assert [r.done["chunks"] for r in results] == [3, 2] and results[1].done["stopped"] is True
-    after = _settled(_per_session(before))
+    after = _settled(before)
     counts, counts_before = _per_session(after), _per_session(before)
     assert all(counts[k] <= counts_before[k] for k in counts), json.dumps([before, after])
     held, held_before = _refs(after), _refs(before)     # (one in flight before, e.g. a keeper ping, may be gone)
