@@ -30,8 +30,7 @@ class SnapshotKeeper:
         """[a reference per slot, in order, then the state's]."""
         import ray
         refs = [*(ray.put(slot) for slot in slots), ray.put(state)]
-        del slots, state
-        self.trim()
+        self.trim()                                 # (this call's arguments are freed after it returns: the next trim)
         return refs
 
     def census(self) -> dict[str, int]:
