@@ -140,20 +140,26 @@ def slope(samples, role: str, after_s: float = 180.0) -> float:
 
 
 async def soak(url: str, image: bytes, minutes: float, capacity: int, chunks: int, references: dict,
-               api_key=None) -> dict:
+               api_key=None, min_sessions: int = 0) -> dict:
+    """Sessions `capacity` at a time for `minutes`, and on past the deadline until `min_sessions` have been
+    started (a short soak on a slow machine still sees the sessions it asserts on)."""
     import numpy as np
     deadline = time.monotonic() + minutes * 60
+    started = 0
     report = {"sessions": 0, "chunks": 0, "incomplete": 0, "mismatched": 0, "resumed": 0, "errors": [],
               "refused_at_start": 0}
 
     async def worker(slot: int) -> None:
+        nonlocal started
         n = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or started < min_sessions:
             inputs = INPUTS[(slot + n) % len(INPUTS)]
             n += 1
+            started += 1
             result = await run_session(url, image, inputs, chunks, api_key)
             if result.close_code == 1013 and not result.chunks:   # no group free (one is being rebuilt): again
                 report["refused_at_start"] += 1
+                started -= 1
                 await asyncio.sleep(2.0)
                 continue
             report["sessions"] += 1
