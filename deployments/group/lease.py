@@ -9,7 +9,7 @@ from typing import Optional
 
 from ..session.codes import ErrorCode
 from ..session.events import FINAL_EVENTS, Admitted, ModelFacts, Resumed, SessionDone, SessionFailed, SessionRequest
-from .chunk_loop import ChunkLoop
+from .chunk_loop import ChunkLoop, outside_the_request
 from .executor import RankExecutor
 from .messages import SnapshotPlan
 from .phase import GroupState
@@ -51,6 +51,14 @@ class Leases:
         if self.snapshot_seats is not None:
             keeper = self.snapshot_seats.take(session_id, keeper)
         return None if keeper is None else SnapshotPlan(keeper, self.settings.snapshot_interval_chunks)
+
+    def _free(self, session_id: str) -> None:
+        """Every actor of the group forgets the session (told, not awaited); a running chunk of it ends at its
+        next step."""
+        self.ranks.stop(session_id)
+        self.ranks.close(session_id)
+        self.muxer.close.remote(session_id)
+        self.mailbox.close.remote(session_id)
 
     async def run(self, request: SessionRequest):
         """Streaming call held for the whole session: yields Admitted, then one ChunkReady per chunk, then
@@ -102,9 +110,6 @@ class Leases:
             if self.snapshot_seats is not None:
                 self.snapshot_seats.give(sid)
             session.stopped = True
-            self.ranks.stop(sid)                      # a running chunk ends at its next step, on every rank
             self.chunks.remove(sid)
-            self.ranks.close(sid)
-            self.muxer.close.remote(sid)
-            self.mailbox.close.remote(sid)
+            outside_the_request(self._free, sid)      # not the lease's children: its cancel would drop them
             self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})

@@ -122,3 +122,36 @@ def test_finished_sessions_leave_nothing_behind(serve_app):
     assert all(counts[k] <= counts_before[k] for k in counts), json.dumps([before, after])
     held, held_before = _refs(after), _refs(before)     # (one in flight before, e.g. a keeper ping, may be gone)
     assert all(held[p] <= held_before[p] for p in held), (held, held_before)
+
+
+def test_what_a_lease_frees_is_told_outside_its_request(serve_app):
+    """Serve ends a session's lease with Ray's recursive cancel, which also cancels the calls the lease made that
+    have not run yet: a close told from the lease's `finally` and cancelled with it left the session on a rank or
+    in the muxer (a 5-minute soak left three). A call made under `outside_the_request` (the lease's closes) or
+    in a `fresh_task` (the chunk loop) has the actor's own task as its parent, not the request's; a task that
+    inherits the request's context (the control) has the request's."""
+    import asyncio
+
+    import ray
+
+    from deployments.group.chunk_loop import fresh_task, outside_the_request
+
+    @ray.remote(num_cpus=0)
+    class Request:
+        async def parents(self) -> dict:
+            context = ray.get_runtime_context()
+
+            async def current():
+                return context.get_task_id()
+            return {"request": context.get_task_id(), "outside": outside_the_request(context.get_task_id),
+                    "fresh_task": await fresh_task(current()), "inherited": await asyncio.ensure_future(current())}
+
+    actor = Request.remote()
+    try:
+        first, second = ray.get([actor.parents.remote(), actor.parents.remote()], timeout=60)
+    finally:
+        ray.kill(actor)
+    for ids in (first, second):
+        assert ids["inherited"] == ids["request"]
+        assert ids["outside"] != ids["request"] and ids["fresh_task"] != ids["request"]
+    assert first["request"] != second["request"] and first["outside"] == second["outside"] == second["fresh_task"]
