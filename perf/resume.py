@@ -35,7 +35,8 @@ def start_app(groups: int, snapshots: bool) -> None:
     from deployments.app import build_app
     ensure_serve(PORT)
     serve.run(build_app(dict(preset="tiny", device="cpu", sp=2, min_groups=groups, max_groups=groups,
-                             max_sessions_per_group=2, resume_wait_s=300, max_chunks=1000, snapshots=snapshots)),
+                             max_sessions_per_group=2, resume_wait_s=300, max_chunks=1000, snapshots=snapshots,
+                             max_fps=120.0)),
               name="lingbot", route_prefix="/")
     wait_for_groups(groups)
 

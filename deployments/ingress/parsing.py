@@ -287,11 +287,14 @@ class StartRules:
     def prompt(self, value: str, what: str) -> str:
         return bounded_text(value, MAX_PROMPT_CHARS, what, close=self.close)
 
-    def fps(self, value: Optional[float], default: float) -> float:
-        """The session's fps (`value` a number the dialect read, None: the deployment's `default`)."""
+    def fps(self, value: Optional[float], default: float, highest: Optional[float] = None) -> float:
+        """The session's fps (`value` a number the dialect read, None: the deployment's `default`), at most
+        `highest` (the deployment's max_fps; None: `default`, the rate its capacity is counted at)."""
         fps = default if value is None else float(value)
-        if not (math.isfinite(fps) and 1 <= fps <= 120):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"fps must be between 1 and 120, got {fps}", close=self.close)
+        highest = min(default if highest is None else highest, 120)
+        if not (math.isfinite(fps) and 1 <= fps <= highest):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"fps must be between 1 and {highest:g}, got {fps:g}",
+                                close=self.close)
         return fps
 
     def seed(self, value: Optional[int]) -> int:

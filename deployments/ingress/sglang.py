@@ -135,9 +135,11 @@ def parse_actions_script(value: Any, where: str) -> list[str]:
 
 
 def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
-               default_fps: float, steps: int, fetcher=None, decoders: tuple[str, ...] = ()) -> StartRequest:
-    """An `init` map -> StartRequest; `decoders`: the frame decoders loaded (`decoder` picks one). Bad input
-    raises ProtocolError (the connection then waits for another)."""
+               default_fps: float, steps: int, fetcher=None, decoders: tuple[str, ...] = (),
+               max_fps: Optional[float] = None) -> StartRequest:
+    """An `init` map -> StartRequest; `decoders`: the frame decoders loaded (`decoder` picks one); `max_fps`: the
+    highest fps a session may ask for (None: default_fps). Bad input raises ProtocolError (the connection then
+    waits for another)."""
     if msg["type"] != "init":
         raise ProtocolError(ErrorCode.NOT_STARTED, f"the first message must be an init, not {msg['type']!r}")
     decoder = START.decoder(msg.get("decoder"), decoders)
@@ -148,7 +150,7 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     _opt(msg, "model", str, "a string")
     width, height = parse_size(msg["size"]) if msg.get("size") is not None else served_size
     START.served_size(width, height, served_size)
-    fps = START.fps(_opt(msg, "fps", (int, float), "a number"), default_fps)
+    fps = START.fps(_opt(msg, "fps", (int, float), "a number"), default_fps, max_fps)
     for key in ("num_frames", "seconds"):                  # they size nothing here: a session runs by chunks
         value = _opt(msg, key, (int, float), "a positive number")
         if value is not None and not value > 0:
@@ -337,7 +339,7 @@ class SglangWire(WebSocketWire):
     async def parse_start(self, msg: dict, facts: ModelFacts) -> StartRequest:
         s = self.settings
         start = await asyncio.to_thread(parse_init, msg, facts.size, facts.geometry, s.max_chunks, s.fps, facts.steps,
-                                        self.fetcher, facts.decoders)
+                                        self.fetcher, facts.decoders, s.resolved_max_fps)
         self.output, self.size = start.output, facts.size
         return start
 

@@ -57,8 +57,10 @@ def parse_json(text: str, limit: int) -> dict:
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
-                max_chunks: int, default_fps: float, fetcher=None, decoders: tuple[str, ...] = ()) -> StartRequest:
-    """A session.start map -> StartRequest; `decoders`: the frame decoders loaded (extra_params.decoder picks one)."""
+                max_chunks: int, default_fps: float, fetcher=None, decoders: tuple[str, ...] = (),
+                max_fps: Optional[float] = None) -> StartRequest:
+    """A session.start map -> StartRequest; `decoders`: the frame decoders loaded (extra_params.decoder picks one);
+    `max_fps`: the highest fps a session may ask for (None: default_fps)."""
     where = "session.start"
     extra = msg.get("extra_params")
     decoder = START.decoder(extra.get("decoder") if isinstance(extra, dict) else None, decoders)
@@ -92,7 +94,7 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
             raise ProtocolError(ErrorCode.INVALID_NUM_FRAMES,
                                 f"num_frames {num_frames} is more than {max_chunks} chunks",
                                 close=CLOSE_POLICY)
-    fps = START.fps(require(msg, "fps", float, where) if msg.get("fps") is not None else None, default_fps)
+    fps = START.fps(require(msg, "fps", float, where) if msg.get("fps") is not None else None, default_fps, max_fps)
     seed = START.seed(require(msg, "seed", int, where) if msg.get("seed") is not None else None)
     shift = extra.get("flow_shift")
     if shift is not None and (not isinstance(shift, (int, float)) or isinstance(shift, bool)
@@ -216,7 +218,7 @@ class VllmWire(WebSocketWire):
         if kind == "session.start":
             try:
                 return await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
-                                               s.max_chunks, s.fps, self.fetcher, facts.decoders)
+                                               s.max_chunks, s.fps, self.fetcher, facts.decoders, s.resolved_max_fps)
             except ProtocolError as e:
                 if e.close is None:
                     e.close = CLOSE_POLICY

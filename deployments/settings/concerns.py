@@ -174,6 +174,9 @@ class CapacitySettings(SettingsConcern):
 class PacingSettings(SettingsConcern):
     """Pacing and delivery: how far each session runs ahead of real time, and how many chunks it has in flight."""
     fps: float = setting(16.0, "frames per second of the sessions' video (real time)")
+    max_fps: Optional[float] = setting(None, "the highest fps a session may ask for; null: fps (capacity is "
+                                             "counted at fps: a faster session needs more chunks a second and, "
+                                             "always late, would be run first, stalling its group's others)")
     mode: str = setting("adaptive", "fixed: always pacing_lead_s ahead; adaptive: a lead learned per session, "
                                     "at most pacing_lead_s", key="pacing")
     lead_s: float = setting(1.5, "how far a session may run ahead of real time (adaptive: at most)",
@@ -194,6 +197,8 @@ class PacingSettings(SettingsConcern):
             raise ConfigError(f"pacing_quantile must be in (0, 1] and pacing_margin_s >= 0, got "
                               f"{self.quantile} and {self.margin_s}")
         self._positive("fps", "lead_s")
+        if self.max_fps is not None and not self.fps <= self.max_fps <= 120:
+            raise ConfigError(f"max_fps must be between fps ({self.fps:g}) and 120, got {self.max_fps:g}")
         if self.max_in_flight_chunks is not None and self.max_in_flight_chunks < 1:
             raise ConfigError(f"max_in_flight_chunks must be >= 1, got {self.max_in_flight_chunks}")
 

@@ -72,6 +72,7 @@ class ServeSettings:
     max_ingress_sessions: int = CapacitySettings.max_ingress_sessions
     # pace
     fps: float = PacingSettings.fps
+    max_fps: Optional[float] = PacingSettings.max_fps
     pacing: str = PacingSettings.mode
     pacing_lead_s: float = PacingSettings.lead_s
     pacing_margin_s: float = PacingSettings.margin_s
@@ -250,6 +251,11 @@ class ServeSettings:
     def resolved_spare_groups(self) -> int:
         """spare_groups, null resolved: 1 on accelerators (a group start is minutes there), 0 on cpu."""
         return _by_device(self.spare_groups, self.device, cpu=0, accelerator=1)
+
+    @property
+    def resolved_max_fps(self) -> float:
+        """max_fps, null resolved: fps (what capacity is counted at)."""
+        return self.fps if self.max_fps is None else self.max_fps
 
     @property
     def resolved_max_in_flight_chunks(self) -> int:

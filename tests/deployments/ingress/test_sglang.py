@@ -40,11 +40,11 @@ def test_init_defaults_and_fields():
     assert (req.width, req.height, req.fps, req.seed, req.chunks, req.num_frames) == (112, 64, 16.0, 42, None, None)
     assert req.output == FrameFormat("raw") and req.action_script == []
     assert req.image.shape == (3, 64, 112) and abs(float(req.image.mean()) - (99 / 127.5 - 1)) < 1e-6
-    req = init(max_chunks=3, seed=-5, fps=24, size=" 112 X 64", num_inference_steps=4, model="lingbot-world",
+    req = init(max_chunks=3, seed=-5, fps=12, size=" 112 X 64", num_inference_steps=4, model="lingbot-world",
                first_frame=data_url(), num_frames=81, seconds=5,
                condition_inputs={"camera_actions": [["w"], ["w", "j"], [], ["l"]]},
                realtime_output_format="webp", output_compression=70, realtime_preview_max_width=56)
-    assert (req.chunks, req.num_frames, req.seed, req.fps) == (3, 33, -5, 24.0)
+    assert (req.chunks, req.num_frames, req.seed, req.fps) == (3, 33, -5, 12.0)
     assert req.action_script == [("w", "wj", ""), ("l", "", "")]
     assert req.output == FrameFormat("webp", 70, 56)
     assert init(realtime_output_format="jpeg").output == FrameFormat("jpeg", 95)
@@ -67,6 +67,7 @@ def test_init_defaults_and_fields():
     (dict(size="0x64"), "invalid_size", "positive"),
     (dict(size=112), "invalid_size", "WIDTHxHEIGHT"),
     (dict(fps=0), "invalid_field", "fps"),
+    (dict(fps=17), "invalid_field", "fps must be between 1 and 16, got 17"),
     (dict(fps="16"), "invalid_field", "fps"),
     (dict(fps=True), "invalid_field", "fps"),
     (dict(seed=2 ** 64), "invalid_field", "64 bits"),

@@ -56,6 +56,7 @@ def test_start_parsing():
     (dict(prompt="p" * 4097), "text_too_long", 1008),
     (dict(seed="x"), "invalid_field", None),
     (dict(fps=0), "invalid_field", 1008),
+    (dict(fps=16.5), "invalid_field", 1008),              # above the deployment's fps (its max_fps by default)
     (dict(image_reference={"image_url": "data:image/png;base64,@@@"}), "invalid_image", None),
     (dict(extra_params={"camera_action_script": [["w", "w"]]}), "invalid_field", 1008),
     (dict(extra_params={"flow_shift": -1}), "invalid_field", 1008),
@@ -211,3 +212,17 @@ def test_camera_trajectory_and_action_script_conflict():
         start(extra_params={"camera_trajectory": trajectory_json(5),
                             "camera_action_script": [["w", "w", "w"]]})
     assert e.value.code == "conflicting_camera"
+
+
+def test_fps_is_at_most_the_deployments_max_fps():
+    """A session may ask for any fps up to max_fps (by default the deployment's fps, what capacity counts)."""
+    msg = {"type": "session.start", "prompt": "p", "image_reference": {"image_url": data_url()}, "width": 112,
+           "height": 64, "num_frames": 33, "seed": 1}
+    faster = parse_start(dict(msg, fps=60), (112, 64), GEOMETRY, 8, 100, 16.0, max_fps=60.0)
+    assert faster.fps == 60.0 and start().fps == 16.0 and start(fps=8).fps == 8.0
+    for fps, kwargs in ((61, dict(max_fps=60.0)), (17, {})):
+        with pytest.raises(ProtocolError) as info:
+            parse_start(dict(msg, fps=fps), (112, 64), GEOMETRY, 8, 100, 16.0, **kwargs)
+        highest = kwargs.get("max_fps", 16.0)
+        assert (info.value.code, str(info.value)) == ("invalid_field", f"fps must be between 1 and {highest:g}, "
+                                                                       f"got {fps}")
