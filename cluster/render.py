@@ -35,6 +35,7 @@ DASHBOARD_PORT = 8265
 GCS_PORT = 6379
 MODEL_VOLUME_CLAIM = "lingbot-models"
 RAY_TOKEN_SECRET = "lingbot-ray-token"      # data key auth_token (KubeRay's name for it); cluster/README.md
+API_KEYS_SECRET = "lingbot-api-keys"        # data key api_keys: the clients' keys, comma-separated (optional)
 OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}     # the KubeRay Helm chart's operator pod
 
 
@@ -65,7 +66,11 @@ def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, d
                          {"name": "dshm", "mountPath": "/dev/shm"}],
         # the proxy's WebSocket handshake limit and the autoscaler's metric pushes (deployments/local.py)
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
-                *({"name": k, "value": v} for k, v in CLUSTER_ENV.items())],
+                *({"name": k, "value": v} for k, v in CLUSTER_ENV.items()),
+                # the clients' API keys from a Secret, not in serveConfigV2 (which the RayService, `serve config`
+                # and the dashboard show); no Secret: no keys, as without api_keys
+                {"name": "LINGBOT_API_KEYS", "valueFrom": {"secretKeyRef": {"name": API_KEYS_SECRET,
+                                                                            "key": "api_keys", "optional": True}}}],
         "ports": [{"containerPort": SERVE_PORT, "name": "serve"}],
     }
     if name == "ray-head":

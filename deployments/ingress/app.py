@@ -31,7 +31,7 @@ from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import sglang
 from .census import GroupCensus, serve_counts
-from .door import TenantLimits, host_allowed, origin_allowed, presented_key
+from .door import TenantLimits, accepted_subprotocol, host_allowed, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
@@ -207,7 +207,7 @@ class Ingress:
 
     async def _serve(self, wire) -> None:
         ws = wire.ws
-        await ws.accept()
+        await ws.accept(subprotocol=accepted_subprotocol(dict(ws.headers)))
         self.live += 1
         address = _address(ws)
         self.connections[address] = self.connections.get(address, 0) + 1

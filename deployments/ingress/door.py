@@ -5,6 +5,7 @@ replica: the app runs one; with several (or an old one draining through a redepl
 on its own connections."""
 from __future__ import annotations
 
+import base64
 import hmac
 import ipaddress
 from collections import deque
@@ -54,16 +55,44 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+PAGE_SUBPROTOCOL = "lingbot"        # what the page offers, and the ingress accepts, as its WebSocket subprotocol
+KEY_SUBPROTOCOL = "lingbot-key."    # + the key as unpadded base64url of its UTF-8: a second subprotocol offered
+
+
+def _subprotocols(headers: dict) -> list[str]:
+    return [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+
+
+def subprotocol_key(headers: dict) -> str:
+    """The key a page offers as a subprotocol (browsers cannot set a WebSocket's headers, and a key in a URL ends
+    up in the history and in proxies' logs); "" when it offers none or one that is not base64url."""
+    for offered in _subprotocols(headers):
+        if offered.startswith(KEY_SUBPROTOCOL):
+            encoded = offered[len(KEY_SUBPROTOCOL):]
+            try:
+                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+            except (ValueError, UnicodeDecodeError):
+                return ""
+    return ""
+
+
+def accepted_subprotocol(headers: dict) -> Optional[str]:
+    """The subprotocol the ingress answers with: the page's when offered (a browser that offered subprotocols
+    drops a connection whose answer names none), else none."""
+    return PAGE_SUBPROTOCOL if PAGE_SUBPROTOCOL in _subprotocols(headers) else None
+
+
 def presented_key(headers: dict, query: dict, keys: frozenset) -> Optional[str]:
     """The configured key the client presents: `Authorization: Bearer KEY` (or `X-API-Key: KEY`) for
-    programs, `?api_key=KEY` for pages (browsers cannot set WebSocket headers). None if it presents none of
-    them; "" when no keys are configured (everyone is let in). Compared in constant time, as UTF-8 bytes: any
-    text a client sends is a key that matches or not, never an error."""
+    programs, a `lingbot-key.` subprotocol for pages (subprotocol_key), or `?api_key=KEY` (kept for clients
+    that can do neither; a URL is logged where headers are not). None if it presents none of them; "" when no
+    keys are configured (everyone is let in). Compared in constant time, as UTF-8 bytes: any text a client
+    sends is a key that matches or not, never an error."""
     if not keys:
         return ""
     auth = headers.get("authorization", "")
     presented = {auth[7:].strip() if auth.lower().startswith("bearer ") else "", headers.get("x-api-key", ""),
-                 query.get("api_key", "")}
+                 subprotocol_key(headers), query.get("api_key", "")}
     return next((k for k in sorted(keys) for p in presented if p and hmac.compare_digest(_utf8(k), _utf8(p))), None)
 
 

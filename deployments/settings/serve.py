@@ -29,6 +29,7 @@ from .concerns import (
 )
 
 ENV_PREFIX = "LINGBOT_"
+SECRET_KEYS = frozenset({"api_keys"})      # never printed (describe(), the settings command): masked
 # Ray's resource for one accelerator of each device kind (NPUs are their own resource, not GPUs)
 ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 
@@ -192,9 +193,16 @@ class ServeSettings:
     def describe(self) -> list[dict]:
         """Each setting, by concern: its concern (as "group", the command's JSON since before the rename), flat
         key (name), attribute on the concern, value, default and meaning."""
-        return [{"group": concern, "name": key, "attribute": f"{concern}.{f.name}", "value": getattr(self, key),
+        return [{"group": concern, "name": key, "attribute": f"{concern}.{f.name}", "value": self._shown(key),
                  "default": f.default, "help": f.metadata["help"]}
                 for key, (concern, f) in KEYS.items()]
+
+    def _shown(self, key: str) -> Any:
+        """A setting's value as describe() shows it: a secret (the API keys) masked, its count left."""
+        value = getattr(self, key)
+        if key in SECRET_KEYS and value:
+            return f"<{len(self.api_key_set)} keys, masked>"
+        return value
 
     @property
     def allowed_origin_set(self) -> frozenset:

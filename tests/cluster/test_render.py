@@ -111,6 +111,20 @@ def test_ray_runs_under_token_authentication_from_a_secret(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_the_clients_keys_come_from_a_secret_never_from_the_serve_config(name):
+    """LINGBOT_API_KEYS from the Secret lingbot-api-keys (optional: no Secret, no keys) in every Ray container;
+    serveConfigV2 (shown by the RayService, `serve config` and the dashboard) names no keys."""
+    m, _ = documents(get_profile(name))
+    cluster = m["spec"]["rayClusterConfig"]
+    for spec in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"]):
+        (container,) = spec["template"]["spec"]["containers"]
+        (keys,) = [e for e in container["env"] if e["name"] == "LINGBOT_API_KEYS"]
+        assert keys == {"name": "LINGBOT_API_KEYS", "valueFrom": {"secretKeyRef": {
+            "name": "lingbot-api-keys", "key": "api_keys", "optional": True}}}
+    assert "api_keys" not in yaml.safe_load(m["spec"]["serveConfigV2"])["applications"][0].get("args", {})
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_the_head_publishes_only_what_ray_and_serve_need(name):
     m, _ = documents(get_profile(name))
     cluster = m["spec"]["rayClusterConfig"]

@@ -13,14 +13,14 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
          "--autoplay-policy=no-user-gesture-required"]
 
 
-async def open_page(playwright):
-    """Headless Chromium on the app's page, once it has loaded the served config. Wait predicates are functions
-    ("() => ..."): Playwright evaluates a bare expression with eval, which the page's CSP forbids."""
+async def open_page(playwright, path: str = "/"):
+    """Headless Chromium on the app's page (at `path`), once it has loaded the served config. Wait predicates are
+    functions ("() => ..."): Playwright evaluates a bare expression with eval, which the page's CSP forbids."""
     browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS, ignore_default_args=["--headless"])
     page = await browser.new_page()
     await page.add_init_script("window.cspViolations = []; document.addEventListener('securitypolicyviolation', "
                                "e => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));")
-    await page.goto(f"{HTTP}/")
+    await page.goto(f"{HTTP}{path}")
     await page.wait_for_function("() => window.lingbot.config !== null", timeout=30000)
     return browser, page
 
@@ -67,16 +67,21 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
 def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
     """The canvas transport speaks the second protocol from the page (its own MessagePack codec): the frame it
     draws last is, pixel for pixel, the last raw frame a Python client gets for the same inputs; held keys go
-    out as key state and their control -> display latency is measured."""
+    out as key state and their control -> display latency is measured. A key in the page's URL moves to its key
+    field and out of the URL, and goes out as a subprotocol (the server answers `lingbot`, or Chromium would
+    drop the connection); the page encodes it as the door decodes it."""
     import numpy as np
     from playwright.async_api import async_playwright
 
     from deployments.client import FramesClient
+    from deployments.ingress.door import subprotocol_key
     from tests.deployments.test_sglang_app import frames_url
 
     async def scenario():
         async with async_playwright() as p:
-            browser, page = await open_page(p)
+            browser, page = await open_page(p, "/?api_key=%C3%A9%3F%3E%3F~%3F&view=1")
+            key = await page.evaluate("() => [location.search, document.getElementById('api-key').value, "
+                                      "window.lingbot.keySubprotocols(document.getElementById('api-key').value)]")
             await page.select_option("#transport", "frames")
             await page.fill("#chunks", "3")
             await page.click("#start")
@@ -103,9 +108,11 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
         async with FramesClient(frames_url(serve_app)) as client:
             await client.init(drawn["prompt"], drawn["image"], 3, 0)
             python = await client.receive_session()
-        return drawn, keys, python
+        return drawn, keys, python, key
 
-    drawn, keys, python = asyncio.run(scenario())
+    drawn, keys, python, key = asyncio.run(scenario())
+    assert key == ["?view=1", "é?>?~?", ["lingbot", "lingbot-key.w6k_Pj9-Pw"]]    # standard base64: w6k/Pj9+Pw==
+    assert subprotocol_key({"sec-websocket-protocol": ", ".join(key[2])}) == "é?>?~?"
     assert drawn["errors"] == [] and drawn["status"] == "done: 3 chunks (generation complete)"
     assert drawn["csp"] == []
     canvas = np.array(drawn["rgb"], np.uint8).reshape(drawn["h"], drawn["w"], 3)

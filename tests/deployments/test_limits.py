@@ -57,6 +57,28 @@ def test_origins_and_keys_by_hand():
     for text in ("é", "k1é", "\udce9", "\x00"):
         assert presented_key({"authorization": f"Bearer {text}", "x-api-key": text}, {"api_key": text}, keys) is None
     assert presented_key({}, {"api_key": "clé"}, frozenset({"clé"})) == "clé"
+
+
+def test_a_page_offers_its_key_as_a_subprotocol():
+    """A browser cannot set a WebSocket's headers; the page offers `lingbot` and `lingbot-key.` + the key's UTF-8
+    in unpadded base64url as subprotocols (a key in a URL ends up in the history and in proxies' logs), and the
+    ingress answers `lingbot`."""
+    import base64
+
+    from deployments.ingress.door import accepted_subprotocol, presented_key, subprotocol_key
+
+    def offer(key: str) -> dict:
+        encoded = base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+        return {"sec-websocket-protocol": f"lingbot, lingbot-key.{encoded}"}
+    keys = frozenset({"k1", "clé/+?"})
+    assert offer("clé/+?")["sec-websocket-protocol"] == "lingbot, lingbot-key.Y2zDqS8rPw"
+    assert presented_key(offer("clé/+?"), {}, keys) == "clé/+?" and presented_key(offer("k1"), {}, keys) == "k1"
+    assert presented_key(offer("k2"), {}, keys) is None
+    for junk in ("lingbot-key.", "lingbot-key.@@@", "lingbot-key.gA", "lingbot-key.k1", "lingbot-key.a"):
+        assert subprotocol_key({"sec-websocket-protocol": junk}) == ""     # not base64url of UTF-8: no key
+        assert presented_key({"sec-websocket-protocol": junk}, {}, keys) is None
+    assert accepted_subprotocol(offer("k1")) == "lingbot" and accepted_subprotocol({}) is None
+    assert accepted_subprotocol({"sec-websocket-protocol": "chat, superchat"}) is None
     assert presented_key({}, {"api_key": "cle"}, frozenset({"clé"})) is None
 
 
@@ -99,6 +121,9 @@ async def endless(url=URL, api_key=KEY, **kw):
 
 
 def test_api_key_is_required(strict_app):
+    import base64
+
+    import websockets
     url, _ = strict_app
 
     async def scenario():
@@ -110,17 +135,29 @@ def test_api_key_is_required(strict_app):
         async with RealtimeClient(url, api_key=KEY) as client:               # Authorization: Bearer
             await client.start("p", png_url(), W, H, 1)
             out["bearer"] = await client.receive_session(timeout=120)
-        async with RealtimeClient(f"{url}?api_key={KEY}") as client:         # pages: the query string
+        async with RealtimeClient(f"{url}?api_key={KEY}") as client:         # the query string (kept)
             await client.start("p", png_url(), W, H, 1)
             out["query"] = await client.receive_session(timeout=120)
+        for name, key in (("subprotocol", KEY), ("wrong_subprotocol", "nope")):   # pages: a subprotocol
+            client = RealtimeClient(url)
+            encoded = base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+            client.ws = await websockets.connect(url, compression=None,
+                                                 subprotocols=["lingbot", f"lingbot-key.{encoded}"])
+            try:
+                out[f"{name}_answer"] = client.ws.subprotocol
+                await client.start("p", png_url(), W, H, 1)
+                out[name] = await client.receive_session(timeout=120)
+            finally:
+                await client.__aexit__()
         return out
 
     out = run(scenario())
-    for name in ("none", "wrong", "non_ascii"):
+    for name in ("none", "wrong", "non_ascii", "wrong_subprotocol"):
         assert out[name].error["code"] == "unauthorized" and out[name].close_code == 1008, name
         assert out[name].chunks == []
-    for name in ("bearer", "query"):
+    for name in ("bearer", "query", "subprotocol"):
         assert out[name].error is None and out[name].done["chunks"] == 1, name
+    assert out["subprotocol_answer"] == out["wrong_subprotocol_answer"] == "lingbot"
 
 
 def test_idle_and_lifetime_limits(strict_app):

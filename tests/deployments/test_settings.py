@@ -309,3 +309,17 @@ def test_settings_command_prints_every_setting(tmp_path, capsys, monkeypatch):
     done = subprocess.run([sys.executable, "-m", "deployments.settings", "--json"], cwd=ROOT, env=env,
                           capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == ServeSettings().describe()
+
+
+def test_api_keys_are_masked_wherever_settings_are_printed(capsys, monkeypatch):
+    """The keys never appear in describe() or the settings command (a terminal, a CI log); their count does."""
+    monkeypatch.setenv("LINGBOT_API_KEYS", "k-secret-1, k-secret-2")
+    s = ServeSettings.from_args({})
+    assert s.api_key_set == {"k-secret-1", "k-secret-2"}
+    (row,) = [r for r in s.describe() if r["name"] == "api_keys"]
+    assert (row["value"], row["default"]) == ("<2 keys, masked>", "")
+    for argv in ([], ["--json"]):
+        assert settings_module.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "k-secret" not in out and "<2 keys, masked>" in out
+    assert [r["value"] for r in ServeSettings().describe() if r["name"] == "api_keys"] == [""]

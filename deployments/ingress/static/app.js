@@ -264,9 +264,23 @@ function onFrameBatch(header, payload) {
   state.videoSeconds += n / state.config.fps;
 }
 
+// The API key goes in a subprotocol, never in a URL (URLs end up in the history and in proxies' logs): the page
+// offers "lingbot" and "lingbot-key." + the key's UTF-8 in unpadded base64url; the server answers "lingbot".
+function keySubprotocols(key) {
+  if (!key) return ["lingbot"];
+  const b64 = btoa(String.fromCharCode(...new TextEncoder().encode(key)));
+  return ["lingbot", "lingbot-key." + b64.replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "")];
+}
+
+function apiKey() {
+  const key = $("api-key").value.trim();
+  if (key) sessionStorage.setItem("lingbot-api-key", key); else sessionStorage.removeItem("lingbot-api-key");
+  return key;
+}
+
 function startFrames(proto, key) {
   // the second protocol: MessagePack maps in binary messages; raw frames, drawn on the canvas
-  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime_video/generate${key ? "?api_key=" + encodeURIComponent(key) : ""}`);
+  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime_video/generate`, keySubprotocols(key));
   ws.binaryType = "arraybuffer";
   state.ws = ws;
   let pendingHeader = null;
@@ -316,12 +330,12 @@ function start() {
   if (!state.config) return;
   resetStats();
   const proto = location.protocol === "https:" ? "wss" : "ws";
-  const key = new URLSearchParams(location.search).get("api_key");     // open /?api_key=KEY on servers that need one
+  const key = apiKey();
   state.transport = $("transport").value;
   $("video").style.display = state.transport === "frames" ? "none" : "block";
   $("canvas").style.display = state.transport === "frames" ? "block" : "none";
   if (state.transport === "frames") { startFrames(proto, key); return; }
-  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime/video${key ? "?api_key=" + encodeURIComponent(key) : ""}`);
+  const ws = new WebSocket(`${proto}://${location.host}/v1/realtime/video`, keySubprotocols(key));
   ws.binaryType = "arraybuffer";
   state.ws = ws;
   let pendingMeta = null;
@@ -384,4 +398,16 @@ setInterval(() => {
   else state.ws.send(JSON.stringify({ type: "session.ping", t: Date.now() }));
 }, 10000);
 
+// a key in the page's own URL (/?api_key=KEY, as older links had it) moves to the field and out of the URL
+(function keyOutOfTheUrl() {
+  const params = new URLSearchParams(location.search);
+  const fromUrl = params.get("api_key");
+  if (fromUrl !== null) {
+    params.delete("api_key");
+    const rest = params.toString();
+    history.replaceState(null, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
+  }
+  $("api-key").value = fromUrl || sessionStorage.getItem("lingbot-api-key") || "";
+})();
+state.keySubprotocols = keySubprotocols;
 loadConfig().catch((err) => setStatus(`cannot reach the server: ${err}`, true));
