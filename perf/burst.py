@@ -27,7 +27,8 @@ ROWS = [(4, 2, 0), (4, 2, 1), (8, 4, 0), (8, 4, 1)]        # (burst, max_groups,
 
 def settings(max_groups: int, spare: int, generation: int) -> dict:
     return dict(preset="tiny", device="cpu", sp=2, min_groups=1, max_groups=max_groups, max_sessions_per_group=2,
-                spare_groups=spare, graceful_shutdown_timeout_s=5, metrics_interval_s=5.0 + generation)
+                spare_groups=spare, graceful_shutdown_timeout_s=5, metrics_interval_s=5.0 + generation,
+                max_sessions_per_key=0, max_starts_per_minute_per_key=0)    # the whole burst comes from one address
 
 
 def data_url() -> str:

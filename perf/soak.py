@@ -222,7 +222,7 @@ def main(argv=None) -> dict:
     image = first_frame_png()
     capacity = 2
     start_app(dict(preset="tiny", device="cpu", sp=2, min_groups=1, max_groups=1, max_sessions_per_group=capacity,
-                   resume_wait_s=300, max_resumes=20, fps=48.0))
+                   resume_wait_s=300, max_resumes=20, fps=48.0, max_starts_per_minute_per_key=0))
     url = f"ws://127.0.0.1:{PORT}/v1/realtime_video/generate"
     print("reference sessions (no faults) ...", file=sys.stderr)
     references = {i["seed"]: asyncio.run(run_session(url, image, i, args.chunks)).frames for i in INPUTS}

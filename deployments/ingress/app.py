@@ -31,7 +31,7 @@ from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import sglang
 from .census import GroupCensus, serve_counts
-from .door import TenantLimits, accepted_subprotocol, host_allowed, origin_allowed, presented_key
+from .door import TenantLimits, accepted_subprotocol, client_address, host_allowed, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
@@ -105,9 +105,10 @@ class IngressMetrics:
         self.m.resumes.inc(tags={"outcome": outcome, "reason": reason})
 
 
-def _address(ws: WebSocket) -> str:
-    """The client's address (Serve's proxy passes the client's own)."""
-    return ws.client.host if ws.client else "?"
+def _address(ws: WebSocket, trusted: tuple) -> str:
+    """The client's address (Serve's proxy passes the connection's own; behind trusted proxies, the one they
+    name: door.client_address)."""
+    return client_address(ws.client.host if ws.client else "?", dict(ws.headers), trusted)
 
 
 @serve.ingress(app)
@@ -183,8 +184,8 @@ class Ingress:
     async def realtime_sglang(self, ws: WebSocket):
         await self._serve(sglang.SglangWire(ws, self.settings, self.fetcher))
 
-    def _door(self, ws: WebSocket) -> tuple[Optional[ProtocolError], str]:
-        """(the refusal at the door, or None; the tenant: the presented key, else the client's address)."""
+    def _door(self, ws: WebSocket, address: str) -> tuple[Optional[ProtocolError], str]:
+        """(the refusal at the door, or None; the tenant: the presented key, else the client's `address`)."""
         size = sum(len(name) + len(value) + 4 for name, value in ws.headers.raw)
         if size > self.settings.max_header_bytes:
             return ProtocolError(ErrorCode.HEADERS_TOO_LARGE, f"the handshake's headers hold {size} bytes; at most "
@@ -200,20 +201,20 @@ class Ingress:
         if key is None:
             return ProtocolError(ErrorCode.UNAUTHORIZED, "a valid API key is required", close=CLOSE_POLICY), ""
         cap = self.settings.max_connections_per_address
-        if cap and self.connections.get(_address(ws), 0) > cap:           # this one counted (_serve)
+        if cap and self.connections.get(address, 0) > cap:           # this one counted (_serve)
             return ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, f"this address holds {cap} connections already "
                                  "(max_connections_per_address)", close=CLOSE_TRY_AGAIN, retry_after_s=5), ""
-        return None, f"key:{key}" if key else f"addr:{_address(ws)}"
+        return None, f"key:{key}" if key else f"addr:{address}"
 
     async def _serve(self, wire) -> None:
         ws = wire.ws
         await ws.accept(subprotocol=accepted_subprotocol(dict(ws.headers)))
         self.live += 1
-        address = _address(ws)
+        address = _address(ws, self.settings.trusted_proxy_networks)
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
             life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room)
-            refusal, tenant = self._door(ws)
+            refusal, tenant = self._door(ws, address)
             if refusal is not None:
                 await life.refuse(refusal)
             else:

@@ -101,6 +101,28 @@ def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
     return presented_key(headers, query, keys) is not None
 
 
+def client_address(peer: str, headers: dict, trusted: tuple) -> str:
+    """The client's address: the connection's own (`peer`), or, when that is a trusted proxy (`trusted`: the
+    trusted_proxies networks), the last address in X-Forwarded-For that is not one. Each proxy appends the
+    address it was reached from, so walking from the right, the first untrusted hop is the one a trusted proxy
+    saw; what a client wrote to the left of it is never read."""
+    if not trusted or not _within(peer, trusted):
+        return peer
+    hops = [h.strip() for h in headers.get("x-forwarded-for", "").split(",") if h.strip()]
+    for hop in reversed(hops):
+        if not _within(hop, trusted):
+            return hop
+    return hops[0] if hops else peer
+
+
+def _within(address: str, networks: tuple) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in n for n in networks)
+
+
 def host_allowed(headers: dict, allowed: frozenset) -> bool:
     """A WebSocket handshake's Host: an IP address (a page cannot rebind one), a name in `allowed` (the
     `allowed_hosts` setting, localhost by default), or anything when `allowed` holds "*". A name elsewhere is

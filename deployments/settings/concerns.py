@@ -5,6 +5,7 @@ builds these from them; `CONCERNS` lists them in the order the settings command 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -292,12 +293,15 @@ def parse_allowlist(text: str) -> tuple[str, ...]:
 class DoorSettings(SettingsConcern):
     """The door: who may open sessions, how many, from which pages, and which images the server fetches."""
     api_keys: str = setting("", "comma-separated API keys; when set, clients must present one (see README)")
-    max_sessions_per_key: int = setting(0, "sessions one key (or client address, without keys) may hold at "
+    max_sessions_per_key: int = setting(8, "sessions one key (or client address, without keys) may hold at "
                                            "once; 0: no limit")
-    max_starts_per_minute_per_key: int = setting(0, "session starts per key (or client address) per minute; "
-                                                    "0: no limit")
+    max_starts_per_minute_per_key: int = setting(60, "session starts per key (or client address) per minute; "
+                                                     "0: no limit")
     max_connections_per_address: int = setting(16, "WebSocket connections one client address may hold open at "
                                                    "once, started or not; 0: no limit")
+    trusted_proxies: str = setting("", "comma-separated addresses or networks (CIDR) of proxies in front of the "
+                                       "server whose X-Forwarded-For names the client; empty: the client's address "
+                                       "is the connection's (behind a proxy every client would share the proxy's)")
     allowed_origins: str = setting("", "comma-separated page origins besides the server's own that may open a "
                                        "WebSocket (*: any)")
     allowed_hosts: str = setting("localhost", "comma-separated host names clients may reach the server by to open a "
@@ -315,6 +319,11 @@ class DoorSettings(SettingsConcern):
             parse_allowlist(self.image_url_allowlist)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        try:
+            _ = self.trusted_proxy_networks
+        except ValueError:
+            raise ConfigError(f"trusted_proxies {self.trusted_proxies!r} must be addresses or networks "
+                              "(10.0.0.0/8, ::1), comma-separated") from None
         self._at_least(0, "max_sessions_per_key", "max_starts_per_minute_per_key", "max_connections_per_address")
         self._positive("image_fetch_timeout_s", "image_fetch_max_bytes", "max_header_bytes")
 
@@ -329,6 +338,11 @@ class DoorSettings(SettingsConcern):
     @property
     def api_key_set(self) -> frozenset:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+    @property
+    def trusted_proxy_networks(self) -> tuple:
+        return tuple(ipaddress.ip_network(p.strip(), strict=False) for p in self.trusted_proxies.split(",")
+                     if p.strip())
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,7 @@ class ServeSettings:
     max_sessions_per_key: int = DoorSettings.max_sessions_per_key
     max_starts_per_minute_per_key: int = DoorSettings.max_starts_per_minute_per_key
     max_connections_per_address: int = DoorSettings.max_connections_per_address
+    trusted_proxies: str = DoorSettings.trusted_proxies
     allowed_origins: str = DoorSettings.allowed_origins
     allowed_hosts: str = DoorSettings.allowed_hosts
     image_url_allowlist: str = DoorSettings.image_url_allowlist
@@ -215,6 +216,10 @@ class ServeSettings:
     @property
     def api_key_set(self) -> frozenset:
         return self.door.api_key_set
+
+    @property
+    def trusted_proxy_networks(self) -> tuple:
+        return self.door.trusted_proxy_networks
 
     @property
     def decoder_names(self) -> tuple[str, ...]:

@@ -59,6 +59,30 @@ def test_origins_and_keys_by_hand():
     assert presented_key({}, {"api_key": "clé"}, frozenset({"clé"})) == "clé"
 
 
+def test_the_client_behind_trusted_proxies_is_the_last_address_they_did_not_add():
+    """X-Forwarded-For is read only from a trusted proxy, from the right: the first hop that is not a trusted
+    proxy is the client; what a client wrote to the left of it is never read."""
+    import ipaddress
+
+    from deployments.ingress.door import client_address
+    from deployments.settings import ServeSettings
+    from lingbot.config import ConfigError
+    trusted = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128"))
+
+    def xff(value: str) -> dict:
+        return {"x-forwarded-for": value}
+    assert client_address("203.0.113.9", xff("198.51.100.1"), trusted) == "203.0.113.9"   # not from a proxy
+    assert client_address("10.1.2.3", xff("198.51.100.1"), trusted) == "198.51.100.1"
+    assert client_address("10.1.2.3", xff("1.1.1.1, 198.51.100.1, 10.9.9.9"), trusted) == "198.51.100.1"
+    assert client_address("::1", xff("2001:db8::5"), trusted) == "2001:db8::5"
+    assert client_address("10.1.2.3", {}, trusted) == "10.1.2.3"                 # a proxy that names no one
+    assert client_address("10.1.2.3", xff("10.0.0.7, 10.9.9.9"), trusted) == "10.0.0.7"    # all proxies: the first
+    assert client_address("10.1.2.3", xff("1.1.1.1"), ()) == "10.1.2.3"          # trusted_proxies empty
+    assert ServeSettings(trusted_proxies="10.0.0.0/8, ::1").trusted_proxy_networks == trusted
+    with pytest.raises(ConfigError, match=r"trusted_proxies 'proxy\.local' must be addresses or networks"):
+        ServeSettings(trusted_proxies="proxy.local")
+
+
 def test_a_page_offers_its_key_as_a_subprotocol():
     """A browser cannot set a WebSocket's headers; the page offers `lingbot` and `lingbot-key.` + the key's UTF-8
     in unpadded base64url as subprotocols (a key in a URL ends up in the history and in proxies' logs), and the

@@ -36,8 +36,7 @@ FLAT_DEFAULTS = {
     "skip_fixed_point": True, "compile": None, "cuda_graphs": False, "replica_cpus": 0.05, "rank_cpus": 0.3,
     "rank_devices": 0.0, "muxer_cpus": 0.1, "muxer_gpus": 0.0, "ingress_cpus": 0.05, "max_sessions_per_group": 2,
     "memory_budget_gib": None, "min_groups": 1, "max_groups": 2, "graceful_shutdown_timeout_s": 600.0,
-    "fps": 16.0, "max_fps": None, "pacing_lead_s": 1.5, "pacing": "adaptive", "pacing_margin_s": 0.1,
-    "pacing_quantile": 0.9,
+    "fps": 16.0, "pacing_lead_s": 1.5, "pacing": "adaptive", "pacing_margin_s": 0.1, "pacing_quantile": 0.9,
     "restart_stale_chunks": False, "admission_wait_s": 0.0, "resume_sessions": True, "resume_wait_s": 120.0,
     "max_resumes": 3, "snapshots": True, "drain_poll_s": 2.0, "drain_lead_s": 3.0, "retry_after_s": 10.0,
     "start_timeout_s": 10.0, "stall_timeout_s": 60.0, "idle_timeout_s": 300.0, "max_lifetime_s": 3600.0,
@@ -45,7 +44,7 @@ FLAT_DEFAULTS = {
     "max_ingress_sessions": 64, "default_chunks": 8, "max_chunks": 100000, "group_start_timeout_s": 1800.0,
     "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
     "max_in_flight_chunks": None, "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
-    "api_keys": "", "max_sessions_per_key": 0, "max_starts_per_minute_per_key": 0, "max_connections_per_address": 16,
+    "api_keys": "", "max_sessions_per_key": 8, "max_starts_per_minute_per_key": 60, "max_connections_per_address": 16,
     "allowed_origins": "", "allowed_hosts": "localhost",
     "image_url_allowlist": "", "image_fetch_timeout_s": 10.0, "image_fetch_max_bytes": 20971520,
 }
@@ -58,6 +57,8 @@ NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": Non
                 "max_queue_wait_s": 600.0}
 # snapshots sized for the host: every chunk (as before), the host budget measured on the node
 NEW_DEFAULTS.update(snapshot_interval_chunks=1, snapshot_host_budget_gib=None)
+# the door: a session's fps at most the deployment's; clients behind trusted proxies
+NEW_DEFAULTS.update(max_fps=None, trusted_proxies="")
 
 
 def test_settings_validation(monkeypatch):
