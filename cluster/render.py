@@ -86,10 +86,20 @@ def pod_labels(profile: HardwareProfile) -> dict:
     return {"app.kubernetes.io/name": "lingbot-serve", "app.kubernetes.io/instance": f"lingbot-{profile.name}"}
 
 
+# The image's user `ray` (uid 1000, group users 100; cluster/Dockerfile), never root; no privilege escalation,
+# no Linux capabilities, the runtime's default seccomp profile. Devices reach the containers through the device
+# plugins (nvidia.com/gpu, huawei.com/Ascend910), which need none of these.
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 100,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def _pod(container: dict, profile: HardwareProfile) -> dict:
-    return {"metadata": {"labels": pod_labels(profile)}, "spec": {"containers": [container], "volumes": [
-        {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_VOLUME_CLAIM, "readOnly": True}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{profile.shm_gi}Gi"}}]}}
+    container = {**container, "securityContext": dict(CONTAINER_SECURITY)}
+    return {"metadata": {"labels": pod_labels(profile)}, "spec": {
+        "securityContext": dict(POD_SECURITY), "containers": [container], "volumes": [
+            {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_VOLUME_CLAIM, "readOnly": True}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{profile.shm_gi}Gi"}}]}}
 
 
 def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:

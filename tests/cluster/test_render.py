@@ -169,3 +169,15 @@ def test_render_command(tmp_path, capsys):
     assert (tmp_path / "m.yaml").read_text() == render.render(get_profile("h200-sp8"))
     with pytest.raises(SystemExit):
         render.main(["--profile", "a100-sp3"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_ray_pod_runs_as_the_images_non_root_user_without_privileges(name):
+    m, _ = documents(get_profile(name))
+    cluster = m["spec"]["rayClusterConfig"]
+    for spec in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"]):
+        pod = spec["template"]["spec"]
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100,
+                                          "fsGroup": 100, "seccompProfile": {"type": "RuntimeDefault"}}
+        (container,) = pod["containers"]
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
