@@ -9,6 +9,7 @@ messages, and its connection (the wire of a session's life).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any, Optional
 
@@ -159,6 +160,10 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     n_steps = _opt(msg, "num_inference_steps", int, "an integer")
     if n_steps is not None and n_steps != steps:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"this model samples {steps} steps per chunk, not {n_steps}")
+    guidance = _opt(msg, "guidance_scale", (int, float), "a number")
+    if guidance is not None and not (math.isfinite(guidance) and guidance <= 1.0):   # clients send 1.0 or 0.0
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "this distilled model samples without classifier-free "
+                            f"guidance: guidance_scale must be at most 1.0 (none), got {guidance:g}")
     chunks = _opt(msg, "max_chunks", int, "an integer")
     if chunks is not None and not 1 <= chunks <= max_chunks:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"max_chunks must be between 1 and {max_chunks}, got {chunks}")

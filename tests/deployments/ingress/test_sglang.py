@@ -50,6 +50,8 @@ def test_init_defaults_and_fields():
     assert init(realtime_output_format="jpeg").output == FrameFormat("jpeg", 95)
     assert init(realtime_output_format="webp", output_compression=0).output.quality == 90
     assert init(delta_reference="previous-frame").output == FrameFormat("raw", delta=True)
+    # no classifier-free guidance: the values that mean none are accepted (clients send 1.0 or 0.0)
+    assert all(init(guidance_scale=g).prompt == "p" for g in (1.0, 1, 0.0, 0, 0.5))
 
 
 @pytest.mark.parametrize("fields, code, match", [
@@ -73,6 +75,9 @@ def test_init_defaults_and_fields():
     (dict(seed=2 ** 64), "invalid_field", "64 bits"),
     (dict(seed=1.5), "invalid_field", "seed"),
     (dict(num_inference_steps=8), "invalid_field", "4 steps per chunk, not 8"),
+    (dict(guidance_scale=5.0), "invalid_field", "guidance_scale must be at most 1.0 \\(none\\), got 5"),
+    (dict(guidance_scale=float("nan")), "invalid_field", "guidance_scale must be at most 1.0"),
+    (dict(guidance_scale="1.0"), "invalid_field", "'guidance_scale' must be a number"),
     (dict(max_chunks=0), "invalid_field", "max_chunks"),
     (dict(max_chunks=101), "invalid_field", "between 1 and 100"),
     (dict(num_frames=-1), "invalid_field", "num_frames"),
