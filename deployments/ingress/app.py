@@ -13,11 +13,12 @@ Every refusal is an error with a stable code; the shared process never crashes o
 import asyncio
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import FileResponse, JSONResponse, Response
 from ray import serve
 
 from ..memory import held_refs
@@ -29,7 +30,7 @@ from ..session.ports import ClientGone
 from ..session.requests import Interaction
 from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
-from . import sglang
+from . import peers, sglang
 from .census import GroupCensus, serve_counts
 from .door import TenantLimits, accepted_subprotocol, client_address, host_allowed, origin_allowed, presented_key
 from .fetch import ImageFetcher
@@ -123,6 +124,7 @@ class Ingress:
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.live = 0
         self.connections: dict[str, int] = {}    # open WebSocket connections per client address
+        self.started = int(time.time())         # /v1/models's `created`
         try:                                     # the first group's start, measured for the first burst's estimate
             self.census_task = asyncio.get_running_loop().create_task(self.groups.census.follow_first_start())
         except RuntimeError:                     # constructed off an event loop: the first burst has no estimate
@@ -163,6 +165,39 @@ class Ingress:
         if not STATIC_NAME.fullmatch(name) or not (STATIC / name).is_file():
             return JSONResponse({"error": "not found"}, status_code=404)
         return FileResponse(STATIC / name)
+
+    # the peers' descriptions (peers.py): health and version open; those that name the model path need a key
+    @app.get("/health")
+    def health(self):
+        return Response(status_code=200)
+
+    @app.get("/version")
+    def version(self):
+        return {"version": peers.version()}
+
+    @app.get("/models")
+    async def sglang_models(self, request: Request):
+        return await self._described(request, peers.sglang_models)
+
+    @app.get("/server_info")
+    async def sglang_server_info(self, request: Request):
+        return await self._described(request, peers.sglang_server_info)
+
+    @app.get("/v1/models")
+    async def openai_models(self, request: Request):
+        return await self._described(request, lambda facts, s: peers.openai_models(facts, s, self.started))
+
+    async def _described(self, request: Request, describe):
+        """`describe(facts, settings)` for a client that presents a key when api_keys is set (401 otherwise); 503
+        while no group has answered yet."""
+        if presented_key(dict(request.headers), dict(request.query_params), self.settings.api_key_set) is None:
+            return JSONResponse({"error": ErrorCode.UNAUTHORIZED.value, "message": "a valid API key is required"},
+                                status_code=401)
+        try:
+            facts = await self.groups.facts(wait_s=10.0)
+        except ProtocolError as e:
+            return JSONResponse({"error": e.code.value, "message": e.message}, status_code=503)
+        return describe(facts, self.settings)
 
     @app.get("/v1/config")
     async def config(self):

@@ -38,12 +38,13 @@ class ModelFacts:
     dtype: str
     random_weights: bool = False   # seeded random weights (no checkpoint): the video is noise by design
     decoders: tuple[str, ...] = ("wan",)   # the frame decoders loaded, the first the sessions' default
+    vae_dtype: str = "float32"     # the VAE's (condition encoder and Wan decoder)
 
     @classmethod
     def of(cls, preset: Preset, random_weights: bool = False, decoders: tuple[str, ...] = ("wan",)) -> ModelFacts:
         t = preset.transformer
         return cls(preset.name, preset.width, preset.height, preset.geometry, t.sink_chunks, t.window_chunks,
-                   len(preset.sampler.timesteps), preset.dtype, random_weights, tuple(decoders))
+                   len(preset.sampler.timesteps), preset.dtype, random_weights, tuple(decoders), preset.vae_dtype)
 
     @property
     def size(self) -> tuple[int, int]:

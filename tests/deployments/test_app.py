@@ -296,6 +296,40 @@ def test_http_endpoints(serve_app):
             assert e.code == status, (method, path, e.code)
 
 
+def test_the_peers_descriptions_of_the_server(serve_app):
+    """SGLang diffusion's GET /models and /server_info and vLLM's GET /v1/models, /health and /version, from what
+    the group runs (its facts) and the settings: a benchmark client of either reads them before its session."""
+    from importlib import metadata
+
+    from deployments.ingress import peers
+    from deployments.session.events import ModelFacts
+    from deployments.settings import ServeSettings
+    from lingbot.config import get_preset
+    from tests.deployments.conftest import TEST_SETTINGS
+
+    def get(path):
+        with urllib.request.urlopen(f"{HTTP}{path}", timeout=30) as r:
+            return r.status, r.read()
+    facts, settings = ModelFacts.of(get_preset("tiny"), True, ("wan", "tae")), ServeSettings(**TEST_SETTINGS)
+    assert get("/health") == (200, b"")
+    assert json.loads(get("/version")[1]) == {"version": metadata.version("lingbot-serve")}
+    models = json.loads(get("/models")[1])
+    assert models == peers.sglang_models(facts, settings) == {
+        "model_path": "random:tiny", "task_type": "I2V", "pipeline_name": "lingbot_world",
+        "pipeline_class": "WorldPipeline", "num_gpus": 2, "dit_precision": peers.precision(facts.dtype),
+        "vae_precision": "fp32"}
+    info = json.loads(get("/server_info")[1])
+    assert info == peers.sglang_server_info(facts, settings)
+    assert {k: info["realtime"][k] for k in ("width", "height", "fps", "max_fps", "frames_per_chunk",
+                                             "first_chunk_frames", "num_inference_steps", "decoders")} == {
+        "width": W, "height": H, "fps": 16.0, "max_fps": 120.0, "frames_per_chunk": 12, "first_chunk_frames": 9,
+        "num_inference_steps": facts.steps, "decoders": ["wan", "tae"]}
+    listed = json.loads(get("/v1/models")[1])
+    (card,) = listed["data"]
+    assert listed["object"] == "list" and card["id"] == "lingbot-world" and card["object"] == "model"
+    assert card["root"] == "random:tiny" and isinstance(card["created"], int) and card["created"] > 1.7e9
+
+
 def scrape(port):
     """The node's Prometheus text -> {(name, frozenset(labels)): value}, names without Ray's prefix."""
     import re

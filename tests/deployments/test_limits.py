@@ -146,6 +146,9 @@ async def endless(url=URL, api_key=KEY, **kw):
 
 def test_api_key_is_required(strict_app):
     import base64
+    import json
+    import urllib.error
+    import urllib.request
 
     import websockets
     url, _ = strict_app
@@ -182,6 +185,18 @@ def test_api_key_is_required(strict_app):
     for name in ("bearer", "query", "subprotocol"):
         assert out[name].error is None and out[name].done["chunks"] == 1, name
     assert out["subprotocol_answer"] == out["wrong_subprotocol_answer"] == "lingbot"
+    # the HTTP descriptions that name the model path need a key too; health and version do not
+    http = url.replace("ws://", "http://").replace("/v1/realtime/video", "")
+    for path in ("/models", "/server_info", "/v1/models"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{http}{path}", timeout=30)
+        assert refused.value.code == 401 and json.loads(refused.value.read())["error"] == "unauthorized", path
+        keyed = urllib.request.Request(f"{http}{path}", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(keyed, timeout=30) as r:
+            assert r.status == 200 and json.loads(r.read()), path
+    for path in ("/health", "/version"):
+        with urllib.request.urlopen(f"{http}{path}", timeout=30) as r:
+            assert r.status == 200, path
 
 
 def test_idle_and_lifetime_limits(strict_app):

@@ -33,6 +33,7 @@ def test_every_http_answer_carries_the_security_headers(serve_app):
     assert "frame-ancestors 'none'" in CONTENT_SECURITY_POLICY and "script-src 'self'" in CONTENT_SECURITY_POLICY
     for path, method, status in [("/", "GET", 200), ("/static/app.js", "GET", 200), ("/static/msgpack.js", "GET", 200),
                                  ("/healthz", "GET", 200), ("/readyz", "GET", 200), ("/v1/config", "GET", 200),
+                                 ("/health", "GET", 200), ("/version", "GET", 200), ("/models", "GET", 200),
                                  ("/static/nope.js", "GET", 404), ("/no/such/page", "GET", 404),
                                  ("/healthz", "POST", 405)]:
         got, headers = answer(path, method)
