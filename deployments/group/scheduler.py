@@ -137,8 +137,11 @@ class Scheduler:
         self.sessions: dict[str, ScheduledSession] = {}
 
     def add(self, state: ScheduledSession) -> None:
+        """A session to schedule; one that asked for no pacing (realtime_output_pacing: false) has an unbounded
+        lead: always eligible, it still runs after the sessions whose chunks are due sooner."""
         if state.clock.pacer is None:
-            state.clock.pacer = Pacer(self.pacing_lead_s, self.adaptive, self.margin_s, self.q)
+            state.clock.pacer = Pacer(self.pacing_lead_s, self.adaptive, self.margin_s, self.q) if state.start.paced \
+                else Pacer(math.inf)
         self.sessions[state.id] = state
 
     def remove(self, session_id: str) -> Optional[ScheduledSession]:

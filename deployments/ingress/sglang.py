@@ -172,10 +172,14 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     if conditions and conditions.get("camera_actions") is not None:
         script = script_chunks(parse_actions_script(conditions["camera_actions"], "condition_inputs.camera_actions"),
                                geometry.latent_frames)
+    paced = msg.get("realtime_output_pacing", True)
+    if not isinstance(paced, bool):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "init field 'realtime_output_pacing' must be true or false, got "
+                            f"{type(paced).__name__}")
     output = parse_output(msg)
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
-                        fps, seed, None, script, msg.get("model"), output=output, decoder=decoder)
+                        fps, seed, None, script, msg.get("model"), output=output, decoder=decoder, paced=paced)
 
 
 def parse_output(msg: dict) -> FrameFormat:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Optional
 
 from lingbot.camera import CameraError, CameraEvent
@@ -125,13 +126,15 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         trajectory = parse_trajectory(extra["camera_trajectory"], width, height, geometry,
                                       geometry.video_frames(max_chunks), num_frames)
     profile = extra.get("profile_stages", False)
-    if not isinstance(profile, bool):
-        raise ProtocolError(ErrorCode.INVALID_FIELD,
-                            "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
+    paced = extra.get("realtime_output_pacing", True)
+    for name, value in (("profile_stages", profile), ("realtime_output_pacing", paced)):
+        if not isinstance(value, bool):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"extra_params.{name} must be true or false",
+                                close=CLOSE_POLICY)
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
-                        decoder=decoder)
+                        decoder=decoder, paced=paced)
 
 
 def parse_interaction(msg: dict) -> Interaction:
@@ -257,7 +260,7 @@ class VllmWire(WebSocketWire):
                 "byte_length": len(event.data), "started_event_ids": event.started,
                 "active_event_ids": event.active, "completed_event_ids": event.completed,
                 "timings": {k: round(v, 5) for k, v in event.timings.items()},
-                "group_clock": {k: round(v, 4) for k, v in event.clock.items()}}
+                "group_clock": {k: round(v, 4) for k, v in event.clock.items() if math.isfinite(v)}}  # unpaced: no lead
         return await send(meta) and await send(event.data)
 
     async def send_resumed(self, event: Resumed, chunk_index: int, transport_index: int, gap_s: float, reason: str,

@@ -30,6 +30,7 @@ class StartRequest:
     trajectory: Optional[Trajectory] = None   # offline camera path (extra_params.camera_trajectory)
     output: FrameFormat = FMP4                # fmp4 (this protocol) or the second protocol's frame format
     decoder: Optional[str] = None             # a loaded frame decoder (extra_params.decoder); None: the default
+    paced: bool = True                        # False: each chunk as soon as it is made (realtime_output_pacing)
 
 
 @dataclass

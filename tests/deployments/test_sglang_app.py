@@ -58,6 +58,18 @@ def test_a_session_of_n_chunks_delivers_12n_minus_3_raw_frames(serve_app):
     assert [m["type"] for m in result.messages] == ["frame_batch_header", "chunk_stats"] * 3
 
 
+def test_unpaced_delivery_on_request(serve_app):
+    """realtime_output_pacing false delivers each chunk as soon as it is made. At 1 fps a paced chunk 3 is due
+    33 s of video after chunk 0 arrived and may run at most the pacing lead (8 s here) early: it could not
+    arrive within 25 s of chunk 0. Unpaced, it comes after three chunks' generation; the frames are the paced
+    session's (pacing decides when, not what)."""
+    unpaced = run(frames_session(frames_url(serve_app), 4, seed=11, fps=1.0, realtime_output_pacing=False))
+    assert unpaced.errors == [] and [c.index for c in unpaced.chunks] == [0, 1, 2, 3]
+    assert unpaced.arrivals[3] - unpaced.arrivals[0] < 33 - 8
+    paced = run(frames_session(frames_url(serve_app), 2, seed=11))          # 16 fps: the same frames
+    assert np.array_equal(paced.frames, unpaced.frames[:len(paced.frames)])
+
+
 def test_raw_frames_are_the_fmp4_streams_source_frames(serve_app):
     """Same image, prompt, seed and key script on both protocols: the raw frames, put through the muxer's
     encoder here, give the first protocol's fMP4 stream byte for byte (so its source frames were these)."""

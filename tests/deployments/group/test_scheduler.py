@@ -46,6 +46,29 @@ def test_edf_and_pacing():
     assert who is None and wait == pytest.approx(2.3125 - 1.4 - 0.5)   # both over 0.5 s ahead: idle
 
 
+def test_an_unpaced_session_runs_whenever_no_paced_one_is_due():
+    """realtime_output_pacing false: the session's chunks are always eligible (an unbounded lead), while a paced
+    session whose chunk is due first still goes first, and one ahead of its lead idles."""
+    import dataclasses
+    sched = Scheduler(pacing_lead_s=0.5)
+    paced, unpaced = _state("p", now=0.0), _state("u", now=0.0)
+    unpaced.start = dataclasses.replace(unpaced.start, paced=False)
+    sched.add(paced), sched.add(unpaced)
+    assert unpaced.clock.pacer.lead_s == math.inf and paced.clock.pacer.lead_s == 0.5
+    for s, at in ((paced, 1.0), (unpaced, 1.0)):
+        s.next_chunk += 1
+        s.clock.generated(9)
+        s.clock.delivered(9, now=at)
+    for n in range(10):                                   # paced: due at 1.5625, eligible from 1.0625
+        assert sched.pick(now=1.01)[0] is unpaced, n      # 10 chunks (7.6 s of video) ahead of its playback
+        unpaced.next_chunk += 1
+        unpaced.clock.generated(12)
+        unpaced.clock.delivered(12, now=1.01)
+    assert sched.pick(now=1.1)[0] is paced                # within its lead now, and due before the unpaced one
+    sched.remove("u")
+    assert sched.pick(now=1.01) == (None, pytest.approx(1.5625 - 1.01 - 0.5))    # the paced one alone idles
+
+
 def test_stall_accounting():
     s = _state("a", now=0.0)
     s.clock.generated(9)

@@ -52,6 +52,7 @@ def test_init_defaults_and_fields():
     assert init(delta_reference="previous-frame").output == FrameFormat("raw", delta=True)
     # no classifier-free guidance: the values that mean none are accepted (clients send 1.0 or 0.0)
     assert all(init(guidance_scale=g).prompt == "p" for g in (1.0, 1, 0.0, 0, 0.5))
+    assert init().paced and not init(realtime_output_pacing=False).paced and init(realtime_output_pacing=True).paced
 
 
 @pytest.mark.parametrize("fields, code, match", [
@@ -78,6 +79,7 @@ def test_init_defaults_and_fields():
     (dict(guidance_scale=5.0), "invalid_field", "guidance_scale must be at most 1.0 \\(none\\), got 5"),
     (dict(guidance_scale=float("nan")), "invalid_field", "guidance_scale must be at most 1.0"),
     (dict(guidance_scale="1.0"), "invalid_field", "'guidance_scale' must be a number"),
+    (dict(realtime_output_pacing=0), "invalid_field", "'realtime_output_pacing' must be true or false, got int"),
     (dict(max_chunks=0), "invalid_field", "max_chunks"),
     (dict(max_chunks=101), "invalid_field", "between 1 and 100"),
     (dict(num_frames=-1), "invalid_field", "num_frames"),

@@ -45,6 +45,7 @@ def test_start_parsing():
     assert req.image.shape == (3, 64, 112) and req.image.dtype == np.float32
     assert start(num_frames=None).chunks == 8
     assert start(extra_params={"endless": True}).chunks is None
+    assert start().paced and not start(extra_params={"realtime_output_pacing": False}).paced
 
 
 @pytest.mark.parametrize("kw,code,close", [
@@ -57,6 +58,7 @@ def test_start_parsing():
     (dict(seed="x"), "invalid_field", None),
     (dict(fps=0), "invalid_field", 1008),
     (dict(fps=16.5), "invalid_field", 1008),              # above the deployment's fps (its max_fps by default)
+    (dict(extra_params={"realtime_output_pacing": "no"}), "invalid_field", 1008),
     (dict(image_reference={"image_url": "data:image/png;base64,@@@"}), "invalid_image", None),
     (dict(extra_params={"camera_action_script": [["w", "w"]]}), "invalid_field", 1008),
     (dict(extra_params={"flow_shift": -1}), "invalid_field", 1008),
