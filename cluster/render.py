@@ -95,9 +95,9 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop"
 
 
 def _pod(container: dict, profile: HardwareProfile) -> dict:
-    container = {**container, "securityContext": dict(CONTAINER_SECURITY)}
+    container = {**container, "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
     return {"metadata": {"labels": pod_labels(profile)}, "spec": {
-        "securityContext": dict(POD_SECURITY), "containers": [container], "volumes": [
+        "securityContext": copy.deepcopy(POD_SECURITY), "containers": [container], "volumes": [
             {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_VOLUME_CLAIM, "readOnly": True}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{profile.shm_gi}Gi"}}]}}
 

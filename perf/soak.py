@@ -140,9 +140,9 @@ def slope(samples, role: str, after_s: float = 180.0) -> float:
 
 
 async def soak(url: str, image: bytes, minutes: float, capacity: int, chunks: int, references: dict,
-               api_key=None, min_sessions: int = 0) -> dict:
+               api_key=None, min_sessions: int = 0, overtime_s: float = 300.0) -> dict:
     """Sessions `capacity` at a time for `minutes`, and on past the deadline until `min_sessions` have been
-    started (a short soak on a slow machine still sees the sessions it asserts on)."""
+    started (a short soak on a slow machine still sees the sessions it asserts on), for at most `overtime_s`."""
     import numpy as np
     deadline = time.monotonic() + minutes * 60
     started = 0
@@ -152,7 +152,7 @@ async def soak(url: str, image: bytes, minutes: float, capacity: int, chunks: in
     async def worker(slot: int) -> None:
         nonlocal started
         n = 0
-        while time.monotonic() < deadline or started < min_sessions:
+        while time.monotonic() < deadline or (started < min_sessions and time.monotonic() < deadline + overtime_s):
             inputs = INPUTS[(slot + n) % len(INPUTS)]
             n += 1
             started += 1

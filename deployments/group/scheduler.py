@@ -163,7 +163,9 @@ class Scheduler:
             # a resumed session's replay fills the gaps: never "late", so due chunks of others go first
             return now + s.clock.pacer.lead_s if s.replay else s.clock.deadline()
         # a session whose player would wait goes first; then one with a control queued (it shows a chunk
-        # sooner and never waits behind more than the chunk running now); then earliest deadline first
-        best = min(eligible, key=lambda s: (due(s) >= now, not s.planner.pending, due(s)))
+        # sooner and never waits behind more than the chunk running now); then earliest deadline first. An
+        # unpaced session goes after every paced one that may run, its controls included: it takes only the
+        # time the others leave
+        best = min(eligible, key=lambda s: (due(s) >= now, not s.start.paced, not s.planner.pending, due(s)))
         best.clock.picked_eligible = max(best.clock.deadline() - best.clock.pacer.lead_s, best.clock.ready_since)
         return best, 0.0

@@ -109,7 +109,7 @@ class IngressMetrics:
 def _address(ws: WebSocket, trusted: tuple) -> str:
     """The client's address (Serve's proxy passes the connection's own; behind trusted proxies, the one they
     name: door.client_address)."""
-    return client_address(ws.client.host if ws.client else "?", dict(ws.headers), trusted)
+    return client_address(ws.client.host if ws.client else "?", ws.headers.getlist("x-forwarded-for"), trusted)
 
 
 @serve.ingress(app)
@@ -169,7 +169,12 @@ class Ingress:
     # the peers' descriptions (peers.py): health and version open; those that name the model path need a key
     @app.get("/health")
     def health(self):
-        return Response(status_code=200)
+        """vLLM's: 200 once a group serves (its clients wait on it before their first request), else 503."""
+        try:
+            running, _ = serve_counts()
+        except Exception:
+            running = 0
+        return Response(status_code=200 if running >= 1 else 503)
 
     @app.get("/version")
     def version(self):

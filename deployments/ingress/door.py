@@ -22,9 +22,14 @@ class TenantLimits:
         self.max_starts = max_starts_per_minute             # 0: no limit (no start times kept)
         self.active: dict[str, int] = {}
         self.starts: dict[str, deque] = {}
+        self.swept_at = 0.0                                 # when tenants without a recent start were last dropped
 
     def admit(self, tenant: str, now: float) -> Optional[ProtocolError]:
         """Take a session slot for `tenant`, or the refusal (the slot is not taken)."""
+        if now - self.swept_at >= WINDOW_S:                 # every tenant ever seen would stay otherwise
+            self.swept_at = now
+            for stale in [t for t, s in self.starts.items() if not s or now - s[-1] >= WINDOW_S]:
+                del self.starts[stale]
         active = self.active.get(tenant, 0)
         if self.max_sessions and active >= self.max_sessions:
             return ProtocolError(ErrorCode.TOO_MANY_SESSIONS, f"this key already holds {active} sessions (the "
@@ -101,18 +106,28 @@ def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
     return presented_key(headers, query, keys) is not None
 
 
-def client_address(peer: str, headers: dict, trusted: tuple) -> str:
+def client_address(peer: str, forwarded_for: list[str], trusted: tuple) -> str:
     """The client's address: the connection's own (`peer`), or, when that is a trusted proxy (`trusted`: the
-    trusted_proxies networks), the last address in X-Forwarded-For that is not one. Each proxy appends the
-    address it was reached from, so walking from the right, the first untrusted hop is the one a trusted proxy
-    saw; what a client wrote to the left of it is never read."""
+    trusted_proxies networks), the last address in X-Forwarded-For (`forwarded_for`: every such header line, in
+    order: a proxy may add a line of its own) that is not one. Each proxy appends the address it was reached
+    from, so walking from the right, the first untrusted hop is the one a trusted proxy saw; what a client wrote
+    to the left of it is never read. A hop's port (`1.2.3.4:5678`, `[::1]:443`) is dropped."""
     if not trusted or not _within(peer, trusted):
         return peer
-    hops = [h.strip() for h in headers.get("x-forwarded-for", "").split(",") if h.strip()]
+    hops = [_host(h) for line in forwarded_for for h in line.split(",") if h.strip()]
     for hop in reversed(hops):
         if not _within(hop, trusted):
             return hop
     return hops[0] if hops else peer
+
+
+def _host(hop: str) -> str:
+    hop = hop.strip()
+    if hop.startswith("["):                                 # [IPv6] or [IPv6]:port
+        return hop[1:].partition("]")[0]
+    if hop.count(":") == 1:                                 # IPv4:port (a bare IPv6 address has several)
+        return hop.partition(":")[0]
+    return hop
 
 
 def _within(address: str, networks: tuple) -> bool:

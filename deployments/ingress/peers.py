@@ -49,7 +49,7 @@ def realtime(facts: ModelFacts, settings) -> dict[str, Any]:
             "causal_sink_size": facts.sink_chunks * g.latent_frames,
             "causal_kv_cache_num_frames": facts.window_chunks * g.latent_frames,
             "decoders": list(facts.decoders), "default_chunks": settings.default_chunks,
-            "max_chunks": settings.max_chunks, "sessions_per_group": settings.max_sessions_per_group,
+            "max_chunks": settings.max_chunks, "max_sessions_per_group": settings.max_sessions_per_group,
             "min_groups": settings.min_groups, "max_groups": settings.max_groups}
 
 

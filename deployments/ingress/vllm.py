@@ -126,7 +126,7 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         trajectory = parse_trajectory(extra["camera_trajectory"], width, height, geometry,
                                       geometry.video_frames(max_chunks), num_frames)
     profile = extra.get("profile_stages", False)
-    paced = extra.get("realtime_output_pacing", True)
+    paced = True if extra.get("realtime_output_pacing") is None else extra["realtime_output_pacing"]
     for name, value in (("profile_stages", profile), ("realtime_output_pacing", paced)):
         if not isinstance(value, bool):
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"extra_params.{name} must be true or false",

@@ -16,9 +16,10 @@ from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 
 
-def setting(default: Any, help: str, key: Optional[str] = None):
-    """A settings field: its default, what it means, and its flat key where that is not its name."""
-    return field(default=default, metadata={"help": help, "key": key})
+def setting(default: Any, help: str, key: Optional[str] = None, secret: bool = False):
+    """A settings field: its default, what it means, and its flat key where that is not its name; a secret is left
+    out of the settings' repr (describe() masks it)."""
+    return field(default=default, repr=not secret, metadata={"help": help, "key": key})
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,8 @@ def parse_allowlist(text: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class DoorSettings(SettingsConcern):
     """The door: who may open sessions, how many, from which pages, and which images the server fetches."""
-    api_keys: str = setting("", "comma-separated API keys; when set, clients must present one (see README)")
+    api_keys: str = setting("", "comma-separated API keys; when set, clients must present one (see README)",
+                            secret=True)
     max_sessions_per_key: int = setting(8, "sessions one key (or client address, without keys) may hold at "
                                            "once; 0: no limit")
     max_starts_per_minute_per_key: int = setting(60, "session starts per key (or client address) per minute; "

@@ -100,7 +100,7 @@ class ServeSettings:
     encoder_preset: str = EncoderSettings.preset
     encoder_threads: int = EncoderSettings.threads
     # door
-    api_keys: str = DoorSettings.api_keys
+    api_keys: str = field(default=DoorSettings.api_keys, repr=False)     # a secret: never in a repr
     max_sessions_per_key: int = DoorSettings.max_sessions_per_key
     max_starts_per_minute_per_key: int = DoorSettings.max_starts_per_minute_per_key
     max_connections_per_address: int = DoorSettings.max_connections_per_address

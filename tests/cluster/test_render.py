@@ -181,3 +181,4 @@ def test_every_ray_pod_runs_as_the_images_non_root_user_without_privileges(name)
                                           "fsGroup": 100, "seccompProfile": {"type": "RuntimeDefault"}}
         (container,) = pod["containers"]
         assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert "&id" not in render.manifest_path(get_profile(name)).read_text()     # no YAML anchors between pods

@@ -22,6 +22,19 @@ STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=10, 
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
 
 
+def test_tenants_without_a_recent_start_are_forgotten():
+    """The start windows of tenants that have not started for a minute are dropped (a public server keyed by
+    address would keep every address it ever saw otherwise)."""
+    from deployments.ingress.door import TenantLimits
+    limits = TenantLimits(max_starts_per_minute=5)
+    for i in range(100):
+        assert limits.admit(f"addr:{i}", 0.0) is None
+        limits.release(f"addr:{i}")
+    assert len(limits.starts) == 100
+    assert limits.admit("addr:new", 59.0) is None and len(limits.starts) == 101      # within the minute: kept
+    assert limits.admit("addr:later", 61.0) is None and set(limits.starts) == {"addr:new", "addr:later"}
+
+
 def test_tenant_limits_by_hand():
     from deployments.ingress.door import TenantLimits
     limits = TenantLimits(max_sessions=2, max_starts_per_minute=3)
@@ -60,8 +73,9 @@ def test_origins_and_keys_by_hand():
 
 
 def test_the_client_behind_trusted_proxies_is_the_last_address_they_did_not_add():
-    """X-Forwarded-For is read only from a trusted proxy, from the right: the first hop that is not a trusted
-    proxy is the client; what a client wrote to the left of it is never read."""
+    """X-Forwarded-For is read only from a trusted proxy, from the right, over every line of it (a proxy may add
+    its own line after the client's): the first hop that is not a trusted proxy is the client; what a client
+    wrote to the left of it is never read; a hop's port is dropped."""
     import ipaddress
 
     from deployments.ingress.door import client_address
@@ -69,13 +83,16 @@ def test_the_client_behind_trusted_proxies_is_the_last_address_they_did_not_add(
     from lingbot.config import ConfigError
     trusted = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128"))
 
-    def xff(value: str) -> dict:
-        return {"x-forwarded-for": value}
+    def xff(*lines: str) -> list[str]:
+        return list(lines)
     assert client_address("203.0.113.9", xff("198.51.100.1"), trusted) == "203.0.113.9"   # not from a proxy
     assert client_address("10.1.2.3", xff("198.51.100.1"), trusted) == "198.51.100.1"
     assert client_address("10.1.2.3", xff("1.1.1.1, 198.51.100.1, 10.9.9.9"), trusted) == "198.51.100.1"
     assert client_address("::1", xff("2001:db8::5"), trusted) == "2001:db8::5"
-    assert client_address("10.1.2.3", {}, trusted) == "10.1.2.3"                 # a proxy that names no one
+    assert client_address("10.1.2.3", [], trusted) == "10.1.2.3"                 # a proxy that names no one
+    assert client_address("10.1.2.3", xff("6.6.6.6", "198.51.100.1"), trusted) == "198.51.100.1"  # its own line
+    assert client_address("10.1.2.3", xff("198.51.100.1:5678"), trusted) == "198.51.100.1"
+    assert client_address("10.1.2.3", xff("[2001:db8::5]:443, 10.9.9.9"), trusted) == "2001:db8::5"
     assert client_address("10.1.2.3", xff("10.0.0.7, 10.9.9.9"), trusted) == "10.0.0.7"    # all proxies: the first
     assert client_address("10.1.2.3", xff("1.1.1.1"), ()) == "10.1.2.3"          # trusted_proxies empty
     assert ServeSettings(trusted_proxies="10.0.0.0/8, ::1").trusted_proxy_networks == trusted

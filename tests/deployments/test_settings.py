@@ -313,7 +313,8 @@ def test_settings_command_prints_every_setting(tmp_path, capsys, monkeypatch):
 
 
 def test_api_keys_are_masked_wherever_settings_are_printed(capsys, monkeypatch):
-    """The keys never appear in describe() or the settings command (a terminal, a CI log); their count does."""
+    """The keys never appear in describe(), the settings command (a terminal, a CI log) or a repr (a log line,
+    a traceback); their count does."""
     monkeypatch.setenv("LINGBOT_API_KEYS", "k-secret-1, k-secret-2")
     s = ServeSettings.from_args({})
     assert s.api_key_set == {"k-secret-1", "k-secret-2"}
@@ -324,3 +325,4 @@ def test_api_keys_are_masked_wherever_settings_are_printed(capsys, monkeypatch):
         out = capsys.readouterr().out
         assert "k-secret" not in out and "<2 keys, masked>" in out
     assert [r["value"] for r in ServeSettings().describe() if r["name"] == "api_keys"] == [""]
+    assert "k-secret" not in repr(s) and "k-secret" not in repr(s.door)
