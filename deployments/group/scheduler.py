@@ -138,7 +138,7 @@ class Scheduler:
 
     def add(self, state: ScheduledSession) -> None:
         """A session to schedule; one that asked for no pacing (realtime_output_pacing: false) has an unbounded
-        lead: always eligible, it still runs after the sessions whose chunks are due sooner."""
+        lead: always eligible, it runs after every paced session that may run (pick)."""
         if state.clock.pacer is None:
             state.clock.pacer = Pacer(self.pacing_lead_s, self.adaptive, self.margin_s, self.q) if state.start.paced \
                 else Pacer(math.inf)

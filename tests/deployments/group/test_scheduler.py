@@ -65,6 +65,8 @@ def test_an_unpaced_session_runs_whenever_no_paced_one_is_due():
         unpaced.clock.generated(12)
         unpaced.clock.delivered(12, now=1.01)
     assert sched.pick(now=1.1)[0] is paced                # within its lead now, and due before the unpaced one
+    assert unpaced.planner.queue(Interaction("e1", keys=["w", "w", "w"]))
+    assert sched.pick(now=1.1)[0] is paced                # even while the unpaced one has a control queued
     sched.remove("u")
     assert sched.pick(now=1.01) == (None, pytest.approx(1.5625 - 1.01 - 0.5))    # the paced one alone idles
 
