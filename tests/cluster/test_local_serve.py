@@ -47,6 +47,7 @@ def test_make_serve_prints_the_url_when_ready_and_stops_on_ctrl_c(tmp_path):
         said = int(re.search(r"is ready \((\d+) s\)", ready[0]).group(1))
         assert took / 2 <= said <= took + 1, (said, took)  # the whole start, not only the wait for /readyz
         assert f"open http://127.0.0.1:{PORT}/ in a browser" in ready[0]
+        assert not [line for line in lines if "WARNING: listening on" in line]    # loopback: nothing to warn of
         assert f"ws://127.0.0.1:{PORT}/v1/realtime/video" in ready[0]
         args = config["applications"][0]["args"]
         assert (args["max_groups"], args["max_sessions_per_group"], args["admission_wait_s"]) == (2, 2, 0)

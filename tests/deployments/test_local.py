@@ -91,3 +91,19 @@ def test_a_mode_other_than_token_is_refused(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with pytest.raises(RuntimeError, match="RAY_AUTH_MODE=disabled: lingbot-serve keeps Ray's token authentication"):
         prepare_environment()
+
+
+def test_the_local_default_listens_on_this_machine_and_warns_when_it_does_not_without_keys():
+    """serve_config.yaml listens on 127.0.0.1 (as Ray's dashboard and Jupyter); `make serve` warns when a
+    config listens beyond loopback without api_keys (anyone who reaches the machine may open sessions)."""
+    import yaml
+
+    from deployments.local import exposure_warning
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "serve_config.yaml").read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.1.1"):
+        assert exposure_warning(host, 8000, frozenset()) is None, host
+    assert exposure_warning("0.0.0.0", 8000, frozenset({"k"})) is None
+    assert exposure_warning("0.0.0.0", 8000, frozenset()) == (
+        "lingbot-serve: WARNING: listening on 0.0.0.0:8000 without api_keys: anyone who reaches this machine may "
+        "open sessions. Set api_keys (or LINGBOT_API_KEYS), or http_options.host: 127.0.0.1.")
