@@ -23,6 +23,8 @@ class Metrics:
                                 tag_keys=("group",))
         self.refusals = m.Counter("lingbot_refusals_total", "refused requests and messages", tag_keys=("code",))
         self.sessions_total = m.Counter("lingbot_sessions_total", "sessions started", tag_keys=("component",))
+        self.unknown_fields = m.Counter("lingbot_unknown_start_fields_total", "fields of session starts this server "
+                                        "does not know (ignored, as the peers ignore them)")
         self.resumes = m.Counter("lingbot_session_resumes_total", "sessions continued on another group after a "
                                  "fault or while their group was stopped (outcome: resumed, failed; reason: fault, "
                                  "drain)", tag_keys=("outcome", "reason"))

@@ -105,6 +105,9 @@ class IngressMetrics:
     def resumed(self, outcome: str, reason: str) -> None:
         self.m.resumes.inc(tags={"outcome": outcome, "reason": reason})
 
+    def unknown_fields(self, count: int) -> None:
+        self.m.unknown_fields.inc(count)
+
 
 def _address(ws: WebSocket, trusted: tuple) -> str:
     """The client's address (Serve's proxy passes the connection's own; behind trusted proxies, the one they

@@ -53,6 +53,13 @@ DECODE_WAIT_S = 1.0
 DECODES = threading.BoundedSemaphore(MAX_DECODES)
 
 
+def unknown_fields(msg: dict, known: frozenset, prefix: str = "") -> tuple[str, ...]:
+    """The fields of `msg` not in `known`, sorted, as a log line may show them (a client chose them): each cut to
+    64 characters and escaped. A map holds at most MAX_MAP_LEN keys."""
+    return tuple(prefix + str(k)[:64].encode("unicode_escape").decode("ascii")
+                 for k in sorted(msg, key=str) if k not in known)
+
+
 def too_deep() -> ProtocolError:
     return ProtocolError(ErrorCode.TOO_DEEP, f"the message nests containers more than {MAX_DEPTH} deep",
                          close=CLOSE_INVALID_DATA)

@@ -36,6 +36,7 @@ from .parsing import (
     parse_keys_list,
     too_complex,
     too_deep,
+    unknown_fields,
 )
 from .wire import WebSocketWire, close_quietly
 
@@ -135,6 +136,19 @@ def parse_actions_script(value: Any, where: str) -> list[str]:
     return parse_keys_list(value, where)
 
 
+# the init fields read here (honoured, or refused with a code when wrong); ACCEPTED_AND_IGNORED: SGLang's fields
+# that mean nothing here, with the reason (README); any other field is ignored, counted and logged
+INIT_FIELDS = frozenset({"type", "model", "prompt", "first_frame", "size", "fps", "num_frames", "seconds", "seed",
+                         "num_inference_steps", "guidance_scale", "max_chunks", "condition_inputs",
+                         "realtime_output_format", "output_compression", "realtime_preview_max_width",
+                         "delta_reference", "decoder", "realtime_output_pacing"})
+ACCEPTED_AND_IGNORED = {
+    "realtime_causal_sink_size": "the session attends the model's own K/V window (a per-session window is not "
+                                 "served yet)",
+    "realtime_causal_kv_cache_num_frames": "as realtime_causal_sink_size",
+}
+
+
 def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
                default_fps: float, steps: int, fetcher=None, decoders: tuple[str, ...] = (),
                max_fps: Optional[float] = None) -> StartRequest:
@@ -179,7 +193,8 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     output = parse_output(msg)
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
-                        fps, seed, None, script, msg.get("model"), output=output, decoder=decoder, paced=paced)
+                        fps, seed, None, script, msg.get("model"), output=output, decoder=decoder, paced=paced,
+                        unknown_fields=unknown_fields(msg, INIT_FIELDS | frozenset(ACCEPTED_AND_IGNORED)))
 
 
 def parse_output(msg: dict) -> FrameFormat:

@@ -33,6 +33,7 @@ from .parsing import (
     parse_trajectory,
     require,
     too_deep,
+    unknown_fields,
 )
 from .wire import WebSocketWire, close_quietly
 
@@ -55,6 +56,13 @@ def parse_json(text: str, limit: int) -> dict:
     except RecursionError:                        # nested deeper than the decoder's stack: far past MAX_DEPTH
         raise too_deep() from None
     return checked_message(msg, ErrorCode.INVALID_JSON, "a JSON object")
+
+
+# the session.start fields and extra_params read here; any other is ignored, counted and logged
+START_FIELDS = frozenset({"type", "model", "prompt", "image_reference", "width", "height", "num_frames", "fps",
+                          "seed", "extra_params"})
+EXTRA_FIELDS = frozenset({"flow_shift", "camera_action_script", "camera_trajectory", "endless", "profile_stages",
+                          "decoder", "realtime_output_pacing"})
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
@@ -134,7 +142,9 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
-                        decoder=decoder, paced=paced)
+                        decoder=decoder, paced=paced,
+                        unknown_fields=unknown_fields(msg, START_FIELDS) + unknown_fields(extra, EXTRA_FIELDS,
+                                                                                          "extra_params."))
 
 
 def parse_interaction(msg: dict) -> Interaction:

@@ -198,11 +198,18 @@ class SessionLife:
             if msg is None:
                 return None
             try:
-                return await self.wire.parse_start(msg, await self.groups.facts())
+                start = await self.wire.parse_start(msg, await self.groups.facts())
             except ProtocolError as e:
                 await self.refuse(e)
                 if self.ended:
                     return None
+                continue
+            if start.unknown_fields:             # ignored, as the peers ignore them: counted, said once
+                names = start.unknown_fields
+                self.metrics.unknown_fields(len(names))
+                log.info("session %s: start fields not known here, ignored: %s%s", self.session_id,
+                         ", ".join(names[:16]), f" (+{len(names) - 16} more)" if len(names) > 16 else "")
+            return start
 
     # ---- 2. admission (admission.py: the lease loop and the queue) -----------------------------
     async def admit_and_stream(self, start: StartRequest) -> None:

@@ -53,6 +53,11 @@ def test_init_defaults_and_fields():
     # no classifier-free guidance: the values that mean none are accepted (clients send 1.0 or 0.0)
     assert all(init(guidance_scale=g).prompt == "p" for g in (1.0, 1, 0.0, 0, 0.5))
     assert init().paced and not init(realtime_output_pacing=False).paced and init(realtime_output_pacing=True).paced
+    assert init(realtime_output_pacing=None).paced
+    # fields SGLang sends that mean nothing here are accepted; any other is ignored and named (escaped) for the log
+    assert init(realtime_causal_sink_size=6, realtime_causal_kv_cache_num_frames=18).unknown_fields == ()
+    assert init(zeta=1, alpha="x", **{"new\nline": 0, "k" * 80: 1}).unknown_fields == (
+        "alpha", "k" * 64, "new\\nline", "zeta")
 
 
 @pytest.mark.parametrize("fields, code, match", [

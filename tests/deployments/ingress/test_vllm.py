@@ -46,6 +46,9 @@ def test_start_parsing():
     assert start(num_frames=None).chunks == 8
     assert start(extra_params={"endless": True}).chunks is None
     assert start().paced and not start(extra_params={"realtime_output_pacing": False}).paced
+    assert start().unknown_fields == ()
+    assert start(guidance=2, extra_params={"endless": True, "sink": 6}).unknown_fields == ("guidance",
+                                                                                         "extra_params.sink")
 
 
 @pytest.mark.parametrize("kw,code,close", [

@@ -63,7 +63,7 @@ class Wire:
         if msg["type"] != "start":
             raise ProtocolError(ErrorCode.NOT_STARTED, "start first")
         return StartRequest("p", np.zeros((3, facts.height, facts.width), np.float32), facts.width, facts.height,
-                            msg.get("chunks"), None, 16.0, 1, None, [])
+                            msg.get("chunks"), None, 16.0, 1, None, [], unknown_fields=msg.get("unknown", ()))
 
     def control(self, msg, seq):
         if msg["type"] == "stop":
@@ -156,7 +156,10 @@ class Groups:
 
 class Metrics:
     def __init__(self):
-        self.refusals, self.resumes = [], []
+        self.refusals, self.resumes, self.unknown = [], [], 0
+
+    def unknown_fields(self, count):
+        self.unknown += count
 
     def refused(self, code):
         self.refusals.append(code)
@@ -193,10 +196,10 @@ def chunk(index: int, started=()) -> ChunkReady:
                       snapshots=snapshots)
 
 
-def live(wire: Wire, groups: Groups, settings=SETTINGS):
+def live(wire: Wire, groups: Groups, settings=SETTINGS, metrics=None):
     """Run one session's life to its end; (the life, the phases it went through, the limits)."""
     async def scenario():
-        life = SessionLife(wire, groups, settings, Metrics())
+        life = SessionLife(wire, groups, settings, metrics or Metrics())
         phases = []
         enter = life.enter
 
@@ -218,6 +221,18 @@ def test_a_session_runs_from_start_to_done():
     assert wire.log == [("send", {"pong": True}), ("admitted", "g1"), ("chunk", 0, 0), ("chunk", 1, 1),
                         ("done", False, 2)]
     assert life.ledger.chunks == 2 and limits.active == 0 and groups.requests[0].keeper == "keeper"
+
+
+def test_start_fields_not_known_here_are_ignored_counted_and_logged_once(caplog):
+    import logging
+    names = tuple(f"f{i}" for i in range(20))
+    wire, metrics = Wire([{"type": "start", "chunks": 1, "unknown": names}]), Metrics()
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        life, _, _ = live(wire, Groups(Lease([admitted("g1"), chunk(0), SessionDone(1)])), metrics=metrics)
+    assert wire.log[-1] == ("done", False, 1) and metrics.unknown == 20
+    (line,) = [r.getMessage() for r in caplog.records if "not known here" in r.getMessage()]
+    assert line == (f"session {life.session_id}: start fields not known here, ignored: "
+                    f"{', '.join(names[:16])} (+4 more)")
 
 
 def test_a_fault_resumes_on_another_group_from_the_ledger():
