@@ -15,13 +15,13 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 PACKAGE = "lingbot-serve"
+OUT = Path(__file__).resolve().parent / "constraints.txt"
 ACCELERATOR_BOUND = frozenset({"torch", "triton", "numpy"})     # and the nvidia-* runtime wheels
 
 
 def accelerator_bound(key: str) -> bool:
     """Built for an accelerator: left to the image (nvidia-ml-py, a pure-Python binding of NVML, is not)."""
     return key in ACCELERATOR_BOUND or (key.startswith("nvidia-") and key != "nvidia-ml-py")
-OUT = Path(__file__).resolve().parent / "constraints.txt"
 
 
 def _key(name: str) -> str:

@@ -304,6 +304,16 @@ class StartRules:
                                 close=self.close)
         return fps
 
+    def paced(self, value: Any, what: str) -> bool:
+        """realtime_output_pacing (`what` names where it was read): False delivers each chunk as soon as it is
+        made; absent or null: paced."""
+        if value is None:
+            return True
+        if not isinstance(value, bool):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{what} must be true or false, got {type(value).__name__}",
+                                close=self.close)
+        return value
+
     def seed(self, value: Optional[int]) -> int:
         """The session's seed (`value` an integer the dialect read, None: the dialect's default)."""
         seed = self.default_seed if value is None else value

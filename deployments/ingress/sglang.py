@@ -186,10 +186,7 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     if conditions and conditions.get("camera_actions") is not None:
         script = script_chunks(parse_actions_script(conditions["camera_actions"], "condition_inputs.camera_actions"),
                                geometry.latent_frames)
-    paced = True if msg.get("realtime_output_pacing") is None else msg["realtime_output_pacing"]
-    if not isinstance(paced, bool):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "init field 'realtime_output_pacing' must be true or false, got "
-                            f"{type(paced).__name__}")
+    paced = START.paced(msg.get("realtime_output_pacing"), "init field 'realtime_output_pacing'")
     output = parse_output(msg)
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),

@@ -134,11 +134,10 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         trajectory = parse_trajectory(extra["camera_trajectory"], width, height, geometry,
                                       geometry.video_frames(max_chunks), num_frames)
     profile = extra.get("profile_stages", False)
-    paced = True if extra.get("realtime_output_pacing") is None else extra["realtime_output_pacing"]
-    for name, value in (("profile_stages", profile), ("realtime_output_pacing", paced)):
-        if not isinstance(value, bool):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"extra_params.{name} must be true or false",
-                                close=CLOSE_POLICY)
+    if not isinstance(profile, bool):
+        raise ProtocolError(ErrorCode.INVALID_FIELD,
+                            "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
+    paced = START.paced(extra.get("realtime_output_pacing"), "extra_params.realtime_output_pacing")
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
