@@ -13,7 +13,6 @@ drive it with stand-in actors.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import math
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from ..detach import fresh_task
 from ..session.codes import ErrorCode
 from ..session.events import ChunkReady, GroupEvent, InteractionRefused, Resumed, SessionDone, SessionFailed
 from .executor import RankExecutor
@@ -48,19 +48,6 @@ class RunningChunk:
     index: int
     may_restart: bool
     aborted: bool = False
-
-
-def fresh_task(coro) -> asyncio.Task:
-    """A task in a fresh context: its actor calls must not count as children of the session request that
-    happened to start it, or cancelling that request (client gone) would cancel every session's chunk."""
-    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
-
-
-def outside_the_request(fn, *args):
-    """Call fn(*args) now in a fresh context, for the same reason: Serve cancels a request with Ray's recursive
-    cancel, which also cancels the calls the request made that have not run yet. Closes told from a cancelled
-    lease's `finally` were dropped that way now and then, leaving the session on a rank or in the muxer."""
-    return contextvars.Context().run(fn, *args)
 
 
 class ChunkLoop:

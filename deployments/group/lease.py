@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..detach import outside_the_request
 from ..session.codes import ErrorCode
 from ..session.events import FINAL_EVENTS, Admitted, ModelFacts, Resumed, SessionDone, SessionFailed, SessionRequest
-from .chunk_loop import ChunkLoop, outside_the_request
+from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
 from .messages import SnapshotPlan
 from .phase import GroupState

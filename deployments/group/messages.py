@@ -15,7 +15,7 @@ from typing import Any, Optional
 from lingbot.io.frames import FrameBatch
 from lingbot.runtime.snapshot_budget import SnapshotHost
 
-from ..session.events import ChunkControls, ModelFacts, RankRestore, SnapshotRef
+from ..session.events import ChunkControls, ModelFacts, RankRestore, SnapshotOwner, SnapshotRef
 from ..session.requests import StartRequest
 
 
@@ -34,8 +34,8 @@ class RankInfo:
 @dataclass(frozen=True)
 class SnapshotPlan:
     """How a session's ranks snapshot it: after every `every_chunks`-th chunk (the group's
-    snapshot_interval_chunks), handed to `keeper`, the ingress's actor that owns the snapshots."""
-    keeper: Any                    # ray.actor.ActorHandle[SnapshotKeeper]
+    snapshot_interval_chunks), handed to the ingress's keeper that holds them for the session (`owner`)."""
+    owner: SnapshotOwner
     every_chunks: int = 1
 
 

@@ -133,10 +133,15 @@ class RankWorker:
 
     @staticmethod
     def _read_restore(session_id: str, restore: RankRestore) -> Optional[tuple]:
-        try:                                        # a snapshot lost with its node: the session replays instead
+        """The slots and state of `restore`, lent by the keeper that holds them; None (the session replays
+        instead) when that keeper is gone, or no longer holds one of them."""
+        try:
             import ray
-            return (ray.get(list(restore.slots), timeout=RESTORE_TIMEOUT_S),
-                    ray.get(restore.state, timeout=RESTORE_TIMEOUT_S))
+            if restore.owner is None:
+                raise LookupError("no keeper holds them")
+            refs = ray.get(restore.owner.keeper.lend.remote([*restore.slots, restore.state]), timeout=RESTORE_TIMEOUT_S)
+            got = ray.get(refs, timeout=RESTORE_TIMEOUT_S)
+            return got[:-1], got[-1]
         except Exception as e:
             log.warning("session %s: snapshots unavailable (%s); it will be replayed", session_id, type(e).__name__)
             return None

@@ -5,7 +5,7 @@ report of the puts done to the group.
 After every `every_chunks`-th chunk (the group's snapshot_interval_chunks, in the session's SnapshotPlan) the
 copy is queued on the rank's device thread right behind the chunk's reply, so it runs after the reply has gone
 and before the device's next chunk; a thread of its own hands it to the keeper, which puts it in the object
-store as its owner (so it outlives this process and its node). The references of the puts done by then go back
+store as its owner (so it outlives this process and its node). The keys of the puts done by then go back
 with the next chunk's reply, and the copy's time as its "snapshot" stage; a group that hands its sessions on
 flushes them all at once. Best effort: a snapshot never fails a chunk (a resume replays more instead).
 """
@@ -85,8 +85,8 @@ class RankSnapshots:
         return self.stored(snaps)
 
     def stored(self, snaps: SessionSnapshots) -> tuple[SnapshotRef, ...]:
-        """Take the finished puts off the session's list: the references of each that succeeded, one per K/V
-        slot (the state's with its newest one). A put that failed lost slots later snapshots would not copy
+        """Take the finished puts off the session's list: the keys of each that succeeded, one per K/V slot
+        (the state's with its newest one). A put that failed lost slots later snapshots would not copy
         again: the next one copies every slot its continuation needs."""
         finished = [(i, f, f.done()) for i, f in snaps.puts]          # asked once: a put may end meanwhile
         snaps.puts[:] = [(i, f) for i, f, ended in finished if not ended]
@@ -96,7 +96,7 @@ class RankSnapshots:
                 snaps.last_chunk = -1
                 continue
             slots, state = put.result()
-            refs += [SnapshotRef(chunk, self.rank, slot, state if chunk == index else None) for chunk, slot in slots]
+            refs += [SnapshotRef(chunk, self.rank, key, state if chunk == index else None) for chunk, key in slots]
         return tuple(refs)
 
     def take(self, session_id: str, session: WorldSession, snaps: SessionSnapshots, force: bool = True) -> None:
@@ -120,7 +120,7 @@ class RankSnapshots:
         snaps.last_chunk = index
         with self.lock:
             self.unput += 1
-        put = self.put_thread.submit(self._put, snaps.plan.keeper, slots, state, self.copier.last)
+        put = self.put_thread.submit(self._put, snaps.plan.owner, slots, state, self.copier.last)
         put.add_done_callback(self._one_put)
         snaps.puts.append((index, put))
 
@@ -130,11 +130,13 @@ class RankSnapshots:
         self.trim()
 
     @staticmethod
-    def _put(keeper, slots: list, state, copied) -> tuple[list, object]:
-        """On the put thread: once the copies have landed (CUDA: the side stream's event), the keeper puts the
-        slots and the state; their references, [(chunk, slot ref)] and the state's."""
+    def _put(owner, slots: list, state, copied) -> tuple[list, str]:
+        """On the put thread: once the copies have landed (CUDA: the side stream's event), the session's keeper
+        (`owner`, a SnapshotOwner) puts the slots and the state; their keys, [(chunk, slot key)] and the state's."""
         import ray
         if copied is not None:
             copied.synchronize()
-        refs = ray.get(keeper.keep.remote(slots, state), timeout=SNAPSHOT_PUT_TIMEOUT_S)
-        return [(slot.index, ref) for slot, ref in zip(slots, refs)], refs[-1]
+        keys = ray.get(owner.keeper.keep.remote(owner.session_id, slots, state), timeout=SNAPSHOT_PUT_TIMEOUT_S)
+        if keys is None:
+            raise RuntimeError("the session has ended at its keeper")
+        return [(slot.index, key) for slot, key in zip(slots, keys)], keys[-1]

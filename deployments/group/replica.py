@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..detach import fresh_task
 from ..memory import held_refs
 from ..metrics import Metrics
 from ..session.codes import ErrorCode
@@ -31,7 +32,7 @@ from ..session.events import (
     SessionRequest,
 )
 from ..settings import ServeSettings
-from .chunk_loop import ChunkLoop, fresh_task
+from .chunk_loop import ChunkLoop
 from .drain import DrainTimes, StopWatcher, drain
 from .executor import RankExecutor
 from .lease import Leases

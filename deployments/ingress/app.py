@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
 from ray import serve
 
+from ..detach import outside_the_request
 from ..memory import held_refs
 from ..metrics import Metrics
 from ..session.codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
@@ -83,6 +84,10 @@ class ServeGroups:
     async def keeper(self):
         return None if self.keepers is None else await self.keepers.current()
 
+    def let_go(self, session_id: str, keys=None) -> None:
+        if self.keepers is not None:               # told, not awaited: a keeper that died took the snapshots along
+            outside_the_request(self.keepers.keeper.release.remote, session_id, keys)
+
     async def growth(self) -> Growth:
         return await self.census.growth()
 
@@ -140,11 +145,12 @@ class Ingress:
 
     async def census(self) -> dict:
         """Not a route (a deployment handle's call: tests, `perf.soak`): the sessions this ingress serves, the
-        object references it holds (a live session's snapshots) and those its snapshot keeper owns that
-        someone still holds; all of a finished session's are gone."""
+        object references it holds, and its snapshot keeper's: the references it holds, the keys the sessions
+        hold and the sessions they belong to; all of a finished session's are gone."""
         keeper = await self.groups.keeper()
-        owned = None if keeper is None else (await keeper.census.remote())["object_refs"]
-        return {"live_sessions": self.live, "object_refs": held_refs(), "keeper_object_refs": owned}
+        kept = {} if keeper is None else await keeper.census.remote()
+        return {"live_sessions": self.live, "object_refs": held_refs(), "keeper_object_refs": kept.get("object_refs"),
+                "keeper_keys": kept.get("keys"), "keeper_sessions": kept.get("sessions")}
 
     @app.get("/readyz")
     def readyz(self):

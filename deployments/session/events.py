@@ -56,23 +56,32 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
+class SnapshotOwner:
+    """Where a session's snapshots are kept: the ingress's keeper actor (deployments/ingress/keeper.py) and the
+    session's id there (the ingress's, the same across resumes, so that its end lets every one of them go)."""
+    keeper: Any                    # ray.actor.ActorHandle[SnapshotKeeper]
+    session_id: str
+
+
+@dataclass(frozen=True)
 class SnapshotRef:
-    """One rank's snapshot of chunk `chunk` of a session: object references to the chunk's K/V slot and to
-    the rest of the session's state after it (lingbot.runtime.snapshot), owned by the ingress's keeper. A
-    snapshot taken every k chunks (snapshot_interval_chunks) also copies the slots of earlier chunks that no
-    snapshot copied yet: those come without a state."""
+    """One rank's snapshot of chunk `chunk` of a session: the keys under which the ingress's keeper holds the
+    chunk's K/V slot and the rest of the session's state after it (lingbot.runtime.snapshot). A snapshot
+    taken every k chunks (snapshot_interval_chunks) also copies the slots of earlier chunks that no snapshot
+    copied yet: those come without a state."""
     chunk: int
     rank: int
-    slot: Any                      # ray.ObjectRef[SlotSnapshot]
-    state: Any                     # ray.ObjectRef[StateSnapshot]; None: the slot of a chunk without a snapshot
+    slot: str                      # the key of its SlotSnapshot
+    state: Optional[str]           # the key of its StateSnapshot; None: the slot of a chunk without a snapshot
 
 
 @dataclass(frozen=True)
 class RankRestore:
-    """What one rank of a new group restores a resumed session from: the K/V slots its continuation attends
-    (oldest first) and the state after the newest chunk."""
-    slots: tuple                   # ray.ObjectRef[SlotSnapshot] per chunk
-    state: Any                     # ray.ObjectRef[StateSnapshot]
+    """What one rank of a new group restores a resumed session from: the keys of the K/V slots its
+    continuation attends (oldest first) and of the state after the newest chunk, at `owner`."""
+    slots: tuple[str, ...]
+    state: str
+    owner: Optional[SnapshotOwner] = None
 
 
 @dataclass
@@ -117,7 +126,7 @@ class SessionRequest:
     session_id: str
     start: StartRequest
     resume: Optional[Resume] = None
-    keeper: Any = None             # the ingress's actor that owns the session's snapshots (None: no snapshots)
+    keeper: Optional[SnapshotOwner] = None   # where its snapshots are kept (None: no snapshots)
 
 
 # ---- group -> ingress: the events of a session lease ---------------------------------------------

@@ -5,32 +5,43 @@ or was stopped (docs/architecture.md, "Sessions that survive faults").
   point, without delivering them, and so reaches exactly the state the client saw);
 - the interaction state after the last delivered chunk, and the interactions sent but not started yet
   (posted again, in order, to the new group);
-- the snapshot references worth keeping: per chunk and rank its K/V slot and its state. A continuation after
-  chunk k needs the state of k and the slots of the chunks k+1 attends (the model's window, as the group's
-  ranks reported it: ModelFacts), every rank's; older references are let go, which frees the snapshots.
+- the snapshot keys worth keeping: per chunk and rank its K/V slot and its state, held by the ingress's keeper.
+  A continuation after chunk k needs the state of k and the slots of the chunks k+1 attends (the model's
+  window, as the group's ranks reported it: ModelFacts), every rank's; older keys are let go (`release`,
+  which frees the snapshots at the keeper).
 
 Plain Python: the ingress keeps one per session; tests drive it through faults, drains and resumes.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import Any, Optional
+from collections.abc import Callable, Iterable
+from typing import Optional
 
-from .events import ChunkControls, ChunkReady, InteractionState, ModelFacts, RankRestore, Resume, SnapshotRef
+from .events import (
+    ChunkControls,
+    ChunkReady,
+    InteractionState,
+    ModelFacts,
+    RankRestore,
+    Resume,
+    SnapshotOwner,
+    SnapshotRef,
+)
 from .requests import Interaction
 
 
 class ContinuityLedger:
-    def __init__(self, ranks: int):
+    def __init__(self, ranks: int, release: Callable[[list[str]], None] = lambda keys: None):
         self.ranks = ranks                               # ranks per group: a restore point needs each one's share
         self.facts: Optional[ModelFacts] = None          # the admitting group's model (its K/V window)
         self.journal: list[ChunkControls] = []
         self.interactions: Optional[InteractionState] = None
         self.frames_delivered = 0
         self.unstarted: list[Interaction] = []
-        self.slots: dict[int, dict[int, Any]] = {}       # chunk -> rank -> ObjectRef of its K/V slot snapshot
-        self.states: dict[int, dict[int, Any]] = {}      # chunk -> rank -> ObjectRef of the state after it
+        self.slots: dict[int, dict[int, str]] = {}       # chunk -> rank -> the key of its K/V slot snapshot
+        self.states: dict[int, dict[int, str]] = {}      # chunk -> rank -> the key of the state after it
+        self.release = release                           # keys let go: the keeper frees their snapshots
         self.play_end: Optional[float] = None            # when the client's player runs out of video (monotonic)
 
     @property
@@ -63,13 +74,22 @@ class ContinuityLedger:
 
     # ---- snapshots ------------------------------------------------------------------------------
     def keep(self, refs: Iterable[SnapshotRef]) -> None:
-        """Hold the references a resume would restore from; older ones are let go."""
+        """Hold the keys a resume would restore from; older ones are let go."""
+        held = self._keys()
         for ref in refs:
             self.slots.setdefault(ref.chunk, {})[ref.rank] = ref.slot
             if ref.state is not None:                # None: a slot copied by a later chunk's snapshot
                 self.states.setdefault(ref.chunk, {})[ref.rank] = ref.state
-        if self.facts is None:
-            return
+        if self.facts is not None:
+            self._forget_old()
+        gone = held - self._keys()                   # (a key replaced by a newer snapshot of its chunk, too)
+        if gone:
+            self.release(sorted(gone))
+
+    def _keys(self) -> set[str]:
+        return {k for by_rank in (*self.slots.values(), *self.states.values()) for k in by_rank.values()}
+
+    def _forget_old(self) -> None:
         newest = self.restorable()
         last = self.chunks - 1
         keep = set(self.facts.restore_chunks(newest)) if newest is not None else set()
@@ -94,15 +114,17 @@ class ContinuityLedger:
         return None
 
     # ---- resuming -------------------------------------------------------------------------------
-    def resume(self, now: Optional[float] = None, wall: Optional[float] = None) -> Resume:
-        """What a new group needs to continue: the newest restore point (or none: replay all), the journal, the
-        interaction state, and when the client's player runs out (wall clock, for the new group's pacing)."""
+    def resume(self, owner: Optional[SnapshotOwner] = None, now: Optional[float] = None,
+               wall: Optional[float] = None) -> Resume:
+        """What a new group needs to continue: the newest restore point (or none: replay all; its snapshots at
+        `owner`, the session's keeper), the journal, the interaction state, and when the client's player runs out
+        (wall clock, for the new group's pacing)."""
         now = time.monotonic() if now is None else now
         wall = time.time() if wall is None else wall
         index = self.restorable()
         restore = () if index is None else tuple(
-            RankRestore(tuple(self.slots[c][rank] for c in self.facts.restore_chunks(index)), self.states[index][rank])
-            for rank in range(self.ranks))
+            RankRestore(tuple(self.slots[c][rank] for c in self.facts.restore_chunks(index)), self.states[index][rank],
+                        owner) for rank in range(self.ranks))
         playback_end = None if self.play_end is None else wall + (self.play_end - now)
         return Resume(tuple(self.journal), self.interactions, self.frames_delivered,
                       -1 if index is None else index, restore, playback_end)

@@ -27,6 +27,7 @@ Plain Python: no Ray, no Starlette. The ingress gives it a `Wire` (one per proto
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -44,6 +45,7 @@ from .events import (
     SessionDone,
     SessionFailed,
     SessionRequest,
+    SnapshotOwner,
 )
 from .ledger import ContinuityLedger
 from .phases import PhaseMachine
@@ -83,7 +85,7 @@ class SessionLife:
         self.metrics = metrics
         self.session_id = uuid.uuid4().hex
         self.phases = PhaseMachine(Phase.WAITING_FOR_START, NEXT_PHASES)
-        self.ledger = ContinuityLedger(settings.sp)
+        self.ledger = ContinuityLedger(settings.sp, release=functools.partial(groups.let_go, self.session_id))
         self.start: Optional[StartRequest] = None
         self.mailbox = None                     # the group's, while STREAMING
         self.chunks_sent = 0
@@ -183,6 +185,7 @@ class SessionLife:
         finally:
             if self.admission.lease is not None:
                 self.admission.lease.cancel()    # every path (done, stop, refusal, disconnect) ends the lease
+            self.groups.let_go(self.session_id)   # and frees its snapshots at the keeper
             self.phases.move(Phase.ENDED)         # from any phase
 
     async def wait_for_start(self) -> Optional[StartRequest]:
@@ -217,7 +220,7 @@ class SessionLife:
         self.start = start
         self.scripted = start.trajectory is not None
         self.enter(Phase.ADMITTING)
-        first = await self.admission.admit(SessionRequest(self.group_sid, start, keeper=await self.groups.keeper()),
+        first = await self.admission.admit(SessionRequest(self.group_sid, start, keeper=await self.snapshot_owner()),
                                            s.max_queue_wait_s, queue=True)
         if first is None or (isinstance(first, SessionFailed) and first.code == ErrorCode.CAPACITY_EXHAUSTED):
             await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, "every model group is busy; try again later",
@@ -240,6 +243,12 @@ class SessionLife:
             self.admission.lease.cancel()
             self.enter(Phase.ENDED)
             await self.wire.finish(stopped, self.chunks_sent)
+
+    async def snapshot_owner(self) -> Optional[SnapshotOwner]:
+        """Where the session's snapshots are kept: the ingress's keeper, under this session's id (None: no
+        snapshots)."""
+        keeper = await self.groups.keeper()
+        return None if keeper is None else SnapshotOwner(keeper, self.session_id)
 
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
@@ -392,7 +401,8 @@ class SessionLife:
         self.failed_at = self.last_interaction = time.monotonic()   # the client is not idle while it waits
         self.admission.lease.cancel()
         self.mailbox = None
-        request = SessionRequest(self.group_sid, self.start, self.ledger.resume(), keeper=await self.groups.keeper())
+        owner = await self.snapshot_owner()
+        request = SessionRequest(self.group_sid, self.start, self.ledger.resume(owner), keeper=owner)
         if drain:
             log.info("session %s: its group is being stopped after %d chunks; moving it", self.session_id,
                      self.ledger.chunks)

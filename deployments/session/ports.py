@@ -84,6 +84,9 @@ class GroupLink(Protocol):
     async def keeper(self) -> Any:
         """The owner of the sessions' snapshots (None: no snapshots)."""
 
+    def let_go(self, session_id: str, keys: Optional[list[str]] = None) -> None:
+        """Tell the keeper to free the session's snapshots of `keys` (None: all, at the session's end)."""
+
     async def growth(self) -> Growth:
         """The groups running and starting, and a measured group start (whether a waiting session may wait)."""
 

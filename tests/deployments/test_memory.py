@@ -1,9 +1,11 @@
 """A serving process's own memory (deployments/memory.py): the trim gives back the heap freed in many threads'
 arenas, at most once per interval."""
 import threading
+import time
 from typing import Optional
 
 import psutil
+import pytest
 
 from deployments.memory import Trimmer, trim
 
@@ -51,7 +53,8 @@ def _per_session(census: dict) -> dict:
         counts |= {f"rank{i}.{k}": v for k, v in rank.items() if k != "object_refs"}
     counts |= {"muxer.sessions": group["muxer"]["sessions"], "mailbox.sessions": group["mailbox"]["sessions"],
                "ingress.live_sessions": census["ingress"]["live_sessions"],
-               "keeper.object_refs": census["ingress"]["keeper_object_refs"]}
+               "keeper.object_refs": census["ingress"]["keeper_object_refs"],
+               "keeper.keys": census["ingress"]["keeper_keys"], "keeper.sessions": census["ingress"]["keeper_sessions"]}
     return counts
 
 
@@ -134,7 +137,7 @@ def test_what_a_lease_frees_is_told_outside_its_request(serve_app):
 
     import ray
 
-    from deployments.group.chunk_loop import fresh_task, outside_the_request
+    from deployments.detach import fresh_task, outside_the_request
 
     @ray.remote(num_cpus=0)
     class Request:
@@ -155,3 +158,40 @@ def test_what_a_lease_frees_is_told_outside_its_request(serve_app):
         assert ids["inherited"] == ids["request"]
         assert ids["outside"] != ids["request"] and ids["fresh_task"] != ids["request"]
     assert first["request"] != second["request"] and first["outside"] == second["outside"] == second["fresh_task"]
+
+
+def test_the_keeper_holds_snapshots_under_keys_lends_them_and_frees_them_by_key_and_at_the_end(serve_app):
+    """The snapshot keeper hands out keys, not references (a reference its owner hands out is tracked as
+    borrowed, and Ray's owner keeps bookkeeping for every object it ever lent): a resume borrows what it
+    restores from; a key let go frees its snapshot; a session's end frees the rest and refuses its late puts."""
+    import numpy as np
+    import ray
+
+    from deployments.ingress.keeper import SnapshotKeeper
+
+    keeper, other = (ray.remote(SnapshotKeeper).options(num_cpus=0, max_concurrency=4).remote() for _ in range(2))
+    try:
+        slots = [np.arange(1000, dtype=np.float32) + i for i in range(2)]
+        keys = ray.get(keeper.keep.remote("s1", slots, {"chunk": 4}), timeout=60)
+        again = ray.get(other.keep.remote("s1", slots, {"chunk": 4}), timeout=60)
+        assert len(keys) == 3 and all(isinstance(k, str) for k in keys) and not set(keys) & set(again)
+        lent = ray.get(ray.get(keeper.lend.remote(keys), timeout=60), timeout=60)
+        assert np.array_equal(lent[1], slots[1]) and lent[2] == {"chunk": 4}
+        assert ray.get(keeper.census.remote()) | {"object_refs": 0} == {"object_refs": 0, "keys": 3, "sessions": 1,
+                                                                        "tombstones": 0}
+        assert ray.get(keeper.release.remote("s1", keys[:1])) == 1
+        assert ray.get(keeper.release.remote("s1", keys[:1])) == 0            # once
+        with pytest.raises(KeyError, match="1 snapshot"):
+            ray.get(keeper.lend.remote(keys[:2]), timeout=60)
+        with pytest.raises(KeyError):
+            ray.get(keeper.lend.remote(again[:1]), timeout=60)                # another keeper's key
+        assert ray.get(keeper.release.remote("s2", keys[1:])) == 0            # only the session's own
+        assert ray.get(keeper.release.remote("s1")) == 2                      # the end: the rest
+        assert ray.get(keeper.keep.remote("s1", slots, {"chunk": 5}), timeout=60) is None   # a late put
+        deadline = time.monotonic() + 20          # (the lent references' release reaches the owner in a moment)
+        while ray.get(keeper.census.remote())["object_refs"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.get(keeper.census.remote()) == {"object_refs": 0, "keys": 0, "sessions": 0, "tombstones": 1}
+    finally:
+        ray.kill(keeper)
+        ray.kill(other)

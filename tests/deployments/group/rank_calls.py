@@ -4,7 +4,7 @@ from typing import Optional
 import numpy as np
 
 from deployments.group.messages import OpenSession, RunChunk, SnapshotPlan
-from deployments.session.events import ChunkControls, RankRestore
+from deployments.session.events import ChunkControls, RankRestore, SnapshotOwner
 from deployments.session.requests import StartRequest
 
 
@@ -12,7 +12,8 @@ def opening(session_id: str, image: np.ndarray, prompt: str, seed: int, keeper=N
             restore: Optional[RankRestore] = None, decoder: Optional[str] = None) -> OpenSession:
     """Open a session of the tiny preset's size (an endless one; the rank reads only what it builds from)."""
     start = StartRequest(prompt, image, 112, 64, None, None, 16.0, seed, None, [], decoder=decoder)
-    return OpenSession(session_id, start, None if keeper is None else SnapshotPlan(keeper, every_chunks), restore)
+    plan = None if keeper is None else SnapshotPlan(SnapshotOwner(keeper, session_id), every_chunks)
+    return OpenSession(session_id, start, plan, restore)
 
 
 def chunk(session_id: str, index: int, controls: Optional[ChunkControls] = None, muxer=None) -> RunChunk:

@@ -1,8 +1,8 @@
-"""A rank's snapshots without Ray (one rank, CPU, the tiny pipeline): a keeper and a muxer that hand back what
-they are given, and ray.get that returns what it is given, so the snapshots the rank hands over are the
-objects themselves. With snapshot_interval_chunks 3, each snapshot copies the K/V slots no earlier one did; a
-session resumed from the continuity ledger restores the newest snapshot at or before its last delivered
-chunk, replays the chunks after it, and goes on bitwise as the session without the fault."""
+"""A rank's snapshots without Ray (one rank, CPU, the tiny pipeline): a keeper that keeps what it is given under
+keys and lends it back, a muxer that keeps the frames, and ray.get that returns what it is given. With
+snapshot_interval_chunks 3, each snapshot copies the K/V slots no earlier one did; a session resumed from the
+continuity ledger restores the newest snapshot at or before its last delivered chunk, replays the chunks after
+it, and goes on bitwise as the session without the fault."""
 import types
 from concurrent.futures import wait
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from deployments.group.rank import RankWorker
-from deployments.session.events import ChunkControls, ChunkReady, InteractionState, ModelFacts
+from deployments.session.events import ChunkControls, ChunkReady, InteractionState, ModelFacts, SnapshotOwner
 from deployments.session.ledger import ContinuityLedger
 from deployments.settings import ServeSettings
 from lingbot.parallel import Comm
@@ -21,18 +21,22 @@ KEYS = (("w", "", "l"), ("i", "a", ""), ("", "d", "j"), ("s", "", "k"))
 
 
 class Keeper:
-    """keep.remote(slots, state) -> the objects themselves, as the references of SnapshotKeeper.keep are."""
+    """keep.remote(session, slots, state) -> keys; lend.remote(keys) -> the objects themselves (ray.get returns
+    what it is given here), as SnapshotKeeper lends the references of what it keeps."""
 
     def __init__(self, fail_first: bool = False):
-        self.kept, self.fail_first = [], fail_first
+        self.kept, self.fail_first, self.held = [], fail_first, {}
         self.keep = types.SimpleNamespace(remote=self._keep)
+        self.lend = types.SimpleNamespace(remote=lambda keys: [self.held[k] for k in keys])
 
-    def _keep(self, slots, state):
+    def _keep(self, session_id, slots, state):
         if self.fail_first:
             self.fail_first = False
             raise RuntimeError("the keeper's node is gone")
         self.kept.append(([s.index for s in slots], state.index))
-        return [*slots, state]
+        keys = [f"{session_id}.{len(self.held) + i}" for i in range(len(slots) + 1)]
+        self.held.update(zip(keys, [*slots, state]))
+        return keys
 
 
 class Muxer:
@@ -82,7 +86,7 @@ def test_snapshots_every_3_chunks_resume_by_restore_and_replay_bitwise(worker, t
     # every 3rd chunk, the slots its continuation attends that no earlier snapshot copied
     assert keeper.kept == [([0], 0), ([1, 2, 3], 3), ([5, 6], 6), ([8, 9], 9)]
     assert ledger.restorable() == 6 and sorted(ledger.slots) == [0, 1, 2, 5, 6] and sorted(ledger.states) == [6]
-    resume = ledger.resume()
+    resume = ledger.resume(SnapshotOwner(keeper, "a"))
     assert (resume.snapshot_index, resume.next_index) == (6, 9)
 
     # the new group: restored to chunk 6 from the slots of three snapshots, 7 and 8 replayed, then on

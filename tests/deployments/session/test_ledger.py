@@ -1,5 +1,5 @@
-"""The continuity ledger without Ray: journal, owed interactions and the snapshot references it keeps through
-faults, drains and resumes (the references are plain strings here: the ledger only holds them)."""
+"""The continuity ledger without Ray: journal, owed interactions and the snapshot keys it keeps through faults,
+drains and resumes, and lets go of (the keeper frees what they name)."""
 from deployments.session.events import ChunkControls, ChunkReady, InteractionState, ModelFacts, SnapshotRef
 from deployments.session.ledger import ContinuityLedger
 from deployments.session.requests import Interaction
@@ -20,8 +20,8 @@ def refs(index: int, ranks=(0, 1)) -> list[SnapshotRef]:
     return [SnapshotRef(index, r, f"slot{index}.{r}", f"state{index}.{r}") for r in ranks]
 
 
-def ledger_after(chunks: int, ranks: int = 2) -> ContinuityLedger:
-    ledger = ContinuityLedger(ranks)
+def ledger_after(chunks: int, ranks: int = 2, released=None) -> ContinuityLedger:
+    ledger = ContinuityLedger(ranks, release=(released if released is not None else []).extend)
     ledger.facts = FACTS
     for i in range(chunks):
         ledger.delivered(chunk(i, snapshots=refs(i, range(ranks))), FPS, now=100.0 + i)
@@ -100,3 +100,21 @@ def test_snapshots_every_k_chunks_restore_the_newest_and_journal_the_rest():
     assert resume.snapshot_index == 6 and resume.next_index == 9           # 7 and 8 replayed from the journal
     assert [r.slots for r in resume.restore] == [tuple(f"slot{c}.{r}" for c in (0, 1, 2, 5, 6)) for r in (0, 1)]
     assert [r.state for r in resume.restore] == ["state6.0", "state6.1"]
+
+
+def test_every_key_let_go_is_released_once_and_none_a_resume_needs():
+    """What the ledger stops holding goes to `release` as it goes (once each, a key replaced by a newer snapshot
+    of its chunk too); what it holds is exactly what it was given minus what it released, and a resume names
+    only keys it holds."""
+    released = []
+    ledger = ledger_after(12, released=released)
+    given = {k for i in range(12) for r in refs(i) for k in (r.slot, r.state)}
+    assert len(released) == len(set(released))                     # each once
+    assert set(released) | ledger._keys() == given and not set(released) & ledger._keys()
+    assert sorted(ledger.slots) == [0, 1, 2, 10, 11] and sorted(ledger.states) == [11]
+    assert "slot5.0" in released and "state10.1" in released and "slot0.0" not in released
+    ledger.keep([SnapshotRef(11, 0, "slot11.0-again", "state11.0-again")])    # the same chunk snapshotted again
+    assert released[-2:] == ["slot11.0", "state11.0"]
+    resume = ledger.resume(owner="the keeper")
+    needed = {k for r in resume.restore for k in (*r.slots, r.state)}
+    assert needed <= ledger._keys() and {r.owner for r in resume.restore} == {"the keeper"}

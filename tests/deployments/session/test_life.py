@@ -19,6 +19,7 @@ from deployments.session.events import (
     Resumed,
     SessionDone,
     SessionFailed,
+    SnapshotOwner,
     SnapshotRef,
 )
 from deployments.session.life import Phase, SessionLife
@@ -134,7 +135,8 @@ class Groups:
 
     def __init__(self, *leases, growth=AT_MAX):
         self.leases = list(leases)
-        self.requests, self.posted = [], []
+        self.requests, self.posted, self.released = [], [], []
+        self.released_by = []                                  # how many releases each lease came after
         self.census = growth
 
     async def facts(self):
@@ -142,6 +144,7 @@ class Groups:
 
     def lease(self, request):
         self.requests.append(request)
+        self.released_by.append(len(self.released))
         return self.leases.pop(0) if self.leases else Lease([SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "full")])
 
     def post(self, mailbox, session_id, interaction):
@@ -149,6 +152,9 @@ class Groups:
 
     async def keeper(self):
         return "keeper"
+
+    def let_go(self, session_id, keys=None):
+        self.released.append((session_id, keys))
 
     async def growth(self):
         return self.census(time.monotonic()) if callable(self.census) else self.census
@@ -220,7 +226,9 @@ def test_a_session_runs_from_start_to_done():
     assert phases == [Phase.ADMITTING, Phase.STREAMING, Phase.ENDED] and life.phase is Phase.ENDED
     assert wire.log == [("send", {"pong": True}), ("admitted", "g1"), ("chunk", 0, 0), ("chunk", 1, 1),
                         ("done", False, 2)]
-    assert life.ledger.chunks == 2 and limits.active == 0 and groups.requests[0].keeper == "keeper"
+    assert life.ledger.chunks == 2 and limits.active == 0
+    assert groups.requests[0].keeper == SnapshotOwner("keeper", life.session_id)
+    assert groups.released[-1] == (life.session_id, None)          # its end frees every snapshot it had
 
 
 def test_start_fields_not_known_here_are_ignored_counted_and_logged_once(caplog):
@@ -247,6 +255,11 @@ def test_a_fault_resumes_on_another_group_from_the_ledger():
     assert request.session_id == f"{life.session_id}.1"             # its own id at the group
     assert request.resume.next_index == 2 and request.resume.snapshot_index == 1
     assert [r.state for r in request.resume.restore] == ["state1.0", "state1.1"]
+    owner = SnapshotOwner("keeper", life.session_id)                # the keeper that holds them, the same id
+    assert request.keeper == owner and {r.owner for r in request.resume.restore} == {owner}
+    # what a restore from chunk 1 does not need went back while it streamed (chunk 0's state); nothing it needs
+    assert groups.released[:groups.released_by[1]] == [(life.session_id, ["state0.0", "state0.1"])]
+    assert groups.released[-1] == (life.session_id, None)
     assert ("resumed", 2, 2, "fault") in wire.log and wire.log[-1] == ("done", False, 3)
     assert life.metrics.resumes == [("resumed", "fault")]
 
