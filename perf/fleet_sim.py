@@ -96,9 +96,8 @@ def simulate(rate_per_min: float, mean_length_s: float, hours: float, capacity: 
                 served += 1
         starting = len(fleet.groups) - len(running)
         growth = Growth(len(running), starting, max_groups, start_s)
-        stuck_since = None if growth.can_grow else (now if stuck_since is None else stuck_since)
-        stuck_for = None if stuck_since is None else now - stuck_since
-        while queue and (not may_wait(growth, stuck_for, admission_wait_s) or now - queue[0][1] > max_queue_wait_s):
+        wait, stuck_since = may_wait(growth, now, stuck_since, admission_wait_s)   # (a group admits at once here)
+        while queue and (not wait or now - queue[0][1] > max_queue_wait_s):
             sid, _, _ = queue.popleft()
             room.leave(sid, admitted=False, now=now)
             refused += 1

@@ -47,6 +47,7 @@ class GroupCensus:
         self.asked_at = float("-inf")
         self.running = 0
         self.starting_since: Optional[float] = None
+        self.grew_at: Optional[float] = None        # when the running count last rose
         self.lock = asyncio.Lock()
 
     async def growth(self) -> Growth:
@@ -66,13 +67,15 @@ class GroupCensus:
         """One count: a start is measured when the running count grows after starts were seen."""
         if starting > 0 and self.starting_since is None:
             self.starting_since = now
-        if running > self.running and self.starting_since is not None:
-            self.starts.append(now - self.starting_since)
+        if running > self.running:
+            self.grew_at = now
+            if self.starting_since is not None:
+                self.starts.append(now - self.starting_since)
         if starting == 0:
             self.starting_since = None
         self.running = running
         start_s = statistics.median(self.starts) if self.starts else None
-        self.last = Growth(running, starting, self.max_groups, start_s)
+        self.last = Growth(running, starting, self.max_groups, start_s, self.grew_at)
 
     async def follow_first_start(self, timeout_s: float = 900.0) -> None:
         """From the ingress's start until a group runs: the first start's measure (run as a task)."""

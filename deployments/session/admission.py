@@ -58,8 +58,8 @@ class Admission:
         when they changed since it was last told."""
         growth = await self.groups.growth()
         now = time.monotonic()
-        self.stuck_since = None if growth.can_grow else (self.stuck_since or now)
-        if not may_wait(growth, now - self.stuck_since if self.stuck_since else None, self.admission_wait_s):
+        wait, self.stuck_since = may_wait(growth, now, self.stuck_since, self.admission_wait_s)
+        if not wait:
             return False
         position = self.room.position(self.session_id)
         told = (position, self.room.eta_s(position, now, growth, self.session_id))

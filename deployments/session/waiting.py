@@ -18,6 +18,9 @@ MIN_ETA_S = 1.0
 STARTING_STATES = ("STARTING", "UPDATING", "RECOVERING")
 
 
+ROUTING_SETTLE_S = 5.0   # a group that came up this recently may still have room no lease was routed to yet
+
+
 @dataclass(frozen=True)
 class Growth:
     """The deployment's groups as Serve reports them, and how long a group took to start here."""
@@ -25,17 +28,30 @@ class Growth:
     starting: int
     max_groups: int
     start_s: Optional[float] = None          # measured (the median of the starts seen); None: none seen yet
+    grew_at: Optional[float] = None          # when the running count last rose (monotonic); None: not seen
 
     @property
     def can_grow(self) -> bool:
         """A group is on its way, or the autoscaler may still add one: a waiting session has reason to wait."""
         return self.starting > 0 or self.running < self.max_groups
 
+    def may_bring_room(self, now: float) -> bool:
+        """A group may still bring room: one can grow, or one came up less than ROUTING_SETTLE_S ago. Serve
+        says a new group runs a moment before its handles route to it, so a lease queued for its free places
+        is still on its way to them; at max_groups that moment is not "no room"."""
+        return self.can_grow or (self.grew_at is not None and now - self.grew_at < ROUTING_SETTLE_S)
 
-def may_wait(growth: Growth, stuck_for_s: Optional[float], admission_wait_s: float) -> bool:
-    """Whether a waiting session waits on: yes while a group may still come; once none can (`stuck_for_s` since
-    then), for admission_wait_s more (0: the refusal is immediate)."""
-    return growth.can_grow or stuck_for_s is None or stuck_for_s < admission_wait_s
+
+def may_wait(growth: Growth, now: float, stuck_since: Optional[float],
+             admission_wait_s: float) -> tuple[bool, Optional[float]]:
+    """Whether a waiting session waits on, and since when no group could bring room (the `stuck_since` of its
+    next tick; None while one may). It waits while a group may bring room (Growth.may_bring_room); once none
+    can, for admission_wait_s more (0: refused at once). A session is refused only when every running group
+    is full and none can be added."""
+    if growth.may_bring_room(now):
+        return True, None
+    stuck_since = now if stuck_since is None else stuck_since
+    return now - stuck_since < admission_wait_s, stuck_since
 
 
 class WaitingRoom:

@@ -366,6 +366,19 @@ def test_with_no_group_to_come_the_refusal_is_immediate_by_default():
                                                                          CLOSE_TRY_AGAIN)
 
 
+def test_a_session_queued_when_the_last_allowed_group_comes_up_is_admitted_there():
+    """The race of a burst at start: a session waits while the second (last allowed) group starts; Serve then
+    reports it running (running == max_groups, none starting) a moment before the session's queued lease is
+    routed to it. With admission_wait_s 0 that moment used to refuse the session; it is admitted."""
+    wire = Wire([{"type": "start", "chunks": 1}])
+    up = time.monotonic() + 0.6
+    groups = Groups(Lease([1.6, admitted("g2"), chunk(0), SessionDone(1)]),     # routed 1 s after it is up
+                    growth=lambda now: Growth(1, 1, 2, 20.0) if now < up else Growth(2, 0, 2, 20.0, grew_at=up))
+    life, phases, _ = live(wire, groups, dataclasses.replace(SETTINGS, admission_wait_s=0.0))
+    assert phases == [Phase.ADMITTING, Phase.STREAMING, Phase.ENDED] and wire.log[-1] == ("done", False, 1)
+    assert life.metrics.refusals == []
+
+
 def test_the_queue_wait_is_bounded_and_a_deployment_that_stops_growing_refuses():
     wire = Wire([{"type": "start"}])
     settings = dataclasses.replace(SETTINGS, max_queue_wait_s=1.0)
