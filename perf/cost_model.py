@@ -8,6 +8,7 @@ Elementwise work (norms, RoPE, modulation) is left out: it is O(L * dim), not O(
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from lingbot.config import Preset, TransformerConfig, split_sizes
 from lingbot.runtime.kv_cache import visible_chunks
@@ -24,16 +25,20 @@ class ChunkFlops:
         return self.prepare + self.forward * self.forwards
 
 
-def visible_keys(cfg: TransformerConfig, tokens_per_frame: int, chunk: int) -> int:
-    return len(visible_chunks(chunk, cfg.sink_chunks, cfg.window_chunks)) * cfg.num_frames_per_block * tokens_per_frame
+def visible_keys(cfg: TransformerConfig, tokens_per_frame: int, chunk: int,
+                 window: Optional[tuple[int, int]] = None) -> int:
+    """Keys a forward of `chunk` attends; `window`: a session's own (sink_chunks, window_chunks), None: the model's."""
+    sink, size = window or (cfg.sink_chunks, cfg.window_chunks)
+    return len(visible_chunks(chunk, sink, size)) * cfg.num_frames_per_block * tokens_per_frame
 
 
 def dit_chunk_flops(cfg: TransformerConfig, tokens_per_frame: int, chunk: int, steps: int = 4,
-                    text_len: int = 512, camera_cached: bool = True) -> ChunkFlops:
+                    text_len: int = 512, camera_cached: bool = True,
+                    window: Optional[tuple[int, int]] = None) -> ChunkFlops:
     d, ffn = cfg.dim, cfg.ffn_dim
     pixels = cfg.num_frames_per_block * tokens_per_frame * 16 * 16     # 1x2x2 patch of 8x8 unshuffled pixels
     q = cfg.num_frames_per_block * tokens_per_frame            # query tokens of the chunk
-    s = visible_keys(cfg, tokens_per_frame, chunk)             # keys it attends (incl. itself)
+    s = visible_keys(cfg, tokens_per_frame, chunk, window)     # keys it attends (incl. itself)
     patch = cfg.in_channels * 4                                # Conv3d 36 -> dim over a 1x2x2 patch
     out = cfg.out_channels * 4
     rays = 2 * 9 * pixels                                      # a 3x3 rotation of every pixel's direction
@@ -51,9 +56,10 @@ def dit_chunk_flops(cfg: TransformerConfig, tokens_per_frame: int, chunk: int, s
     return ChunkFlops(camera_tokens, forward + camera_modulation, steps + 1)
 
 
-def preset_chunk_flops(preset: Preset, chunk: int, camera_cached: bool = True) -> ChunkFlops:
+def preset_chunk_flops(preset: Preset, chunk: int, camera_cached: bool = True,
+                       window: Optional[tuple[int, int]] = None) -> ChunkFlops:
     return dit_chunk_flops(preset.transformer, preset.tokens_per_frame, chunk, len(preset.sampler.timesteps),
-                           preset.text.max_length, camera_cached)
+                           preset.text.max_length, camera_cached, window)
 
 
 def sp_dit_bytes_per_chunk(cfg: TransformerConfig, tokens_per_frame: int, world_size: int, rank: int,

@@ -1,6 +1,9 @@
 """FLOPs per chunk of a preset's DiT (default: lingbot-world-v2-14b at 480x832), by chunk index.
 
     python -m perf.flops [--preset NAME]
+
+Then a steady chunk's FLOPs under the K/V windows a session may ask for (realtime_causal_sink_size /
+realtime_causal_kv_cache_num_frames), against the model's own.
 """
 from __future__ import annotations
 
@@ -30,6 +33,20 @@ def main(argv=None) -> None:
     print(f"steady state (chunk >= 6): {steady.total / 1e15:.3f} PFLOP per chunk "
           f"({steady.forwards} DiT forwards of {steady.forward / 1e12:.1f} TFLOP + {steady.prepare / 1e12:.1f} "
           f"TFLOP camera prepare)")
+    print("a session's own window (sink, window chunks), a steady chunk:")
+    print(f"{'sink':>5} {'window':>7} {'keys':>7} {'chunk TF':>9} {'saved':>7}")
+    steady_at = 4 * cfg.window_chunks                           # far past any window's filling
+    model = preset_chunk_flops(preset, steady_at).total
+    for window in window_table(cfg.sink_chunks, cfg.window_chunks):
+        f = preset_chunk_flops(preset, steady_at, window=window).total
+        print(f"{window[0]:>5} {window[1]:>7} {visible_keys(cfg, preset.tokens_per_frame, steady_at, window):>7} "
+              f"{f / 1e12:>9.1f} {1 - f / model:>7.1%}")
+
+
+def window_table(sink: int, size: int) -> list[tuple[int, int]]:
+    """The model's window, then smaller windows with its sink (down to sink + 2), then smaller sinks."""
+    return ([(sink, w) for w in range(size, sink + 1, -1)] +
+            [(s, size) for s in range(sink - 1, -1, -1)] + [(1, 3), (0, 2)])
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ class RankWorker:
         preset = self.pipeline.runner.preset
         rig = CameraRig.default(preset.width, preset.height, start.trajectory)
         world = self.pipeline.new_session(start.image, start.prompt, start.seed, rig=rig, flow_shift=start.flow_shift,
-                                          decoder=start.decoder)
+                                          decoder=start.decoder, window=start.window)
         if restored:
             try:
                 restore_snapshots(world, *restored, self.rank, self.world_size)

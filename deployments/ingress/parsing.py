@@ -23,6 +23,7 @@ import numpy as np
 from lingbot.camera import CameraError, Trajectory, TrajectoryError, parse_keys
 from lingbot.config import ChunkGeometry
 from lingbot.io.images import load_image
+from lingbot.runtime.kv_cache import check_window
 
 from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 
@@ -313,6 +314,33 @@ class StartRules:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"{what} must be true or false, got {type(value).__name__}",
                                 close=self.close)
         return value
+
+    def window(self, sink: Any, frames: Any, where: str, latent_frames: int,
+               model: tuple[int, int]) -> Optional[tuple[int, int]]:
+        """The session's own K/V window from realtime_causal_sink_size and realtime_causal_kv_cache_num_frames
+        (latent frames, read `where`; either absent: the model's), as (sink_chunks, window_chunks); None: the
+        model's `model` window. Both must be multiples of a chunk's latent frames, and the window must hold the
+        sink, one chunk of history and the current chunk and be no larger than the model's (check_window)."""
+        if sink is None and frames is None:
+            return None
+        chunks = []
+        for name, value, default in (("realtime_causal_sink_size", sink, model[0]),
+                                     ("realtime_causal_kv_cache_num_frames", frames, model[1])):
+            if value is None:
+                chunks.append(default)
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % latent_frames:
+                raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} field '{name}' must be a multiple of "
+                                    f"{latent_frames} latent frames (a chunk's), got {value!r}", close=self.close)
+            chunks.append(value // latent_frames)
+        try:
+            check_window(chunks[0], chunks[1], model[1])
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where}: {e}; served: realtime_causal_sink_size up to "
+                                f"{(model[1] - 2) * latent_frames}, realtime_causal_kv_cache_num_frames up to "
+                                f"{model[1] * latent_frames} latent frames", close=self.close) from None
+        window = (chunks[0], chunks[1])
+        return None if window == tuple(model) else window
 
     def seed(self, value: Optional[int]) -> int:
         """The session's seed (`value` an integer the dialect read, None: the dialect's default)."""

@@ -141,20 +141,18 @@ def parse_actions_script(value: Any, where: str) -> list[str]:
 INIT_FIELDS = frozenset({"type", "model", "prompt", "first_frame", "size", "fps", "num_frames", "seconds", "seed",
                          "num_inference_steps", "guidance_scale", "max_chunks", "condition_inputs",
                          "realtime_output_format", "output_compression", "realtime_preview_max_width",
-                         "delta_reference", "decoder", "realtime_output_pacing"})
-ACCEPTED_AND_IGNORED = {
-    "realtime_causal_sink_size": "the session attends the model's own K/V window (a per-session window is not "
-                                 "served yet)",
-    "realtime_causal_kv_cache_num_frames": "as realtime_causal_sink_size",
-}
+                         "delta_reference", "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
+                         "realtime_causal_kv_cache_num_frames"})
+ACCEPTED_AND_IGNORED: dict[str, str] = {}
 
 
 def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
                default_fps: float, steps: int, fetcher=None, decoders: tuple[str, ...] = (),
-               max_fps: Optional[float] = None) -> StartRequest:
+               max_fps: Optional[float] = None, model_window: Optional[tuple[int, int]] = None) -> StartRequest:
     """An `init` map -> StartRequest; `decoders`: the frame decoders loaded (`decoder` picks one); `max_fps`: the
-    highest fps a session may ask for (None: default_fps). Bad input raises ProtocolError (the connection then
-    waits for another)."""
+    highest fps a session may ask for (None: default_fps); `model_window`: the model's (sink, window) chunks (a
+    session may ask for a smaller one). Bad input raises ProtocolError (the connection then waits for
+    another)."""
     if msg["type"] != "init":
         raise ProtocolError(ErrorCode.NOT_STARTED, f"the first message must be an init, not {msg['type']!r}")
     decoder = START.decoder(msg.get("decoder"), decoders)
@@ -187,10 +185,14 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
         script = script_chunks(parse_actions_script(conditions["camera_actions"], "condition_inputs.camera_actions"),
                                geometry.latent_frames)
     paced = START.paced(msg.get("realtime_output_pacing"), "init field 'realtime_output_pacing'")
+    window = None if model_window is None else START.window(
+        msg.get("realtime_causal_sink_size"), msg.get("realtime_causal_kv_cache_num_frames"), "init",
+        geometry.latent_frames, model_window)
     output = parse_output(msg)
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
                         fps, seed, None, script, msg.get("model"), output=output, decoder=decoder, paced=paced,
+                        window=window,
                         unknown_fields=unknown_fields(msg, INIT_FIELDS | frozenset(ACCEPTED_AND_IGNORED)))
 
 
@@ -360,7 +362,8 @@ class SglangWire(WebSocketWire):
     async def parse_start(self, msg: dict, facts: ModelFacts) -> StartRequest:
         s = self.settings
         start = await asyncio.to_thread(parse_init, msg, facts.size, facts.geometry, s.max_chunks, s.fps, facts.steps,
-                                        self.fetcher, facts.decoders, s.resolved_max_fps)
+                                        self.fetcher, facts.decoders, s.resolved_max_fps,
+                                        (facts.sink_chunks, facts.window_chunks))
         self.output, self.size = start.output, facts.size
         return start
 

@@ -62,14 +62,16 @@ def parse_json(text: str, limit: int) -> dict:
 START_FIELDS = frozenset({"type", "model", "prompt", "image_reference", "width", "height", "num_frames", "fps",
                           "seed", "extra_params"})
 EXTRA_FIELDS = frozenset({"flow_shift", "camera_action_script", "camera_trajectory", "endless", "profile_stages",
-                          "decoder", "realtime_output_pacing"})
+                          "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
+                          "realtime_causal_kv_cache_num_frames"})
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
                 max_chunks: int, default_fps: float, fetcher=None, decoders: tuple[str, ...] = (),
-                max_fps: Optional[float] = None) -> StartRequest:
+                max_fps: Optional[float] = None, model_window: Optional[tuple[int, int]] = None) -> StartRequest:
     """A session.start map -> StartRequest; `decoders`: the frame decoders loaded (extra_params.decoder picks one);
-    `max_fps`: the highest fps a session may ask for (None: default_fps)."""
+    `max_fps`: the highest fps a session may ask for (None: default_fps); `model_window`: the model's (sink,
+    window) chunks (extra_params may ask for a smaller one)."""
     where = "session.start"
     extra = msg.get("extra_params")
     decoder = START.decoder(extra.get("decoder") if isinstance(extra, dict) else None, decoders)
@@ -138,10 +140,13 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         raise ProtocolError(ErrorCode.INVALID_FIELD,
                             "extra_params.profile_stages must be true or false", close=CLOSE_POLICY)
     paced = START.paced(extra.get("realtime_output_pacing"), "extra_params.realtime_output_pacing")
+    window = None if model_window is None else START.window(
+        extra.get("realtime_causal_sink_size"), extra.get("realtime_causal_kv_cache_num_frames"), "extra_params",
+        geometry.latent_frames, model_window)
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
-                        decoder=decoder, paced=paced,
+                        decoder=decoder, paced=paced, window=window,
                         unknown_fields=unknown_fields(msg, START_FIELDS) + unknown_fields(extra, EXTRA_FIELDS,
                                                                                           "extra_params."))
 
@@ -230,7 +235,8 @@ class VllmWire(WebSocketWire):
         if kind == "session.start":
             try:
                 return await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
-                                               s.max_chunks, s.fps, self.fetcher, facts.decoders, s.resolved_max_fps)
+                                               s.max_chunks, s.fps, self.fetcher, facts.decoders, s.resolved_max_fps,
+                                               (facts.sink_chunks, facts.window_chunks))
             except ProtocolError as e:
                 if e.close is None:
                     e.close = CLOSE_POLICY

@@ -11,7 +11,7 @@ session goes on. The messages between a group and its ranks are the group's (dep
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 from lingbot.camera import CameraEvent
@@ -53,6 +53,11 @@ class ModelFacts:
     def restore_chunks(self, index: int) -> list[int]:
         """The chunks whose K/V slots a continuation after chunk `index` attends (the engine's rule)."""
         return chunks_to_restore(index, self.sink_chunks, self.window_chunks)
+
+    def windowed(self, window: Optional[tuple[int, int]]) -> ModelFacts:
+        """These facts as a session of its own K/V window (sink_chunks, window_chunks) sees them (None: as
+        they are): what its continuity ledger keeps for a continuation."""
+        return self if window is None else replace(self, sink_chunks=window[0], window_chunks=window[1])
 
 
 @dataclass(frozen=True)

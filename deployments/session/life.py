@@ -253,8 +253,8 @@ class SessionLife:
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
         self.mailbox = admitted.mailbox
-        if admitted.facts is not None:
-            self.ledger.facts = admitted.facts
+        if admitted.facts is not None:               # (as the session's own window sees them, if it has one)
+            self.ledger.facts = admitted.facts.windowed(self.start.window)
 
     # ---- 3. streaming --------------------------------------------------------------------------
     async def pump(self, reader: asyncio.Task) -> Optional[bool]:

@@ -31,6 +31,7 @@ class StartRequest:
     output: FrameFormat = FMP4                # fmp4 (this protocol) or the second protocol's frame format
     decoder: Optional[str] = None             # a loaded frame decoder (extra_params.decoder); None: the default
     paced: bool = True                        # False: each chunk as soon as it is made (realtime_output_pacing)
+    window: Optional[tuple[int, int]] = None  # its own K/V window (sink, window chunks); None: the model's
     unknown_fields: tuple[str, ...] = ()      # start fields this server does not know (ignored; counted, logged)
 
 

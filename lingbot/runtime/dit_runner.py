@@ -122,10 +122,11 @@ class DiTRunner:
 
     def new_session(self, condition: ConditionSource, prompt: Optional[str] = None, seed: int = 0,
                     text_embedding: Optional[Tensor] = None, rig: Optional[CameraRig] = None,
-                    shift: Optional[float] = None) -> DiTSession:
-        """A session; `shift` is its flow shift (None: the preset's). A prompt is encoded at the session's
-        first chunk, not here: under sequence parallelism encoding is a collective, and chunk calls are
-        what every rank of a group runs in the same order."""
+                    shift: Optional[float] = None, window: Optional[tuple[int, int]] = None) -> DiTSession:
+        """A session; `shift` is its flow shift (None: the preset's); `window` its own K/V window (sink_chunks,
+        window_chunks; None: the model's: KVWindow). A prompt is encoded at the session's first chunk, not
+        here: under sequence parallelism encoding is a collective, and chunk calls are what every rank of a
+        group runs in the same order."""
         if (prompt is None) == (text_embedding is None):
             raise ValueError("give exactly one of prompt or text_embedding")
         if prompt is not None:
@@ -135,14 +136,15 @@ class DiTRunner:
             with torch.no_grad():
                 text = self.model.text_kv(to_device(text_embedding, self.device))
         return DiTSession(self, text, prompt, condition, seed,
-                          rig or CameraRig.default(self.preset.width, self.preset.height), shift)
+                          rig or CameraRig.default(self.preset.width, self.preset.height), shift, window)
 
 
 class DiTSession:
     """One user's world in the DiT: K/V window, camera rig, condition, text, RNG and chunk counter."""
 
     def __init__(self, runner: DiTRunner, text: Optional[TextKV], prompt: Optional[str], condition: ConditionSource,
-                 seed: int, rig: CameraRig, shift: Optional[float] = None):
+                 seed: int, rig: CameraRig, shift: Optional[float] = None,
+                 window: Optional[tuple[int, int]] = None):
         self.runner = runner
         self.sampler, self.time = runner.schedule(shift)
         self.initial_text = text              # from a text embedding; None: from `prompt`, at the first chunk
@@ -154,7 +156,7 @@ class DiTSession:
         cfg = runner.config
         self.frames_per_chunk = cfg.num_frames_per_block
         self.kv = KVWindow(cfg, runner.tokens_per_frame, heads=runner.model.local_heads, dtype=runner.model.dtype,
-                           device=runner.device)
+                           device=runner.device, window=window)
         self.generator = torch.Generator(device=runner.device)
         self.reset()
 

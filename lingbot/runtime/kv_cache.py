@@ -38,16 +38,34 @@ def visible_chunks(chunk: int, sink_chunks: int, window_chunks: int) -> list[int
     return sink + history + [chunk]
 
 
+def check_window(sink_chunks: int, window_chunks: int, model_window_chunks: int) -> None:
+    """A session's own K/V window (in chunks): any the model's holds. It must keep the sink, at least one chunk
+    of history and the current chunk, and be no larger than the model's (whose slab the memory budget counts);
+    ValueError names what is wrong and the served maximum."""
+    if sink_chunks < 0:
+        raise ValueError(f"the sink may not be negative, got {sink_chunks} chunks")
+    if window_chunks > model_window_chunks:
+        raise ValueError(f"the window may be at most {model_window_chunks} chunks (the model's), got {window_chunks}")
+    if window_chunks < sink_chunks + 2:
+        raise ValueError(f"the window ({window_chunks} chunks) must hold the sink ({sink_chunks}), at least one "
+                         f"chunk of history and the current chunk")
+
+
 class KVWindow:
-    """Self-attention K/V of one session on one rank: [layers, B, heads, window_tokens, head_dim]."""
+    """Self-attention K/V of one session on one rank: [layers, B, heads, window_tokens, head_dim]. `window`:
+    the session's own (sink_chunks, window_chunks), smaller than the model's (check_window); None: the model's.
+    A smaller window attends less history (lossy, cheaper) in the model's slab."""
 
     def __init__(self, config: TransformerConfig, tokens_per_frame: int, heads: int | None = None,
-                 batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.sink_chunks = config.sink_chunks
-        self.window_chunks = config.window_chunks
+                 batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 window: tuple[int, int] | None = None):
+        self.sink_chunks, self.window_chunks = window or (config.sink_chunks, config.window_chunks)
+        check_window(self.sink_chunks, self.window_chunks, config.window_chunks)
         self.chunk_tokens = tokens_per_frame * config.num_frames_per_block
         heads = config.num_attention_heads if heads is None else heads
-        shape = (config.num_layers, batch, heads, self.window_chunks * self.chunk_tokens, config.attention_head_dim)
+        # the model's slab whatever the session's window: what the memory budget counts, and the strides every
+        # compiled attention was warmed up with (a smaller window attends a prefix of lengths the model's has)
+        shape = (config.num_layers, batch, heads, config.window_chunks * self.chunk_tokens, config.attention_head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.reset()

@@ -99,11 +99,13 @@ class WorldPipeline:
 
     def new_session(self, image: Union[np.ndarray, Tensor], prompt: Optional[str], seed: int = 0,
                     rig: Optional[CameraRig] = None, flow_shift: Optional[float] = None,
-                    text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None) -> WorldSession:
+                    text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None,
+                    window: Optional[tuple[int, int]] = None) -> WorldSession:
         """`image`: the first frame at the preset's size, uint8 [H, W, 3] or float [3, H, W] in [-1, 1];
         `flow_shift`: the sampler's shift for this session (None: the preset's); `text_embedding`: a ready
         encoder output [1, T, text_dim] instead of a prompt (a runner built without a text encoder);
-        `decoder`: the name of a loaded frame decoder (None: the default; else DecoderNotLoaded). Under
+        `decoder`: the name of a loaded frame decoder (None: the default; else DecoderNotLoaded); `window`: the
+        session's own K/V window (sink_chunks, window_chunks; None: the model's: kv_cache.KVWindow). Under
         sequence parallelism every rank makes the session with the same arguments."""
         name = self.decoder_name(decoder)
         image = model_image(image)
@@ -111,7 +113,7 @@ class WorldPipeline:
         if tuple(image.shape) != (3, h, w):
             raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
         return WorldSession(self, to_device(image, self.runner.device), prompt, seed, rig, flow_shift, text_embedding,
-                            name)
+                            name, window)
 
 
 class WorldSession:
@@ -119,7 +121,8 @@ class WorldSession:
 
     def __init__(self, pipeline: WorldPipeline, image: Tensor, prompt: Optional[str], seed: int,
                  rig: Optional[CameraRig], flow_shift: Optional[float] = None,
-                 text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None):
+                 text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None,
+                 window: Optional[tuple[int, int]] = None):
         self.pipeline = pipeline
         self.decoder_name = pipeline.decoder_name(decoder)
         self.decoder = pipeline.decoders[self.decoder_name]
@@ -127,7 +130,7 @@ class WorldSession:
                                                 pipeline.skip_fixed_point, pipeline.condition_cache,
                                                 pipeline.condition_encoder)
         self.dit = pipeline.runner.new_session(self.condition, prompt=prompt, seed=seed, rig=rig, shift=flow_shift,
-                                               text_embedding=text_embedding)
+                                               text_embedding=text_embedding, window=window)
         self.decoder_cache = CausalCache()
         self.failed: Optional[str] = None
 

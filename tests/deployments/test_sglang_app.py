@@ -70,6 +70,35 @@ def test_unpaced_delivery_on_request(serve_app):
     assert np.array_equal(paced.frames, unpaced.frames[:len(paced.frames)])
 
 
+def test_a_session_of_its_own_window_is_the_default_until_its_sink_differs(serve_app):
+    """realtime_causal_sink_size 6 (2 chunks; the model's 9): side by side with a session of the model's
+    window (same image, prompt and seed, unpaced), its raw frames are the same for chunks 0-5, while both
+    windows hold every chunk, and differ from chunk 6, the first where they keep different ones. A window
+    larger than the model's is refused, naming the served maximum, and the connection stays open."""
+    url = frames_url(serve_app)
+
+    async def side_by_side():
+        return await asyncio.gather(
+            frames_session(url, 7, seed=21, fps=120.0, realtime_output_pacing=False),
+            frames_session(url, 7, seed=21, fps=120.0, realtime_output_pacing=False, realtime_causal_sink_size=6))
+    model, own = run(side_by_side())
+    assert model.errors == own.errors == [] and [c.index for c in own.chunks] == list(range(7))
+    assert all(np.array_equal(a.frames, b.frames) for a, b in zip(model.chunks[:6], own.chunks[:6]))
+    assert not np.array_equal(model.chunks[6].frames, own.chunks[6].frames)
+
+    async def too_large():
+        async with FramesClient(url) as client:
+            await client.init("p", png(), 1, 0, realtime_causal_kv_cache_num_frames=21)
+            error = msgpack.unpackb(await asyncio.wait_for(client.ws.recv(), 20))
+            await client.init("p", png(), 1, 0)                          # the same connection, a valid init
+            return error, await client.receive_session()
+    error, after = run(too_large())
+    assert error["code"] == "invalid_field" and error["message"] == (
+        "init: the window may be at most 6 chunks (the model's), got 7; served: realtime_causal_sink_size up to 12, "
+        "realtime_causal_kv_cache_num_frames up to 18 latent frames")
+    assert after.errors == [] and len(after.chunks) == 1
+
+
 def test_raw_frames_are_the_fmp4_streams_source_frames(serve_app):
     """Same image, prompt, seed and key script on both protocols: the raw frames, put through the muxer's
     encoder here, give the first protocol's fMP4 stream byte for byte (so its source frames were these)."""

@@ -38,6 +38,20 @@ def test_count_matches_flop_counter(tiny, tiny_model, tiny_text_encoder, cached)
         assert counter.get_total_flops() == preset_chunk_flops(tiny, k, camera_cached=cached).total, k
 
 
+def test_count_matches_flop_counter_in_a_sessions_own_window(tiny, tiny_model, tiny_text_encoder):
+    """A session of its own K/V window (sink 1 chunk, window 3) attends fewer keys from chunk 3 on: the count
+    follows it, and a steady chunk costs less than the model's window."""
+    _register_cpu_sdpa()
+    runner = DiTRunner(tiny, tiny_model, tiny_text_encoder)
+    text = tiny_text_encoder.encode(["a fjord"])
+    s = runner.new_session(LatentCondition(random_condition(tiny)), text_embedding=text, seed=0, window=(1, 3))
+    for k in range(5):
+        with FlopCounterMode(display=False) as counter:
+            s.run_chunk(Controls(keys=("w", "", "")))
+        assert counter.get_total_flops() == preset_chunk_flops(tiny, k, window=(1, 3)).total, k
+    assert preset_chunk_flops(tiny, 4, window=(1, 3)).total < preset_chunk_flops(tiny, 4).total
+
+
 def test_v2_14b_steady_chunk():
     from lingbot.config import get_preset
     f = preset_chunk_flops(get_preset("lingbot-world-v2-14b"), 6)

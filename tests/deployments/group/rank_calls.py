@@ -9,9 +9,10 @@ from deployments.session.requests import StartRequest
 
 
 def opening(session_id: str, image: np.ndarray, prompt: str, seed: int, keeper=None, every_chunks: int = 1,
-            restore: Optional[RankRestore] = None, decoder: Optional[str] = None) -> OpenSession:
+            restore: Optional[RankRestore] = None, decoder: Optional[str] = None,
+            window: Optional[tuple[int, int]] = None) -> OpenSession:
     """Open a session of the tiny preset's size (an endless one; the rank reads only what it builds from)."""
-    start = StartRequest(prompt, image, 112, 64, None, None, 16.0, seed, None, [], decoder=decoder)
+    start = StartRequest(prompt, image, 112, 64, None, None, 16.0, seed, None, [], decoder=decoder, window=window)
     plan = None if keeper is None else SnapshotPlan(SnapshotOwner(keeper, session_id), every_chunks)
     return OpenSession(session_id, start, plan, restore)
 

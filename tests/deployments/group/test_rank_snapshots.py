@@ -103,6 +103,33 @@ def test_snapshots_every_3_chunks_resume_by_restore_and_replay_bitwise(worker, t
     assert worker.flush_snapshots("b") == ()           # nothing newer to take
 
 
+def test_a_session_of_its_own_window_resumes_bitwise(worker, tiny_pipeline):
+    """A session with its own K/V window (sink 2 chunks, window 4; the model's: 3 and 6), snapshotted every
+    chunk: its ledger keeps what that window's continuation attends, and a resume after chunk 6 restores 5
+    and goes on bitwise as the session without the fault (which differs from the model's window by then)."""
+    image = np.random.RandomState(5).randint(0, 256, (64, 112, 3), dtype=np.uint8)
+    muxer, keeper = Muxer(), Keeper()
+    ledger = ContinuityLedger(1)
+    ledger.facts = ModelFacts.of(tiny_pipeline.preset).windowed((2, 4))
+    assert worker.open_session(opening("w", image, "a harbour", 6, keeper, window=(2, 4))) == 0
+    assert worker.open_session(opening("m", image, "a harbour", 6, Keeper())) == 0   # the model's window
+    for index in range(7):
+        _delivered(ledger, index, _run(worker, "w", index, muxer))
+        _run(worker, "m", index, muxer)
+    for index in (7, 8):
+        _run(worker, "w", index, muxer)
+    # chunk 6's snapshot comes with chunk 7's reply (not delivered): a continuation after 5 attends the sink and 5
+    assert ledger.restorable() == 5 and sorted(ledger.slots) == [0, 1, 5]
+    resume = ledger.resume(SnapshotOwner(keeper, "w"))
+    assert worker.open_session(opening("w2", image, "a harbour", 6, Keeper(), restore=resume.restore[0],
+                                       window=(2, 4))) == 6
+    for index in (6, 7, 8):                           # 6 replayed, then on
+        _run(worker, "w2", index, muxer)
+        assert np.array_equal(muxer.frames["w2", index], muxer.frames["w", index]), index
+    assert np.array_equal(muxer.frames["w", 3], muxer.frames["m", 3])            # both windows hold chunks 0-3
+    assert not np.array_equal(muxer.frames["w", 6], muxer.frames["m", 6])
+
+
 def test_closed_sessions_leave_nothing_on_the_rank(worker):
     """Sessions with snapshots, run and closed (one mid-chunk-stream, one after a flush): the rank's per-session
     structures (its sessions, the copier's last copies and pending copies, puts not done) are back to empty."""

@@ -54,7 +54,8 @@ def test_init_defaults_and_fields():
     assert all(init(guidance_scale=g).prompt == "p" for g in (1.0, 1, 0.0, 0, 0.5))
     assert init().paced and not init(realtime_output_pacing=False).paced and init(realtime_output_pacing=True).paced
     assert init(realtime_output_pacing=None).paced
-    # fields SGLang sends that mean nothing here are accepted; any other is ignored and named (escaped) for the log
+    # the K/V window fields are read (without the model's window given, as here, none is asked for); any other
+    # field is ignored and named (escaped) for the log
     assert init(realtime_causal_sink_size=6, realtime_causal_kv_cache_num_frames=18).unknown_fields == ()
     assert init(zeta=1, alpha="x", **{"new\nline": 0, "k" * 80: 1}).unknown_fields == (
         "alpha", "k" * 64, "new\\nline", "zeta")
@@ -269,3 +270,28 @@ def test_fuzz_malformed_messages_are_only_ever_refused():
             assert e.code and e.message and e.close in (None, CLOSE_TOO_BIG)
             outcomes["refused"] += 1
     assert outcomes["refused"] > 250 and outcomes["parsed"] > 5, outcomes
+
+
+def windowed(**kw):
+    msg = {"type": "init", "prompt": "p", "first_frame": png_bytes(), "size": "112x64", **kw}
+    return sglang.parse_init(msg, SIZE, GEOMETRY, max_chunks=100, default_fps=16.0, steps=4, model_window=(3, 6))
+
+
+def test_a_session_asks_for_its_own_window_in_latent_frames_and_a_larger_one_is_refused():
+    """realtime_causal_sink_size and realtime_causal_kv_cache_num_frames (latent frames, 3 per chunk here): any
+    window the model's (sink 9, window 18) holds; the model's own, or neither field, is the default (None)."""
+    assert windowed(realtime_causal_sink_size=6).window == (2, 6)
+    assert windowed(realtime_causal_sink_size=6, realtime_causal_kv_cache_num_frames=12).window == (2, 4)
+    assert windowed(realtime_causal_kv_cache_num_frames=15).window == (3, 5)
+    assert windowed(realtime_causal_sink_size=0, realtime_causal_kv_cache_num_frames=6).window == (0, 2)
+    assert windowed().window is None and windowed(realtime_causal_sink_size=9).window is None
+    served = "served: realtime_causal_sink_size up to 12, realtime_causal_kv_cache_num_frames up to 18 latent frames"
+    e = refused(lambda: windowed(realtime_causal_kv_cache_num_frames=21), "invalid_field")
+    assert e.message == f"init: the window may be at most 6 chunks (the model's), got 7; {served}"
+    e = refused(lambda: windowed(realtime_causal_sink_size=15), "invalid_field")
+    assert e.message == (f"init: the window (6 chunks) must hold the sink (5), at least one chunk of history and "
+                         f"the current chunk; {served}")
+    for bad in (7, -3, 6.0, "6", True):
+        e = refused(lambda bad=bad: windowed(realtime_causal_sink_size=bad), "invalid_field")
+        assert e.message == (f"init field 'realtime_causal_sink_size' must be a multiple of 3 latent frames (a "
+                             f"chunk's), got {bad!r}")

@@ -231,3 +231,19 @@ def test_fps_is_at_most_the_deployments_max_fps():
         highest = kwargs.get("max_fps", 16.0)
         assert (info.value.code, str(info.value)) == ("invalid_field", f"fps must be between 1 and {highest:g}, "
                                                                        f"got {fps}")
+
+
+def test_extra_params_ask_for_a_sessions_own_window_as_the_second_protocol_does():
+    msg = {"type": "session.start", "prompt": "p", "image_reference": {"image_url": data_url()}, "width": 112,
+           "height": 64, "num_frames": 33, "seed": 1}
+
+    def windowed(**extra):
+        return parse_start(dict(msg, extra_params=extra), (112, 64), GEOMETRY, 8, 100, 16.0, model_window=(3, 6))
+    assert windowed(realtime_causal_sink_size=6).window == (2, 6) and windowed().window is None
+    assert windowed(realtime_causal_sink_size=3, realtime_causal_kv_cache_num_frames=9).window == (1, 3)
+    assert windowed(realtime_causal_sink_size=6).unknown_fields == ()
+    with pytest.raises(ProtocolError) as e:
+        windowed(realtime_causal_kv_cache_num_frames=24)
+    assert e.value.code == "invalid_field" and e.value.close == 1008 and e.value.message.startswith(
+        "extra_params: the window may be at most 6 chunks (the model's), got 8; served: realtime_causal_sink_size "
+        "up to 12")

@@ -233,3 +233,34 @@ def test_runner_reuses_text_kv_across_sessions(tiny, tiny_runner):
     s2.run_chunk()
     assert tiny_runner.prompt_cache.misses == before + 1
     assert s1.text is s2.text
+
+
+def test_a_sessions_own_window_is_the_default_until_it_drops_a_chunk_the_default_keeps(tiny, tiny_runner):
+    """A session of its own window (sink 2 chunks instead of 3; or a window of 4 chunks instead of 6) runs the
+    same forwards bitwise while both windows hold every chunk so far, and differs from the first chunk one of
+    them drops: sink 2 at chunk 6 (it drops chunk 2, the default drops chunk 3), window 4 at chunk 4."""
+    assert (tiny.transformer.sink_chunks, tiny.transformer.window_chunks) == (3, 6)
+    cond = random_condition(tiny)
+
+    def run(window, chunks=8):
+        s = tiny_runner.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11, window=window)
+        assert (s.kv.sink_chunks, s.kv.window_chunks) == (window or (3, 6))
+        return [s.run_chunk(_controls(k)).latents for k in range(chunks)]
+
+    default, sink2, short = run(None), run((2, 6)), run((3, 5))
+    assert all(torch.equal(default[k], sink2[k]) for k in range(6))
+    assert not torch.equal(default[6], sink2[6]) and not torch.equal(default[7], sink2[7])
+    assert all(torch.equal(default[k], short[k]) for k in range(5)) and not torch.equal(default[5], short[5])
+    assert short[0].shape == default[0].shape
+
+
+@pytest.mark.parametrize("window, message", [
+    ((3, 7), r"the window may be at most 6 chunks \(the model's\), got 7"),
+    ((3, 4), r"the window \(4 chunks\) must hold the sink \(3\), at least one chunk of history and the current"),
+    ((-1, 6), "the sink may not be negative, got -1 chunks"),
+])
+def test_a_window_the_model_cannot_hold_is_refused(tiny, tiny_runner, window, message):
+    cond = random_condition(tiny)
+    with pytest.raises(ValueError, match=message):
+        tiny_runner.new_session(LatentCondition(cond), prompt="a quiet harbour", seed=11, window=window)
+    KVWindow(tiny.transformer, 4, window=(0, 2))                       # no sink: two chunks of window suffice
