@@ -27,6 +27,7 @@ from ..models.text_encoder import TextEncoder
 from ..transfer import to_device
 from .condition import ConditionSource
 from .kv_cache import KVWindow, LRUCache
+from .rungs import kept_steps
 from .sampler import DMDSampler
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ChunkResult:
     index: int
     latents: Tensor                                # [16, F, h, w] float32, the chunk's clean x0
     timings: dict[str, float] = field(default_factory=dict)   # stage -> s: condition, prepare, probe_i, commit
+    steps: tuple[int, ...] = ()                    # the sampler's probes it ran (a rung may skip some)
 
 
 def normalize_prompt(prompt: str) -> str:
@@ -228,11 +230,13 @@ class DiTSession:
 
     @torch.no_grad()
     def run_chunk(self, controls: Optional[Controls] = None, should_stop: Callable[[], bool] = lambda: False,
-                  prompt: Optional[tuple[str, int]] = None, profile: bool = False) -> Optional[ChunkResult]:
+                  prompt: Optional[tuple[str, int]] = None, profile: bool = False,
+                  steps: Optional[int] = None) -> Optional[ChunkResult]:
         """Run the next chunk. Returns None if should_stop() turns true between steps; a stopped or failed
         chunk changes nothing lasting (the RNG and the prompt are rewound; camera and condition are committed
         only at the end), so the same chunk can be run again. `prompt` = (text, transition_chunks) switches
-        the prompt from this chunk on. `profile` synchronises the device at stage boundaries."""
+        the prompt from this chunk on. `profile` synchronises the device at stage boundaries. `steps`: the
+        denoising forwards of a cheaper rung (lingbot/runtime/rungs.py; None: all; the sink runs all)."""
         rng_state, text, transition = self.generator.get_state(), self.text, self._transition
         result = None
         try:
@@ -241,7 +245,7 @@ class DiTSession:
             if prompt is not None:
                 self.set_prompt(*prompt)
             self._transition = self._advance_text()
-            result = self._run_chunk(controls, should_stop, StageTimer(self.runner.device, profile))
+            result = self._run_chunk(controls, should_stop, StageTimer(self.runner.device, profile), steps)
         finally:
             if result is None:                       # stopped or raised: rewind
                 self.generator.set_state(rng_state)
@@ -249,9 +253,10 @@ class DiTSession:
         return result
 
     def _run_chunk(self, controls: Optional[Controls], should_stop: Callable[[], bool],
-                   timer: StageTimer) -> Optional[ChunkResult]:
+                   timer: StageTimer, steps: Optional[int] = None) -> Optional[ChunkResult]:
         runner, model, sampler = self.runner, self.runner.model, self.sampler
         k, f = self.chunk_index, self.frames_per_chunk
+        kept = kept_steps(sampler.num_steps, None if k < self.kv.sink_chunks else steps)   # the sink: every step
         # condition (the causal image encoder, or its stored fixed point)
         condition = self.condition.chunk_condition(k).to(runner.device)[None]          # [1, 20, F, h, w]
         timer.mark("condition")
@@ -265,13 +270,17 @@ class DiTSession:
         shape = (1, runner.config.out_channels, f, *runner.latent_hw)
         x_t = sampler.initial_noise(shape, self.generator, runner.device)
         timer.mark("prepare")
-        # probes: denoise, re-noise with fresh noise from the session's generator
+        # probes: denoise, re-noise with fresh noise from the session's generator (drawn for a skipped probe
+        # too: the session's noise stream is the same on every rung)
         x0 = x_t
         for step in range(sampler.num_steps):
             if should_stop():
                 return None
             if step > 0:
-                x_t = sampler.renoise(x0, step, self.generator)
+                renoised = sampler.renoise(x0, step, self.generator)
+                if step not in kept:
+                    continue
+                x_t = renoised
             flow = model(x_t, condition, self.time[step], self.text, chunk, self.kv, commit=False)
             x0 = sampler.denoise(x_t, flow, step)
             timer.mark(f"probe_{step}")
@@ -283,7 +292,7 @@ class DiTSession:
         self.rig.commit(planned)
         self.condition.commit()
         self.chunk_index += 1
-        return ChunkResult(k, x0[0], timer.timings)
+        return ChunkResult(k, x0[0], timer.timings, kept)
 
     def generate(self, num_chunks: int, controls: Optional[list[Optional[Controls]]] = None) -> Tensor:
         """Run `num_chunks` chunks; returns latents [16, F * num_chunks, h, w]."""

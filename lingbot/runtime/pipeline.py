@@ -168,14 +168,15 @@ class WorldSession:
     @torch.no_grad()
     def step(self, controls: Optional[Controls] = None, should_stop: Callable[[], bool] = lambda: False,
              prompt: Optional[tuple[str, int]] = None, profile: bool = False,
-             keep_latents: bool = False) -> Optional[VideoChunk]:
+             keep_latents: bool = False, steps: Optional[int] = None) -> Optional[VideoChunk]:
         """One chunk. A stopped or failed DiT chunk changes nothing lasting; a failure after it (decode,
         pixels) leaves the DiT one chunk ahead of the decoder, so the session is marked failed (reset() clears).
         `profile` synchronises the device at stage boundaries (exact stage times, slower); `keep_latents`
-        returns the chunk's latents with its frames (to decode them again, `lingbot generate --save-latents`)."""
+        returns the chunk's latents with its frames (to decode them again, `lingbot generate --save-latents`);
+        `steps`: a cheaper rung's denoising forwards (lingbot/runtime/rungs.py; None: all)."""
         if self.failed:
             raise RuntimeError(f"session failed earlier ({self.failed}); reset it")
-        result = self.dit.run_chunk(controls, should_stop, prompt, profile)
+        result = self.dit.run_chunk(controls, should_stop, prompt, profile, steps)
         if result is None:
             return None
         try:

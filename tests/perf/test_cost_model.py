@@ -80,3 +80,12 @@ def test_sp_bytes_match_the_analytical_count(tiny, world_size):
         assert got["all_to_all"] == expected["all_to_all"], rank
         assert got["all_gather"] == expected["all_gather"], rank
         assert got.get("pixels", 0) == sp_pixel_bytes_per_chunk(64, 112, 12, 14, world_size, rank)
+
+
+def test_a_step_rung_costs_the_prepare_and_one_forward_per_probe_kept_and_the_commit():
+    from lingbot.config import get_preset
+    from perf.rungs import modelled
+    f = preset_chunk_flops(get_preset("lingbot-world-v2-14b"), 24)
+    costs = modelled()
+    assert costs[None] == f.total and costs[3] == f.prepare + 4 * f.forward and costs[2] == f.prepare + 3 * f.forward
+    assert 0.60 < costs[2] / costs[None] < 0.62

@@ -1,0 +1,44 @@
+"""The quality ladder's rungs: named, deterministic configurations of one chunk, cheaper than the session's
+own (docs/architecture.md, "Rungs").
+
+A rung runs fewer of the sampler's denoising probes, or decodes with the tiny decoder. The probes it keeps
+(`kept_steps`): always the first (the only one that starts from pure noise) and the last (the lowest
+timestep, the finest detail the distilled model was trained to finish at), and the rest evenly between by
+index. The model was distilled on its schedule's timesteps (v2: 1000, 750, 500, 250; v1: 1000, 821, 642,
+321) and predicts the clean latents at each of them, so a subset re-noises the last prediction straight to
+the next timestep it keeps: 3 probes of v2 keep 1000, 500, 250; 2 keep 1000, 250. The commit forward (t = 0)
+and the K/V it writes are the same on every rung. A probe that is skipped still draws its re-noise from the
+session's generator, so what comes after a chunk does not depend on its rung except through its latents.
+The sink (the first chunks, attended by every later chunk for the session's life) always runs every probe.
+Quality cannot be judged on random weights; the rungs are ordered by cost (perf/README.md, "Rungs").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+def kept_steps(num_steps: int, steps: Optional[int]) -> tuple[int, ...]:
+    """The probe indices a rung of `steps` denoising forwards runs out of the schedule's `num_steps` (None or
+    at least num_steps: all of them): the first, the last, and the rest evenly between by index."""
+    if steps is None or steps >= num_steps:
+        return tuple(range(num_steps))
+    if steps < 1:
+        raise ValueError(f"a rung runs at least 1 denoising step, not {steps}")
+    if steps == 1:
+        return (0,)
+    return tuple(sorted({round(i * (num_steps - 1) / (steps - 1)) for i in range(steps)}))
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One configuration of a chunk: `steps` denoising forwards (None: all the model's) and `decoder` (None:
+    the session's own)."""
+    name: str
+    steps: Optional[int] = None
+    decoder: Optional[str] = None
+
+
+FULL = Rung("full")
+RUNGS = (FULL, Rung("steps3", steps=3), Rung("steps2", steps=2), Rung("tiny", decoder="tae"),
+         Rung("tiny_steps2", steps=2, decoder="tae"))
