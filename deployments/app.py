@@ -48,7 +48,9 @@ def build_app(args: dict | None = None) -> Application:
     ).bind(settings)
     return serve.deployment(
         Ingress, name="Ingress", ray_actor_options={"num_cpus": s.ingress_cpus},
-        max_ongoing_requests=s.max_ingress_sessions,
+        # Serve routes every connection to it at once (the door refuses beyond max_ingress_sessions with
+        # server_busy), with room for the health routes that no crowd of WebSockets may starve
+        max_ongoing_requests=s.max_ingress_connections,
         # a redeploy replaces the ingress too: the old one keeps its WebSockets (their sessions moving to the
         # new groups) until they end, for as long as the groups' grace
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,

@@ -12,6 +12,7 @@ Every refusal is an error with a stable code; the shared process never crashes o
 
 import asyncio
 import logging
+import random
 import re
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import peers, sglang
 from .census import GroupCensus, serve_counts
-from .door import TenantLimits, accepted_subprotocol, client_address, host_allowed, origin_allowed, presented_key
+from .door import TenantLimits, accepted_subprotocol, busy, client_address, host_allowed, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
@@ -131,6 +132,7 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.live = 0
+        self.rng = random.Random()                # the jitter of server_busy's retry_after_s
         self.connections: dict[str, int] = {}    # open WebSocket connections per client address
         self.started = int(time.time())         # /v1/models's `created`
         try:                                     # the first group's start, measured for the first burst's estimate
@@ -235,6 +237,9 @@ class Ingress:
 
     def _door(self, ws: WebSocket, address: str) -> tuple[Optional[ProtocolError], str]:
         """(the refusal at the door, or None; the tenant: the presented key, else the client's `address`)."""
+        full = busy(self.live, self.settings.max_ingress_sessions, self.settings.retry_after_s, self.rng)
+        if full is not None:                     # first: shedding a crowd costs nothing else
+            return full, ""
         size = sum(len(name) + len(value) + 4 for name, value in ws.headers.raw)
         if size > self.settings.max_header_bytes:
             return ProtocolError(ErrorCode.HEADERS_TOO_LARGE, f"the handshake's headers hold {size} bytes; at most "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hmac
 import ipaddress
+import random
 from collections import deque
 from typing import Optional
 
@@ -53,6 +54,17 @@ class TenantLimits:
         self.active[tenant] -= 1
         if self.active[tenant] <= 0:
             del self.active[tenant]
+
+
+def busy(live: int, max_sessions: int, retry_after_s: float, rng: random.Random) -> Optional[ProtocolError]:
+    """The refusal of a connection that finds the ingress replica serving `max_sessions` WebSockets already (`live`
+    counts it), answered at once: server_busy with a retry_after_s of 1 to 1.5 times the setting, so that a
+    refused crowd does not come back all at once; None while there is room."""
+    if live <= max_sessions:
+        return None
+    wait = round(retry_after_s * (1.0 + rng.random() / 2), 1)
+    return ProtocolError(ErrorCode.SERVER_BUSY, f"this server holds {max_sessions} sessions already; retry in "
+                         f"{wait:g} s", close=CLOSE_TRY_AGAIN, retry_after_s=wait)
 
 
 def _utf8(text: str) -> bytes:

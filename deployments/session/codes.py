@@ -65,6 +65,7 @@ class ErrorCode(StrEnum):
     MAX_LIFETIME = "max_lifetime"
     # capacity and faults
     CAPACITY_EXHAUSTED = "capacity_exhausted"        # every group full (close 1013, retry_after_s)
+    SERVER_BUSY = "server_busy"                      # the ingress serves max_ingress_sessions (1013, jittered)
     GROUP_UNAVAILABLE = "group_unavailable"          # every group failed, is being replaced or stopped (1013)
     INTERNAL_ERROR = "internal_error"                # a real server fault, never bad input (1011)
 

@@ -22,6 +22,8 @@ def setting(default: Any, help: str, key: Optional[str] = None, secret: bool = F
     return field(default=default, repr=not secret, metadata={"help": help, "key": key})
 
 
+HEALTH_ROOM = 16        # requests an ingress takes beyond its sessions: refusals at the door, health and config
+
 @dataclass(frozen=True)
 class SettingsConcern:
     """One concern's settings. Errors name the flat key (what serve_config.yaml and LINGBOT_<KEY> set)."""
@@ -156,7 +158,11 @@ class CapacitySettings(SettingsConcern):
     admission_wait_s: float = setting(0.0, "how long a new session waits for a slot to free when no group can "
                                            "be added (max_groups running, none starting); 0: refused at once")
     retry_after_s: float = setting(10.0, "the retry_after_s a refused client is told (capacity, key limits)")
-    max_ingress_sessions: int = setting(64, "WebSockets one ingress replica holds")
+    max_ingress_sessions: int = setting(64, "WebSockets one ingress replica serves; each one more is answered at "
+                                            "once with server_busy (close 1013, retry_after_s with jitter)")
+    max_ingress_connections: int = setting(1024, "requests Serve routes to one ingress replica at once (its "
+                                                 "max_ongoing_requests): the sessions, the refusals being answered "
+                                                 "and the HTTP routes; at least max_ingress_sessions + 16")
 
     def __post_init__(self):
         if not 1 <= self.min_groups <= self.max_groups:
@@ -170,6 +176,10 @@ class CapacitySettings(SettingsConcern):
         if self.spare_groups is not None:
             self._at_least(0, "spare_groups")
         self._at_least(1, "max_ingress_sessions")
+        if self.max_ingress_connections < self.max_ingress_sessions + HEALTH_ROOM:
+            raise ConfigError(f"max_ingress_connections ({self.max_ingress_connections}) must be at least "
+                              f"max_ingress_sessions + {HEALTH_ROOM} ({self.max_ingress_sessions + HEALTH_ROOM}): "
+                              "room for the refusals and the health routes")
 
 
 @dataclass(frozen=True)

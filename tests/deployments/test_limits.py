@@ -123,6 +123,19 @@ def test_a_page_offers_its_key_as_a_subprotocol():
     assert presented_key({}, {"api_key": "cle"}, frozenset({"clé"})) is None
 
 
+def test_a_connection_beyond_the_ingress_sessions_is_busy_with_a_jittered_retry():
+    import random
+
+    from deployments.ingress.door import busy
+    rng = random.Random(5)
+    assert busy(64, 64, 10.0, rng) is None                    # the 64th is served
+    refusals = [busy(65, 64, 10.0, rng) for _ in range(200)]
+    assert all(r.code == "server_busy" and r.close == 1013 for r in refusals)
+    waits = [r.extra["retry_after_s"] for r in refusals]
+    assert 10.0 <= min(waits) < 10.5 and 14.5 < max(waits) <= 15.0 and len(set(waits)) > 20
+    assert refusals[0].message == f"this server holds 64 sessions already; retry in {waits[0]:g} s"
+
+
 def test_hosts_by_hand():
     from deployments.ingress.door import host_allowed
     local = frozenset({"localhost"})
