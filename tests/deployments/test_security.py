@@ -14,7 +14,7 @@ from deployments.client import FramesClient, RealtimeClient
 from deployments.ingress.headers import CONTENT_SECURITY_POLICY
 from tests.deployments.conftest import HTTP
 from tests.deployments.ingress.test_parsing import webp_bomb
-from tests.deployments.test_app import H, W, run
+from tests.deployments.test_app import H, W, png_url, run
 from tests.deployments.test_sglang_app import frames_url
 
 HEADERS = {"content-security-policy": CONTENT_SECURITY_POLICY, "x-content-type-options": "nosniff",
@@ -221,3 +221,58 @@ def test_a_crowd_beyond_the_ingress_sessions_is_answered_server_busy_while_healt
         async with websockets.connect(URL, open_timeout=30) as ws:
             return await first_answer(ws)
     assert run(after())["type"] == "session.pong"
+
+
+def _serve_logs() -> dict:
+    """Serve's log files of this cluster (the proxy's, the controller's, every replica's) and their sizes."""
+    import ray
+    folder = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    return {p: p.stat().st_size for p in folder.glob("*.log")}
+
+
+def test_a_client_that_leaves_while_queued_frees_its_place_and_nothing_logs_an_error(serve_app):
+    """Both places of the group held: a third client waits (told place 1) and closes its connection while it
+    waits; a fourth that comes after is told place 1 (the third's place went with it). Leaving a queue is normal:
+    no ERROR line and no traceback in any of Serve's logs meanwhile, the proxy's included."""
+    import json
+
+    from tests.deployments.conftest import URL
+
+    async def queued_place(client) -> int:
+        while True:
+            msg = json.loads(await asyncio.wait_for(client.ws.recv(), 30))
+            if msg["type"] == "session.queued":
+                return msg["position"]
+
+    async def scenario():
+        async with RealtimeClient(URL) as a, RealtimeClient(URL) as b:
+            for seed, client in enumerate((a, b)):
+                await client.start("p", png_url(), W, H, None, seed=seed)
+            for client in (a, b):
+                while json.loads(await client.ws.recv())["type"] != "video.chunk_metadata":
+                    pass
+            logs = _serve_logs()
+            third = RealtimeClient(URL)
+            await third.__aenter__()
+            await third.start("p", png_url(), W, H, 2, seed=3)
+            first_place = await queued_place(third)
+            await third.ws.close()                                # gone while it waits
+            await asyncio.sleep(0.5)
+            async with RealtimeClient(URL) as fourth:
+                await fourth.start("p", png_url(), W, H, 2, seed=4)
+                second_place = await queued_place(fourth)
+            for client in (a, b):
+                await client.send({"type": "session.stop"})
+                await client.receive_session()
+        await asyncio.sleep(1.0)                                  # what the ingress and the proxy log of it
+        return first_place, second_place, logs
+
+    first_place, second_place, logs = run(scenario())
+    assert (first_place, second_place) == (1, 1)
+    written = []
+    for path in _serve_logs():
+        with open(path, "rb") as f:
+            f.seek(logs.get(path, 0))
+            written += f.read().decode(errors="replace").splitlines()
+    bad = [line for line in written if " ERROR " in line or "Traceback" in line or "GeneratorExit" in line]
+    assert written and not bad, "\n".join(bad[:20])
