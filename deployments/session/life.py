@@ -220,6 +220,11 @@ class SessionLife:
         self.start = start
         self.scripted = start.trajectory is not None
         self.enter(Phase.ADMITTING)
+        if len(self.room.waiting) >= s.max_waiting_sessions:   # the queue's bound: refused at once, not held
+            await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, f"{s.max_waiting_sessions} sessions wait "
+                                            "for a model group already; try again later", close=CLOSE_TRY_AGAIN,
+                                            retry_after_s=s.retry_after_s))
+            return
         first = await self.admission.admit(SessionRequest(self.group_sid, start, keeper=await self.snapshot_owner()),
                                            s.max_queue_wait_s, queue=True)
         if first is None or (isinstance(first, SessionFailed) and first.code == ErrorCode.CAPACITY_EXHAUSTED):

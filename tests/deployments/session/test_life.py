@@ -432,3 +432,23 @@ def test_while_no_group_holds_the_session_the_interactions_waiting_for_one_are_b
     assert wire.log.count(("error", ErrorCode.TOO_MANY_CONTROLS)) == 2
     assert [eid for _, _, eid in life.groups.posted] == ["e0", "e1", "e2"]      # to the new group only
     assert life.ledger.unstarted == []
+
+
+def test_a_start_beyond_the_waiting_bound_is_refused_at_once_and_the_queue_keeps_its_order():
+    """max_waiting_sessions 1: with one session waiting, a second start is refused at once (capacity_exhausted,
+    1013, retry_after_s), not queued behind it."""
+    settings = dataclasses.replace(SETTINGS, max_waiting_sessions=1)
+    room = WaitingRoom()
+    room.join("someone-waiting", now=time.monotonic())
+    wire = Wire([{"type": "start"}])
+    t0 = time.monotonic()
+
+    async def scenario():
+        life = SessionLife(wire, Groups(Lease([30.0, admitted("g1")]), growth=Growth(1, 1, 2, 20.0)), settings,
+                           Metrics(), room)
+        await asyncio.wait_for(life.run("t", Limits()), 30)
+        return life
+    life = asyncio.run(scenario())
+    assert time.monotonic() - t0 < 1.0 and life.phase is Phase.ENDED
+    assert wire.log[-1] == ("close", ErrorCode.CAPACITY_EXHAUSTED, CLOSE_TRY_AGAIN)
+    assert life.metrics.refusals == [ErrorCode.CAPACITY_EXHAUSTED] and list(room.waiting) == ["someone-waiting"]
