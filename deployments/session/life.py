@@ -93,6 +93,7 @@ class SessionLife:
         self.last_interaction = self.started_at = time.monotonic()
         self.rate = MessageRate(settings.max_messages_per_s, self.started_at)
         self.scripted = False                   # the camera follows an offline trajectory: no camera or key events
+        self.kept = False                       # a keeper was told to keep its snapshots (its end lets them go)
         self.resumes = 0                        # every resume (each has its own id at its group)
         self.faults = 0                         # resumes after a fault (at most max_resumes); a drain is not one
         self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
@@ -185,7 +186,8 @@ class SessionLife:
         finally:
             if self.admission.lease is not None:
                 self.admission.lease.cancel()    # every path (done, stop, refusal, disconnect) ends the lease
-            self.groups.let_go(self.session_id)   # and frees its snapshots at the keeper
+            if self.kept:                         # and frees its snapshots at the keeper
+                self.groups.let_go(self.session_id)
             self.phases.move(Phase.ENDED)         # from any phase
 
     async def wait_for_start(self) -> Optional[StartRequest]:
@@ -253,6 +255,7 @@ class SessionLife:
         """Where the session's snapshots are kept: the ingress's keeper, under this session's id (None: no
         snapshots)."""
         keeper = await self.groups.keeper()
+        self.kept = self.kept or keeper is not None
         return None if keeper is None else SnapshotOwner(keeper, self.session_id)
 
     def _streaming_on(self, admitted: Admitted) -> None:

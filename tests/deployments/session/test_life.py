@@ -443,12 +443,14 @@ def test_a_start_beyond_the_waiting_bound_is_refused_at_once_and_the_queue_keeps
     wire = Wire([{"type": "start"}])
     t0 = time.monotonic()
 
+    groups = Groups(Lease([30.0, admitted("g1")]), growth=Growth(1, 1, 2, 20.0))
+
     async def scenario():
-        life = SessionLife(wire, Groups(Lease([30.0, admitted("g1")]), growth=Growth(1, 1, 2, 20.0)), settings,
-                           Metrics(), room)
+        life = SessionLife(wire, groups, settings, Metrics(), room)
         await asyncio.wait_for(life.run("t", Limits()), 30)
         return life
     life = asyncio.run(scenario())
+    assert groups.released == []                     # it never asked a keeper for anything: nothing to let go
     assert time.monotonic() - t0 < 1.0 and life.phase is Phase.ENDED
     assert wire.log[-1] == ("close", ErrorCode.CAPACITY_EXHAUSTED, CLOSE_TRY_AGAIN)
     assert life.metrics.refusals == [ErrorCode.CAPACITY_EXHAUSTED] and list(room.waiting) == ["someone-waiting"]
