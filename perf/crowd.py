@@ -4,7 +4,8 @@ plus sockets that send their request headers one every 5 s; meanwhile the health
 every 0.25 s. Reported per crowd: the share answered within 2 s of connecting (a first message: the stream's
 start, `session.queued`/`queued`, or an error with its code), time to answer p50/p99, the slowest health
 answer, sessions served, refused (by code) and waited, the slow-header sockets still held at the end, and the
-ingress's memory per idle WebSocket (its USS with 200 idle connections open, against none).
+ingress's memory per idle WebSocket (its USS with 60 idle connections open, under max_ingress_sessions, against
+none).
 
     python -m perf.crowd [--crowds 300,1000] [--slow 200] [--output-json perf/results/crowd_tiny_cpu.json]
 
@@ -161,7 +162,7 @@ async def crowd(n: int, slow: int) -> dict:
             "slow_header_sockets_held": held}
 
 
-async def idle_memory(count: int = 200) -> float:
+async def idle_memory(count: int = 60) -> float:
     """KiB of the ingress's USS per idle WebSocket (open, no start yet)."""
     import psutil
     import websockets

@@ -136,6 +136,7 @@ class RankSnapshots:
         import ray
         if copied is not None:
             copied.synchronize()
+        # (a put that outlasts the timeout still lands at the keeper, unreported: held until the session ends)
         keys = ray.get(owner.keeper.keep.remote(owner.session_id, slots, state), timeout=SNAPSHOT_PUT_TIMEOUT_S)
         if keys is None:
             raise RuntimeError("the session has ended at its keeper")

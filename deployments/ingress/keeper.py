@@ -127,5 +127,16 @@ class KeeperSupervisor:
                 pass                                 # busy, not dead
             except Exception as e:
                 log.warning("the snapshot keeper is gone (%s); starting another", type(e).__name__)
+                self._retire(keeper)
                 self.keeper = self.start()
         return self.keeper
+
+    @staticmethod
+    def _retire(keeper) -> None:
+        """A keeper given up on is killed, in case it only seemed gone: the sessions' releases go to its successor,
+        so whatever it still held would be held for good."""
+        try:
+            import ray
+            ray.kill(keeper, no_restart=True)
+        except Exception:                            # gone already, or not an actor (tests)
+            pass

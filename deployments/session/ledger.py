@@ -74,8 +74,10 @@ class ContinuityLedger:
 
     # ---- snapshots ------------------------------------------------------------------------------
     def keep(self, refs: Iterable[SnapshotRef]) -> None:
-        """Hold the keys a resume would restore from; older ones are let go."""
-        held = self._keys()
+        """Hold the keys a resume would restore from; older ones are let go (those that came in this call and
+        are already older too: a reply may carry several snapshots)."""
+        refs = list(refs)
+        held = self._keys() | {r.slot for r in refs} | {r.state for r in refs if r.state is not None}
         for ref in refs:
             self.slots.setdefault(ref.chunk, {})[ref.rank] = ref.slot
             if ref.state is not None:                # None: a slot copied by a later chunk's snapshot

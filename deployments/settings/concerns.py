@@ -160,8 +160,9 @@ class CapacitySettings(SettingsConcern):
     retry_after_s: float = setting(10.0, "the retry_after_s a refused client is told (capacity, key limits)")
     max_ingress_sessions: int = setting(64, "WebSockets one ingress replica serves; each one more is answered at "
                                             "once with server_busy (close 1013, retry_after_s with jitter)")
-    max_waiting_sessions: int = setting(256, "sessions one ingress replica lets wait for a group at once; a start "
-                                             "beyond them is refused at once with capacity_exhausted")
+    max_waiting_sessions: int = setting(32, "sessions one ingress replica lets wait for a group at once (at most "
+                                            "max_ingress_sessions); a start beyond them is refused at once with "
+                                            "capacity_exhausted")
     max_ingress_connections: int = setting(1024, "requests Serve routes to one ingress replica at once (its "
                                                  "max_ongoing_requests): the sessions, the refusals being answered "
                                                  "and the HTTP routes; at least max_ingress_sessions + 16")
@@ -178,7 +179,9 @@ class CapacitySettings(SettingsConcern):
         if self.spare_groups is not None:
             self._at_least(0, "spare_groups")
         self._at_least(1, "max_ingress_sessions")
-        self._at_least(0, "max_waiting_sessions")
+        if not 1 <= self.max_waiting_sessions <= self.max_ingress_sessions:
+            raise ConfigError(f"max_waiting_sessions ({self.max_waiting_sessions}) must be between 1 and "
+                              f"max_ingress_sessions ({self.max_ingress_sessions}): only sessions it serves wait")
         if self.max_ingress_connections < self.max_ingress_sessions + HEALTH_ROOM:
             raise ConfigError(f"max_ingress_connections ({self.max_ingress_connections}) must be at least "
                               f"max_ingress_sessions + {HEALTH_ROOM} ({self.max_ingress_sessions + HEALTH_ROOM}): "

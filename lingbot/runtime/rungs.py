@@ -2,11 +2,12 @@
 own (docs/architecture.md, "Rungs").
 
 A rung runs fewer of the sampler's denoising probes, or decodes with the tiny decoder. The probes it keeps
-(`kept_steps`): always the first (the only one that starts from pure noise) and the last (the lowest
-timestep, the finest detail the distilled model was trained to finish at), and the rest evenly between by
-index. The model was distilled on its schedule's timesteps (v2: 1000, 750, 500, 250; v1: 1000, 821, 642,
-321) and predicts the clean latents at each of them, so a subset re-noises the last prediction straight to
-the next timestep it keeps: 3 probes of v2 keep 1000, 500, 250; 2 keep 1000, 250. The commit forward (t = 0)
+(`kept_steps`): the first (the only one that starts from pure noise) and, from two probes on, the last (the
+lowest timestep, the finest detail the distilled model was trained to finish at), and the rest evenly
+between by index; a rung of one probe keeps the first alone. The model was distilled on its schedule's
+timesteps (v2: 1000, 750, 500, 250; v1: 1000, 821, 642, 321) and predicts the clean latents at each of them,
+so a subset re-noises the last prediction straight to the next timestep it keeps: 3 probes of v2 keep 1000,
+500, 250; 2 keep 1000, 250. The commit forward (t = 0)
 and the K/V it writes are the same on every rung. A probe that is skipped still draws its re-noise from the
 session's generator, so what comes after a chunk does not depend on its rung except through its latents.
 The sink (the first chunks, attended by every later chunk for the session's life) always runs every probe.

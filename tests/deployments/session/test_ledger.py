@@ -118,3 +118,17 @@ def test_every_key_let_go_is_released_once_and_none_a_resume_needs():
     resume = ledger.resume(owner="the keeper")
     needed = {k for r in resume.restore for k in (*r.slots, r.state)}
     assert needed <= ledger._keys() and {r.owner for r in resume.restore} == {"the keeper"}
+
+
+def test_keys_that_come_in_and_are_already_older_are_released_at_once():
+    """A reply may carry several snapshots (a put was late: SNAPSHOTS_IN_FLIGHT): delivered with chunk 5, the
+    snapshots of 3 and 4; 4 is the newest complete set, so 3's state goes back at once, never held."""
+    released = []
+    ledger = ledger_after(3, released=released)
+    ledger.delivered(chunk(3), FPS, now=200.0)
+    ledger.delivered(chunk(4), FPS, now=201.0)
+    released.clear()
+    ledger.delivered(chunk(5, snapshots=refs(3) + refs(4)), FPS, now=202.0)
+    assert ledger.restorable() == 4
+    assert {"state3.0", "state3.1", "state2.0", "state2.1"} <= set(released)
+    assert not {"state4.0", "state4.1"} & set(released) and "state3.0" not in ledger._keys()
