@@ -247,7 +247,7 @@ class RankWorker:
         self.snapshots.before_chunk(call.session_id, world, call.index)
         prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
         chunk = world.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
-                           prompt=prompt, profile=controls.profile)
+                           prompt=prompt, profile=controls.profile, steps=controls.steps)
         if chunk is None:
             return ChunkReply(stopped=True)
         reply = ChunkReply(stopped=False, timings=chunk.timings, engine_s=time.perf_counter() - t0)

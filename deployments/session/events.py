@@ -97,6 +97,8 @@ class ChunkControls:
     prompt: Optional[str] = None
     prompt_transition_chunks: int = 0
     profile: bool = False          # synchronise the device at stage boundaries (exact stage times)
+    steps: Optional[int] = None    # a cheaper rung's denoising forwards (lingbot/runtime/rungs.py); None: all.
+    #                                Journaled with the rest, so a replay runs the chunk as it ran.
 
 
 @dataclass(frozen=True)

@@ -57,19 +57,23 @@ def worker(monkeypatch, tiny_pipeline):
     return worker
 
 
-def _run(worker, session_id, index, muxer):
+def _controls(index: int, rungs: bool = False) -> ChunkControls:
+    """Chunk `index`'s keys; with `rungs`, a cheaper rung on some chunks past the sink (2, 3 or all steps)."""
+    return ChunkControls(keys=KEYS[index % len(KEYS)], steps=(2, 3, None)[index % 3] if rungs else None)
+
+
+def _run(worker, session_id, index, muxer, rungs=False):
     """One chunk, then its snapshot's copy and put done (the next chunk's reply carries its references)."""
-    reply = worker.run_chunk(chunk(session_id, index, ChunkControls(keys=KEYS[index % len(KEYS)]), muxer))
+    reply = worker.run_chunk(chunk(session_id, index, _controls(index, rungs), muxer))
     assert not reply.stopped
     worker._on_device(lambda: None)
     wait([f for _, f in worker.sessions[session_id].snapshots.puts])
     return reply
 
 
-def _delivered(ledger, index, reply):
+def _delivered(ledger, index, reply, rungs=False):
     frames = 9 if index == 0 else 12
-    ledger.delivered(ChunkReady(index, b"", frames, [], [], [], {}, 0.0,
-                                controls=ChunkControls(keys=KEYS[index % len(KEYS)]),
+    ledger.delivered(ChunkReady(index, b"", frames, [], [], [], {}, 0.0, controls=_controls(index, rungs),
                                 interactions=InteractionState({}, None), snapshots=reply.snapshots), 16.0)
 
 
@@ -101,6 +105,32 @@ def test_snapshots_every_3_chunks_resume_by_restore_and_replay_bitwise(worker, t
     assert [(r.chunk, r.state is not None) for r in refs] == [(0, False), (1, False), (2, False), (9, False),
                                                              (10, True)]
     assert worker.flush_snapshots("b") == ()           # nothing newer to take
+
+
+def test_chunks_run_on_cheaper_rungs_replay_bitwise_from_the_journal(worker, tiny_pipeline):
+    """Chunks past the sink on the step rungs (2, 3 or all denoising forwards, the rung in each chunk's controls,
+    so in the journal): resumed from the snapshot of chunk 3 with 4 and 5 replayed as they ran, the session goes
+    on bitwise; the rungs changed its frames against the same session at full steps."""
+    image = np.random.RandomState(6).randint(0, 256, (64, 112, 3), dtype=np.uint8)
+    muxer, keeper = Muxer(), Keeper()
+    ledger = ContinuityLedger(1)
+    ledger.facts = ModelFacts.of(tiny_pipeline.preset)
+    assert worker.open_session(opening("r", image, "a harbour", 8, keeper, every_chunks=INTERVAL)) == 0
+    assert worker.open_session(opening("f", image, "a harbour", 8, Keeper(), every_chunks=INTERVAL)) == 0
+    for index in range(6):
+        _delivered(ledger, index, _run(worker, "r", index, muxer, rungs=True), rungs=True)
+        _run(worker, "f", index, muxer)
+    for index in (6, 7):
+        _run(worker, "r", index, muxer, rungs=True)
+    assert all(np.array_equal(muxer.frames["r", i], muxer.frames["f", i]) for i in (0, 1, 2))   # the sink: all
+    assert not np.array_equal(muxer.frames["r", 4], muxer.frames["f", 4])       # chunk 4 ran 3 steps
+    resume = ledger.resume(SnapshotOwner(keeper, "r"))
+    assert resume.snapshot_index == 3 and [c.steps for c in resume.journal[3:6]] == [2, 3, None]
+    assert worker.open_session(opening("r2", image, "a harbour", 8, Keeper(), INTERVAL, resume.restore[0])) == 4
+    for index in range(4, 8):                         # 4, 5 replayed (their journaled rungs), then on
+        worker.run_chunk(chunk("r2", index, resume.journal[index] if index < 6 else _controls(index, True), muxer))
+        worker._on_device(lambda: None)
+        assert np.array_equal(muxer.frames["r2", index], muxer.frames["r", index]), index
 
 
 def test_a_session_of_its_own_window_resumes_bitwise(worker, tiny_pipeline):
