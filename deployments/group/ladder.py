@@ -1,0 +1,103 @@
+"""The quality ladder's controller: which rung each session of a group runs its next chunk at (docs/architecture.md,
+"Rungs"). Plain Python, decided per chunk; not yet asked by the chunk loop.
+
+It decides from the group's load, not from the playout slack alone (with adaptive pacing a chunk is due one
+learned lead before its deadline, so the slack sits near the margin whether the group is idle or nearly full).
+The load is the sum over the group's sessions of a chunk's cost at the session's rung times the session's
+chunks per second: every deadline can hold while it stays under 1 (`target`, by default 0.9, leaves room for
+the noise of chunk times). The slack corrects it: a session behind its deadline steps down first, at once.
+
+- Costs are learned on this group, per rung (an exponential mean of the chunk times the ranks report), seeded
+  from the full rung's first measure times the cost model's ratios (perf/rungs.py) until a rung is measured.
+- Hysteresis: a session changes rung at most once every `hold_chunks` of its chunks, unless it is behind.
+- Fairness: when some must step down, the session at the best rung goes first (ties: the one with the least
+  slack), so the group degrades evenly; when there is room, the session at the worst rung climbs first (ties:
+  the most slack), and only if the group's load after the climb stays under target - `margin`.
+- A session without real-time demand (unpaced delivery) counts no load and runs at the floor while the group
+  is loaded, at full when it is not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lingbot.runtime.rungs import Rung
+
+EMA = 0.2                      # weight of a new chunk time in a rung's learned cost
+
+
+@dataclass
+class Seat:
+    """One session as the ladder sees it. `rung`: an index into the ladder's rungs (0: full)."""
+    id: str
+    chunks_per_s: float        # its fps over the frames of a chunk; 0: unpaced (no real-time demand)
+    slack_s: float             # video generated ahead of its viewer (negative: behind its deadline)
+    rung: int = 0
+    chunks: int = 0            # chunks it has run
+    changed_at: int = -10 ** 9  # `chunks` when its rung last changed
+
+
+class Ladder:
+    def __init__(self, rungs: tuple[Rung, ...], ratios: tuple[float, ...], floor: Optional[int] = None,
+                 target: float = 0.9, margin: float = 0.1, hold_chunks: int = 4):
+        if len(ratios) != len(rungs) or ratios[0] != 1.0 or list(ratios) != sorted(ratios, reverse=True):
+            raise ValueError("ratios: one per rung, the full rung's 1.0 first, then not increasing")
+        self.rungs, self.ratios = rungs, ratios
+        self.floor = len(rungs) - 1 if floor is None else floor
+        self.target, self.margin, self.hold_chunks = target, margin, hold_chunks
+        self.measured: dict[int, float] = {}   # rung -> learned seconds per chunk
+
+    def observe(self, rung: int, seconds: float) -> None:
+        """A chunk ran at `rung` in `seconds` (the ranks' engine time)."""
+        old = self.measured.get(rung)
+        self.measured[rung] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def cost(self, rung: int) -> Optional[float]:
+        """Seconds per chunk at `rung`: learned, else the full rung's (or any measured one's) scaled by the
+        cost model's ratios; None before any chunk was measured."""
+        if rung in self.measured:
+            return self.measured[rung]
+        if not self.measured:
+            return None
+        base, seconds = next(iter(sorted(self.measured.items())))
+        return seconds * self.ratios[rung] / self.ratios[base]
+
+    def load(self, seats: list[Seat], rungs: Optional[dict[str, int]] = None) -> float:
+        rungs = rungs or {}
+        return sum((self.cost(rungs.get(s.id, s.rung)) or 0.0) * s.chunks_per_s for s in seats)
+
+    def decide(self, seats: list[Seat]) -> dict[str, int]:
+        """Each seat's rung for its next chunk (changes are also written to the seats)."""
+        if self.cost(0) is None:                     # nothing measured yet: every session at full
+            return {s.id: s.rung for s in seats}
+        rungs = {s.id: s.rung for s in seats}
+        free = {s.id for s in seats if s.chunks - s.changed_at >= self.hold_chunks}
+        for s in seats:                              # behind its deadline: one rung down, now
+            if s.slack_s < 0 and rungs[s.id] < self.floor:
+                rungs[s.id] += 1
+                free.discard(s.id)
+        loaded = self.load(seats, rungs) > self.target
+        for s in seats:                              # no real-time demand: the floor under load, else full
+            if s.chunks_per_s == 0 and s.id in free:
+                rungs[s.id] = self.floor if loaded else 0
+        while self.load(seats, rungs) > self.target:
+            down = [s for s in seats if s.id in free and s.chunks_per_s > 0 and rungs[s.id] < self.floor]
+            if not down:
+                break
+            s = min(down, key=lambda s: (rungs[s.id], s.slack_s))
+            rungs[s.id] += 1
+            free.discard(s.id)
+        while True:
+            up = [s for s in seats if s.id in free and s.chunks_per_s > 0 and rungs[s.id] > 0]
+            if not up:
+                break
+            s = max(up, key=lambda s: (rungs[s.id], s.slack_s))
+            trial = {**rungs, s.id: rungs[s.id] - 1}
+            if self.load(seats, trial) > self.target - self.margin:
+                break
+            rungs[s.id] -= 1
+            free.discard(s.id)
+        for s in seats:
+            if rungs[s.id] != s.rung:
+                s.rung, s.changed_at = rungs[s.id], s.chunks
+        return rungs

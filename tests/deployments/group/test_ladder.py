@@ -1,0 +1,68 @@
+"""The quality ladder's controller as a pure function of the group's sessions and learned chunk costs: the load
+(cost at each session's rung times its chunks per second) kept under target, the sessions degraded evenly and
+climbing back with a margin, a change at most every few chunks unless a session is behind, and unpaced sessions
+counting no load."""
+import pytest
+
+from deployments.group.ladder import Ladder, Seat
+from lingbot.runtime.rungs import RUNGS
+
+STEPS = RUNGS[:3]                          # full, steps3, steps2
+RATIOS = (1.0, 0.81, 0.61)                # the cost model's at 14B (perf/rungs.py)
+CPS = 16 / 12                             # 16 fps, 12 frames a chunk
+
+
+def ladder(**kw):
+    return Ladder(STEPS, RATIOS, **kw)
+
+
+def test_nothing_measured_keeps_every_session_at_full():
+    assert ladder().decide([Seat("a", CPS, 1.0), Seat("b", CPS, 1.0)]) == {"a": 0, "b": 0}
+
+
+def test_an_overloaded_group_degrades_evenly_and_climbs_back_with_a_margin_after_the_hold():
+    lad = ladder()
+    lad.observe(0, 0.4)                                       # full: 0.4 s a chunk; two sessions: load 1.07
+    seats = [Seat("a", CPS, 1.0), Seat("b", CPS, 0.5)]
+    assert lad.cost(1) == pytest.approx(0.4 * 0.81) and lad.cost(2) == pytest.approx(0.4 * 0.61)
+    assert lad.decide(seats) == {"a": 1, "b": 1}             # one rung each (load 0.86), not one session two
+    assert lad.load(seats) == pytest.approx(2 * 0.4 * 0.81 * CPS)
+    lad.observe(0, 0.2)                                       # the group got faster (EMA: 0.36)
+    assert lad.measured[0] == pytest.approx(0.36)
+    assert lad.decide(seats) == {"a": 1, "b": 1}             # held: no change within hold_chunks
+    for s in seats:
+        s.chunks += 4
+    lad.measured = {0: 0.32, 1: 0.32 * 0.81}                  # both rungs measured now
+    # one back at full: (0.32 + 0.259) * CPS = 0.77 <= 0.8 (target - margin), the one with more slack; both would
+    # be 0.85: the other stays
+    assert lad.decide(seats) == {"a": 0, "b": 1}
+    for s in seats:
+        s.chunks += 4
+    assert lad.decide(seats) == {"a": 0, "b": 1}
+    lad.measured = {0: 0.25, 1: 0.25 * 0.81}                  # faster still: both at full is 0.67
+    assert lad.decide(seats) == {"a": 0, "b": 0}
+
+
+def test_a_session_behind_its_deadline_steps_down_at_once_even_when_held():
+    lad = ladder()
+    lad.observe(0, 0.1)                                       # an idle group: load 0.27
+    seats = [Seat("a", CPS, 0.5, chunks=10, changed_at=9), Seat("b", CPS, -0.2, chunks=10, changed_at=9)]
+    assert lad.decide(seats) == {"a": 0, "b": 1}
+    assert seats[1].rung == 1 and seats[1].changed_at == 10
+
+
+def test_the_floor_is_the_lowest_rung_and_unpaced_sessions_count_no_load():
+    lad = ladder(floor=1)
+    lad.observe(0, 1.0)                                       # one paced session alone overloads the group
+    seats = [Seat("a", CPS, 0.0), Seat("u", 0.0, 0.0)]
+    assert lad.decide(seats) == {"a": 1, "u": 1}              # at the floor (1), no lower; u: the floor under load
+    quiet = ladder()
+    quiet.observe(0, 0.1)
+    assert quiet.decide([Seat("u", 0.0, 0.0, rung=2)]) == {"u": 0}
+
+
+def test_ratios_are_checked():
+    with pytest.raises(ValueError, match="ratios"):
+        Ladder(STEPS, (1.0, 0.61, 0.81))
+    with pytest.raises(ValueError, match="ratios"):
+        Ladder(STEPS, (0.9, 0.8, 0.7))
