@@ -22,8 +22,9 @@ from typing import Optional
 
 from ..detach import fresh_task
 from ..session.codes import ErrorCode
-from ..session.events import ChunkReady, GroupEvent, InteractionRefused, Resumed, SessionDone, SessionFailed
+from ..session.events import ChunkReady, GroupEvent, InteractionRefused, ModelFacts, Resumed, SessionDone, SessionFailed
 from .executor import RankExecutor
+from .ladder import QualityLadder
 from .messages import ChunkReply, Fragment
 from .phase import GroupState
 from .planner import ChunkPlan
@@ -52,7 +53,8 @@ class RunningChunk:
 
 class ChunkLoop:
     def __init__(self, group_id: str, settings, state: GroupState, ranks: RankExecutor, muxer, mailbox, metrics,
-                 fail: Callable[[Exception], None], after_chunk: Callable[[], None] = lambda: None):
+                 fail: Callable[[Exception], None], after_chunk: Callable[[], None] = lambda: None,
+                 model: Optional[ModelFacts] = None):
         s = self.settings = settings
         self.group_id = group_id
         self.state = state
@@ -70,6 +72,7 @@ class ChunkLoop:
         self.wake: Optional[asyncio.Event] = None
         self.running: Optional[RunningChunk] = None    # the chunk the ranks are on now
         self.last_chunk_s = 0.0                        # how long the last chunk call took
+        self.ladder = QualityLadder.of(s, model)       # None: every chunk at full quality
 
     @property
     def sessions(self) -> dict[str, ScheduledSession]:
@@ -86,6 +89,8 @@ class ChunkLoop:
 
     def remove(self, session_id: str) -> None:
         self.scheduler.remove(session_id)
+        if self.ladder is not None:
+            self.ladder.forget(session_id)
         self.outboxes.pop(session_id, None)
         self.deliveries.pop(session_id, None)
 
@@ -176,6 +181,8 @@ class ChunkLoop:
         while True:
             plan = session.plan_next_chunk()
             plan.restarted = restarted
+            if self.ladder is not None:               # its rung travels with its controls (and its journal)
+                plan.controls.steps = self.ladder.steps_for(session, self.sessions.values(), plan.index)
             t0 = time.monotonic()
             self.running = RunningChunk(session, plan.index, may_restart=self.settings.restart_stale_chunks
                                         and not restarted)
@@ -194,6 +201,8 @@ class ChunkLoop:
                 return
             break
         session.commit_plan(plan)                     # the ranks advanced the session: the chunk is in flight
+        if self.ladder is not None:
+            self.ladder.ran(session, plan.index, plan.controls.steps, max(r.engine_s for r in replies))
         session.snapshots.take(reply.snapshots for reply in replies)
         previous = self.deliveries.get(session.id)
         self.deliveries[session.id] = fresh_task(self._deliver(session, plan, root, t0, previous))

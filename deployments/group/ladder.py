@@ -1,5 +1,5 @@
 """The quality ladder's controller: which rung each session of a group runs its next chunk at (docs/architecture.md,
-"Rungs"). Plain Python, decided per chunk; not yet asked by the chunk loop.
+"Rungs"). Plain Python, decided per chunk: `Ladder` decides, `QualityLadder` is how the chunk loop asks it.
 
 It decides from the group's load, not from the playout slack alone (with adaptive pacing a chunk is due one
 learned lead before its deadline, so the slack sits near the margin whether the group is idle or nearly full).
@@ -18,10 +18,13 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
-from lingbot.runtime.rungs import Rung
+from lingbot.runtime.rungs import RUNGS, Rung, forward_ratio
+
+from ..settings.concerns import STEP_RUNGS
 
 EMA = 0.2                      # weight of a new chunk time in a rung's learned cost
 
@@ -101,3 +104,51 @@ class Ladder:
             if rungs[s.id] != s.rung:
                 s.rung, s.changed_at = rungs[s.id], s.chunks
         return rungs
+
+
+class QualityLadder:
+    """The controller as the chunk loop asks it (quality_ladder: auto): a seat per session, its chunks per second
+    (its fps over a chunk's frames; 0 when unpaced) and its slack (its next chunk's deadline at the player, from
+    now), the rung of each chunk past the sink, and what each chunk cost at its rung."""
+
+    def __init__(self, ladder: Ladder, sink_chunks: int, frames_per_chunk: int):
+        self.ladder, self.sink_chunks, self.frames_per_chunk = ladder, sink_chunks, frames_per_chunk
+        self.seats: dict[str, Seat] = {}
+
+    @classmethod
+    def of(cls, settings, model) -> Optional[QualityLadder]:
+        """The group's ladder (None: quality_ladder off): the step rungs down to quality_floor, seeded with the
+        forward counts' ratios."""
+        if settings.quality_ladder != "auto" or model is None:
+            return None
+        by_name = {r.name: r for r in RUNGS}
+        names = STEP_RUNGS[:STEP_RUNGS.index(settings.quality_floor) + 1]
+        rungs = tuple(by_name[n] for n in names)
+        return cls(Ladder(rungs, tuple(forward_ratio(model.steps, r.steps) for r in rungs)), model.sink_chunks,
+                   model.geometry.pixel_frames(1))
+
+    def _seat(self, session, now: float) -> Seat:
+        seat = self.seats.setdefault(session.id, Seat(session.id, 0.0, 0.0))
+        seat.chunks_per_s = session.start.fps / self.frames_per_chunk if session.start.paced else 0.0
+        seat.slack_s = session.clock.deadline() - now
+        return seat
+
+    def steps_for(self, session, sessions, index: int) -> Optional[int]:
+        """The denoising steps of `session`'s chunk `index` (None: all; the sink always runs all)."""
+        if index < self.sink_chunks:
+            return None
+        now = time.monotonic()
+        rungs = self.ladder.decide([self._seat(s, now) for s in sessions])
+        return self.ladder.rungs[rungs[session.id]].steps
+
+    def ran(self, session, index: int, steps: Optional[int], seconds: float) -> None:
+        """Chunk `index` of `session` ran at `steps` in `seconds` (the slowest rank's engine time)."""
+        seat = self.seats.get(session.id)
+        if seat is not None:
+            seat.chunks += 1
+        rung = 0 if index < self.sink_chunks else next(
+            (i for i, r in enumerate(self.ladder.rungs) if r.steps == steps), 0)
+        self.ladder.observe(rung, seconds)
+
+    def forget(self, session_id: str) -> None:
+        self.seats.pop(session_id, None)

@@ -109,7 +109,7 @@ class WorldGroup:
         self.state = GroupState()
         self.metrics = Metrics()
         self.chunks = ChunkLoop(self.id, s, self.state, self.ranks, self.muxer, self.mailbox, self.metrics,
-                                self._fail_group, self._maybe_report_devices)
+                                self._fail_group, self._maybe_report_devices, self.model)
         self.leases = Leases(self.id, s, self.state, self.capacity, self.model, self.ranks, self.muxer, self.mailbox,
                              self.chunks, self.metrics, SnapshotSeats.of(self.id, s, infos[0].snapshot_host))
         self.last_metrics = 0.0

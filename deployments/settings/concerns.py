@@ -22,6 +22,7 @@ def setting(default: Any, help: str, key: Optional[str] = None, secret: bool = F
     return field(default=default, repr=not secret, metadata={"help": help, "key": key})
 
 
+STEP_RUNGS = ("full", "steps3", "steps2")   # the ladder's rungs a group runs (the decoder rungs: not yet)
 HEALTH_ROOM = 16        # requests an ingress takes beyond its sessions: refusals at the door, health and config
 
 @dataclass(frozen=True)
@@ -207,6 +208,9 @@ class PacingSettings(SettingsConcern):
     max_in_flight_chunks: Optional[int] = setting(None, "chunks per session generated but not yet delivered (the "
                                                         "ranks start the next while the last is encoded and sent); "
                                                         "null: 2 on accelerators, 1 on cpu")
+    quality_ladder: str = setting("off", "off: every chunk at full quality; auto: each session's chunks on the "
+                                         "step rung its group's load allows (deployments/group/ladder.py)")
+    quality_floor: str = setting("steps2", "the lowest rung the ladder may choose: steps3 or steps2")
 
     def __post_init__(self):
         if self.mode not in ("fixed", "adaptive"):
@@ -219,6 +223,10 @@ class PacingSettings(SettingsConcern):
             raise ConfigError(f"max_fps must be between fps ({self.fps:g}) and 120, got {self.max_fps:g}")
         if self.max_in_flight_chunks is not None and self.max_in_flight_chunks < 1:
             raise ConfigError(f"max_in_flight_chunks must be >= 1, got {self.max_in_flight_chunks}")
+        if self.quality_ladder not in ("off", "auto"):
+            raise ConfigError(f"quality_ladder {self.quality_ladder!r} must be off or auto")
+        if self.quality_floor not in STEP_RUNGS[1:]:
+            raise ConfigError(f"quality_floor {self.quality_floor!r} must be one of {list(STEP_RUNGS)[1:]}")
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ class ServeSettings:
     pacing_quantile: float = PacingSettings.quantile
     restart_stale_chunks: bool = PacingSettings.restart_stale_chunks
     max_in_flight_chunks: Optional[int] = PacingSettings.max_in_flight_chunks
+    quality_ladder: str = PacingSettings.quality_ladder
+    quality_floor: str = PacingSettings.quality_floor
     # continuity
     resume_sessions: bool = ContinuitySettings.resume_sessions
     resume_wait_s: float = ContinuitySettings.resume_wait_s

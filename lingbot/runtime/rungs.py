@@ -40,6 +40,12 @@ class Rung:
     decoder: Optional[str] = None
 
 
+def forward_ratio(num_steps: int, steps: Optional[int]) -> float:
+    """A step rung's DiT cost against the full one's, counted in forwards (its probes and the commit): 4/5 and
+    3/5 of v2's; the camera prepare makes the real ratios a little higher (perf/rungs.py: 0.81, 0.61 at 14B)."""
+    return (len(kept_steps(num_steps, steps)) + 1) / (num_steps + 1)
+
+
 FULL = Rung("full")
 RUNGS = (FULL, Rung("steps3", steps=3), Rung("steps2", steps=2), Rung("tiny", decoder="tae"),
          Rung("tiny_steps2", steps=2, decoder="tae"))

@@ -45,7 +45,8 @@ FLAT_DEFAULTS = {
     "max_waiting_sessions": 32, "max_ingress_connections": 1024,
     "default_chunks": 8, "max_chunks": 100000, "group_start_timeout_s": 1800.0,
     "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
-    "max_in_flight_chunks": None, "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
+    "max_in_flight_chunks": None, "quality_ladder": "off", "quality_floor": "steps2",
+    "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
     "api_keys": "", "max_sessions_per_key": 8, "max_starts_per_minute_per_key": 60, "max_connections_per_address": 16,
     "allowed_origins": "", "allowed_hosts": "localhost",
     "image_url_allowlist": "", "image_fetch_timeout_s": 10.0, "image_fetch_max_bytes": 20971520,
@@ -328,3 +329,14 @@ def test_api_keys_are_masked_wherever_settings_are_printed(capsys, monkeypatch):
         assert "k-secret" not in out and "<2 keys, masked>" in out
     assert [r["value"] for r in ServeSettings().describe() if r["name"] == "api_keys"] == [""]
     assert "k-secret" not in repr(s) and "k-secret" not in repr(s.door)
+
+
+def test_the_quality_ladder_settings_are_checked():
+    import pytest
+
+    from lingbot.config import ConfigError
+    assert ServeSettings(quality_ladder="auto", quality_floor="steps3").quality_floor == "steps3"
+    with pytest.raises(ConfigError, match="quality_ladder 'on' must be off or auto"):
+        ServeSettings(quality_ladder="on")
+    with pytest.raises(ConfigError, match=r"quality_floor 'full' must be one of \['steps3', 'steps2'\]"):
+        ServeSettings(quality_floor="full")

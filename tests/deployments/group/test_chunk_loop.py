@@ -41,8 +41,9 @@ class Remote:
 
 
 class Rank:
-    def __init__(self, rank: int, log: list, fail_at=None, hang_at=None):
+    def __init__(self, rank: int, log: list, fail_at=None, hang_at=None, engine_s=0.01, steps=None):
         self.rank, self.log, self.fail_at, self.hang_at = rank, log, fail_at, hang_at
+        self.engine_s, self.steps = engine_s, steps          # steps: a list the chunks' rungs go to
         self.run_chunk, self.abort_chunk = Remote(self._run_chunk), Remote(self._noop)
 
     async def _noop(self, *args):
@@ -51,6 +52,8 @@ class Rank:
     async def _run_chunk(self, call: RunChunk):
         sid, index, muxer = call.session_id, call.index, call.muxer
         self.log.append((self.rank, sid, index, muxer is not None))
+        if self.steps is not None and self.rank == 0:
+            self.steps.append((sid, index, call.controls.steps))
         await asyncio.sleep(0.001)
         if index == self.fail_at:
             raise RuntimeError(f"rank {self.rank} lost its device")
@@ -59,7 +62,8 @@ class Rank:
         fragment = None
         if muxer is not None:
             fragment = muxer.encode.remote(sid, index, GEOMETRY.pixel_frames(index))
-        return ChunkReply(False, {"denoise": 0.01}, 0.01, fragment, (SnapshotRef(index, self.rank, "slot", "state"),))
+        return ChunkReply(False, {"denoise": 0.01}, self.engine_s, fragment,
+                          (SnapshotRef(index, self.rank, "slot", "state"),))
 
 
 class Muxer:
@@ -112,7 +116,7 @@ def session(sid: str, chunks: int) -> ScheduledSession:
     return ScheduledSession(sid, start(chunks), GEOMETRY, SETTINGS.max_queued_controls, max_in_flight=1)
 
 
-def run(scenario_sessions, ranks_kw=(), settings=SETTINGS, mailbox_posts=(), until=None):
+def run(scenario_sessions, ranks_kw=(), settings=SETTINGS, mailbox_posts=(), until=None, model=None):
     """Run the loop over `scenario_sessions` until every outbox saw a final event (or the loop failed);
     returns ({session: [events]}, rank call log, failures)."""
     async def scenario():
@@ -121,7 +125,8 @@ def run(scenario_sessions, ranks_kw=(), settings=SETTINGS, mailbox_posts=(), unt
         mailbox = Mailbox()
         for sid, interaction in mailbox_posts:
             mailbox.queue.put_nowait((sid, interaction))
-        loop = ChunkLoop("g", settings, GroupState(), ranks, Muxer(), mailbox, Metrics(), failures.append)
+        loop = ChunkLoop("g", settings, GroupState(), ranks, Muxer(), mailbox, Metrics(), failures.append,
+                         model=model)
         outboxes = {s.id: loop.add(s) for s in scenario_sessions}
         events = {sid: [] for sid in outboxes}
 
@@ -209,3 +214,25 @@ def test_a_group_that_hands_on_starts_no_chunk():
         await loop.settle()
         return log
     assert asyncio.run(scenario()) == []
+
+
+def test_with_the_ladder_on_a_loaded_group_runs_chunks_past_the_sink_on_cheaper_rungs():
+    """quality_ladder auto, two sessions at 16 fps whose chunks cost 0.5 s each at full (a load of 1.33): the sink
+    (chunks 0-2) runs at full; from chunk 3 both sessions step down, one rung each first (evenly), then to the
+    floor (steps2), and the rung of every chunk goes to the ranks in its controls. With the ladder off, or an
+    idle group, every chunk is at full."""
+    from deployments.session.events import ModelFacts
+    facts = ModelFacts.of(get_preset("tiny"))
+    laddered = dataclasses.replace(SETTINGS, quality_ladder="auto")
+    steps = []
+    events, _, failures = run([session("a", 8), session("b", 8)], {"engine_s": 0.5, "steps": steps}, laddered,
+                              model=facts)
+    assert not failures and all(isinstance(events[s][-1], SessionDone) for s in "ab")
+    by = {sid: [st for s, i, st in sorted(steps) if s == sid] for sid in "ab"}
+    for sid in "ab":
+        assert by[sid][:3] == [None] * 3 and set(by[sid][3:]) <= {3, 2} and by[sid][-1] == 2, by
+    idle = []
+    run([session("a", 5)], {"engine_s": 0.01, "steps": idle}, laddered, model=facts)
+    off = []
+    run([session("a", 5), session("b", 5)], {"engine_s": 0.5, "steps": off}, model=facts)
+    assert {st for _, _, st in idle} == {None} and {st for _, _, st in off} == {None}
