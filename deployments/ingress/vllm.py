@@ -275,6 +275,7 @@ class VllmWire(WebSocketWire):
                 "byte_length": len(event.data), "started_event_ids": event.started,
                 "active_event_ids": event.active, "completed_event_ids": event.completed,
                 "timings": {k: round(v, 5) for k, v in event.timings.items()},
+                "denoising_steps": None if event.controls is None else event.controls.steps,   # None: all
                 "group_clock": {k: round(v, 4) for k, v in event.clock.items() if math.isfinite(v)}}  # unpaced: no lead
         return await send(meta) and await send(event.data)
 
