@@ -59,6 +59,7 @@ def test_session_of_n_chunks(serve_app):
     assert [c["transport_chunk_index"] for c in result.chunks] == [0, 1, 2]
     assert [c["num_frames"] for c in result.chunks] == [9, 12, 12]
     assert [c["byte_length"] for c in result.chunks] == [len(d) for d in result.data]
+    assert [c["denoising_steps"] for c in result.chunks] == [None] * 3      # the ladder is off: all steps
     assert result.done == {"type": "session.done", "chunks": 3, "stopped": False}
     frames = read_frames(result.video)
     assert frames.shape == (12 * 3 - 3, H, W, 3)
