@@ -107,9 +107,11 @@ async def drip(socks: list, stop: asyncio.Event) -> int:
             except OSError:
                 pass
     alive = 0
-    for s in socks:
+    for s in socks:                              # still open: nothing to read yet (closed: b"" or an error)
+        s.setblocking(False)
         try:
-            s.sendall(b"X-Slow: 1\r\n")
+            alive += s.recv(1) != b""
+        except BlockingIOError:
             alive += 1
         except OSError:
             pass
