@@ -107,10 +107,10 @@ async def drip(socks: list, stop: asyncio.Event) -> int:
             except OSError:
                 pass
     alive = 0
-    for s in socks:                              # still open: nothing to read yet (closed: b"" or an error)
+    for s in socks:                              # held: nothing to read yet (answered, closed: data, b"", an error)
         s.setblocking(False)
         try:
-            alive += s.recv(1) != b""
+            s.recv(1)
         except BlockingIOError:
             alive += 1
         except OSError:
