@@ -30,6 +30,18 @@ def group_autoscaling(s: ServeSettings, capacity: int) -> dict:
                        "policy_kwargs": {"capacity": capacity, "spare_groups": s.resolved_spare_groups}}}
 
 
+def ingress_scaling(s: ServeSettings) -> dict:
+    """The ingress deployment's replicas: one, or (max_ingress_replicas > 1) Serve's own policy on the requests
+    each holds (its WebSockets, nearly all), one more replica when they pass 3/4 of max_ingress_sessions each; a
+    replica is removed only after 10 minutes below, and keeps its sessions for graceful_shutdown_timeout_s."""
+    if s.max_ingress_replicas == 1:
+        return {"num_replicas": 1}
+    return {"autoscaling_config": {"min_replicas": 1, "max_replicas": s.max_ingress_replicas,
+                                   "target_ongoing_requests": max(1, s.max_ingress_sessions * 3 // 4),
+                                   "upscale_delay_s": 2.0, "downscale_delay_s": 600.0,
+                                   "look_back_period_s": LOOK_BACK_S, "metrics_interval_s": METRICS_INTERVAL_S}}
+
+
 def build_app(args: dict | None = None) -> Application:
     s = ServeSettings.from_args(args)
     settings = s.to_dict()
@@ -51,6 +63,7 @@ def build_app(args: dict | None = None) -> Application:
         # Serve routes every connection to it at once (the door refuses beyond max_ingress_sessions with
         # server_busy), with room for the health routes that no crowd of WebSockets may starve
         max_ongoing_requests=s.max_ingress_connections,
+        **ingress_scaling(s),
         # a redeploy replaces the ingress too: the old one keeps its WebSockets (their sessions moving to the
         # new groups) until they end, for as long as the groups' grace
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,

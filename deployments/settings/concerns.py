@@ -164,6 +164,9 @@ class CapacitySettings(SettingsConcern):
     max_waiting_sessions: int = setting(32, "sessions one ingress replica lets wait for a group at once (at most "
                                             "max_ingress_sessions); a start beyond them is refused at once with "
                                             "capacity_exhausted")
+    max_ingress_replicas: int = setting(1, "ingress replicas Serve may run: above 1 it adds one when the WebSockets "
+                                           "held pass 3/4 of max_ingress_sessions per replica (a crowd adds doors, "
+                                           "not refusals); each keeps its own waiting room, limits and keeper")
     max_ingress_connections: int = setting(1024, "requests Serve routes to one ingress replica at once (its "
                                                  "max_ongoing_requests): the sessions, the refusals being answered "
                                                  "and the HTTP routes; at least max_ingress_sessions + 16")
@@ -180,6 +183,7 @@ class CapacitySettings(SettingsConcern):
         if self.spare_groups is not None:
             self._at_least(0, "spare_groups")
         self._at_least(1, "max_ingress_sessions")
+        self._at_least(1, "max_ingress_replicas")
         if not 1 <= self.max_waiting_sessions <= self.max_ingress_sessions:
             raise ConfigError(f"max_waiting_sessions ({self.max_waiting_sessions}) must be between 1 and "
                               f"max_ingress_sessions ({self.max_ingress_sessions}): only sessions it serves wait")

@@ -72,6 +72,7 @@ class ServeSettings:
     retry_after_s: float = CapacitySettings.retry_after_s
     max_ingress_sessions: int = CapacitySettings.max_ingress_sessions
     max_waiting_sessions: int = CapacitySettings.max_waiting_sessions
+    max_ingress_replicas: int = CapacitySettings.max_ingress_replicas
     max_ingress_connections: int = CapacitySettings.max_ingress_connections
     # pace
     fps: float = PacingSettings.fps

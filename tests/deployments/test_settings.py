@@ -42,7 +42,7 @@ FLAT_DEFAULTS = {
     "start_timeout_s": 10.0, "stall_timeout_s": 60.0, "idle_timeout_s": 300.0, "max_lifetime_s": 3600.0,
     "max_start_bytes": 4194304, "max_control_bytes": 131072, "max_queued_controls": 64, "max_messages_per_s": 50.0,
     "max_ingress_sessions": 64,
-    "max_waiting_sessions": 32, "max_ingress_connections": 1024,
+    "max_waiting_sessions": 32, "max_ingress_replicas": 1, "max_ingress_connections": 1024,
     "default_chunks": 8, "max_chunks": 100000, "group_start_timeout_s": 1800.0,
     "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
     "max_in_flight_chunks": None, "quality_ladder": "off", "quality_floor": "steps2",

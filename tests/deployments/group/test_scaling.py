@@ -49,3 +49,19 @@ def test_the_policy_refuses_nonsense_at_deploy_time():
         GroupScaling(capacity=0)
     with pytest.raises(ValueError, match="spare_groups -1"):
         GroupScaling(capacity=2, spare_groups=-1)
+
+
+def test_the_ingress_adds_a_replica_per_three_quarters_of_its_sessions_up_to_its_bound():
+    """max_ingress_replicas 4, 64 sessions a replica: Serve's own policy on the WebSockets held asks for a replica
+    per 48 (ceil), at most 4; with the default 1 there is no autoscaling (one replica)."""
+    from deployments.app import ingress_scaling
+    assert ingress_scaling(ServeSettings()) == {"num_replicas": 1}
+    s = ServeSettings(max_ingress_replicas=4)
+    config = AutoscalingConfig(**{**ingress_scaling(s)["autoscaling_config"], "upscale_delay_s": 0.0,
+                                  "downscale_delay_s": 0.0})
+    policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+
+    def replicas(held: int, now: int) -> int:
+        ctx = context(config, held, now)
+        return min(max(policy(ctx)[0], config.min_replicas), config.max_replicas)
+    assert [replicas(n, 1) for n in (10, 48, 49, 130, 400)] == [1, 1, 2, 3, 4]
