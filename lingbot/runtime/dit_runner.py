@@ -256,7 +256,7 @@ class DiTSession:
                    timer: StageTimer, steps: Optional[int] = None) -> Optional[ChunkResult]:
         runner, model, sampler = self.runner, self.runner.model, self.sampler
         k, f = self.chunk_index, self.frames_per_chunk
-        kept = kept_steps(sampler.num_steps, None if k < self.kv.sink_chunks else steps)   # the sink: every step
+        kept = kept_steps(sampler.num_steps, None if steps is None or k < self.kv.sink_chunks else steps)  # sink: all
         # condition (the causal image encoder, or its stored fixed point)
         condition = self.condition.chunk_condition(k).to(runner.device)[None]          # [1, 20, F, h, w]
         timer.mark("condition")
