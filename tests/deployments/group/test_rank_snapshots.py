@@ -119,7 +119,8 @@ def test_chunks_run_on_cheaper_rungs_replay_bitwise_from_the_journal(worker, tin
     assert worker.open_session(opening("f", image, "a harbour", 8, Keeper(), every_chunks=INTERVAL)) == 0
     for index in range(6):
         _delivered(ledger, index, _run(worker, "r", index, muxer, rungs=True), rungs=True)
-        _run(worker, "f", index, muxer)
+        if index <= 4:
+            _run(worker, "f", index, muxer)
     for index in (6, 7):
         _run(worker, "r", index, muxer, rungs=True)
     assert all(np.array_equal(muxer.frames["r", i], muxer.frames["f", i]) for i in (0, 1, 2))   # the sink: all
@@ -136,16 +137,15 @@ def test_chunks_run_on_cheaper_rungs_replay_bitwise_from_the_journal(worker, tin
 def test_a_session_of_its_own_window_resumes_bitwise(worker, tiny_pipeline):
     """A session with its own K/V window (sink 2 chunks, window 4; the model's: 3 and 6), snapshotted every
     chunk: its ledger keeps what that window's continuation attends, and a resume after chunk 6 restores 5
-    and goes on bitwise as the session without the fault (which differs from the model's window by then)."""
+    and goes on bitwise as the session without the fault (that the window differs from the model's from its
+    first dropped chunk on: tests/lingbot/runtime/test_kv_cache.py)."""
     image = np.random.RandomState(5).randint(0, 256, (64, 112, 3), dtype=np.uint8)
     muxer, keeper = Muxer(), Keeper()
     ledger = ContinuityLedger(1)
     ledger.facts = ModelFacts.of(tiny_pipeline.preset).windowed((2, 4))
     assert worker.open_session(opening("w", image, "a harbour", 6, keeper, window=(2, 4))) == 0
-    assert worker.open_session(opening("m", image, "a harbour", 6, Keeper())) == 0   # the model's window
     for index in range(7):
         _delivered(ledger, index, _run(worker, "w", index, muxer))
-        _run(worker, "m", index, muxer)
     for index in (7, 8):
         _run(worker, "w", index, muxer)
     # chunk 6's snapshot comes with chunk 7's reply (not delivered): a continuation after 5 attends the sink and 5
@@ -156,8 +156,6 @@ def test_a_session_of_its_own_window_resumes_bitwise(worker, tiny_pipeline):
     for index in (6, 7, 8):                           # 6 replayed, then on
         _run(worker, "w2", index, muxer)
         assert np.array_equal(muxer.frames["w2", index], muxer.frames["w", index]), index
-    assert np.array_equal(muxer.frames["w", 3], muxer.frames["m", 3])            # both windows hold chunks 0-3
-    assert not np.array_equal(muxer.frames["w", 6], muxer.frames["m", 6])
 
 
 def test_closed_sessions_leave_nothing_on_the_rank(worker):
