@@ -93,7 +93,7 @@ def test_a_session_of_its_own_window_is_the_default_until_its_sink_differs(serve
             await client.init("p", png(), 1, 0)                          # the same connection, a valid init
             return error, await client.receive_session()
     error, after = run(too_large())
-    assert error["code"] == "invalid_field" and error["message"] == (
+    assert error["code"] == "invalid_field" and error["content"] == (
         "init: the window may be at most 6 chunks (the model's), got 7; served: realtime_causal_sink_size up to 12, "
         "realtime_causal_kv_cache_num_frames up to 18 latent frames")
     assert after.errors == [] and len(after.chunks) == 1

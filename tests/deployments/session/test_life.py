@@ -2,6 +2,7 @@
 the end, driven by a wire and a group link of the test's own (the served tests in tests/deployments/ run the
 same life over real WebSockets and groups)."""
 import asyncio
+import collections
 import dataclasses
 import time
 
@@ -38,16 +39,31 @@ class Wire:
     """A client: messages it will send (a dict, or a float: wait that long first), and what it received."""
 
     def __init__(self, messages=()):
-        self.incoming: asyncio.Queue = asyncio.Queue()
-        for m in messages:
-            self.incoming.put_nowait(m)
+        self.incoming = collections.deque(messages)
+        self.wait_until = None                   # the end of the wait at the front (from when it was first read)
         self.log: list = []
 
     async def receive(self, timeout, limit):
-        msg = await asyncio.wait_for(self.incoming.get(), timeout)
-        while isinstance(msg, float):
-            await asyncio.sleep(msg)
-            msg = await asyncio.wait_for(self.incoming.get(), timeout)
+        """The next message, as a socket gives it: a read that is cancelled loses nothing (a wait at the front
+        goes on counting from when it was first read)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            now = loop.time()
+            if not self.incoming or isinstance(self.incoming[0], float):
+                if self.incoming and self.wait_until is None:
+                    self.wait_until = now + self.incoming[0]
+                if self.incoming and now >= self.wait_until:
+                    self.incoming.popleft()
+                    self.wait_until = None
+                    continue
+                if now >= deadline:
+                    raise asyncio.TimeoutError
+                until = min(deadline, self.wait_until if self.incoming else deadline)
+                await asyncio.sleep(max(0.0, min(until - now, 0.05)))
+                continue
+            msg = self.incoming.popleft()
+            break
         if msg == "gone":
             raise ClientGone()
         if isinstance(msg, ProtocolError):
@@ -454,3 +470,31 @@ def test_a_start_beyond_the_waiting_bound_is_refused_at_once_and_the_queue_keeps
     assert time.monotonic() - t0 < 1.0 and life.phase is Phase.ENDED
     assert wire.log[-1] == ("close", ErrorCode.CAPACITY_EXHAUSTED, CLOSE_TRY_AGAIN)
     assert life.metrics.refusals == [ErrorCode.CAPACITY_EXHAUSTED] and list(room.waiting) == ["someone-waiting"]
+
+
+def test_a_client_that_leaves_or_stops_while_it_waits_is_seen_at_once_and_sent_nothing_more():
+    """While a group may still come (the session waits, up to max_queue_wait_s) the ingress reads the client: one
+    that leaves frees its place at once and is sent nothing more (Serve's proxy logs a send to a closed
+    connection as an error); one that stops gets its done (0 chunks); a ping meanwhile is answered, and an
+    interaction sent meanwhile is kept for the stream."""
+    growing = Growth(running=1, starting=1, max_groups=2, start_s=30.0)
+    for ending, last in (("gone", None), ({"type": "stop"}, ("done", True, 0))):
+        wire = Wire([{"type": "start"}, 0.3, {"type": "ping"}, 0.3, ending])
+        room = WaitingRoom()
+        groups = Groups(Lease([30.0, admitted("g1")]), growth=growing)
+        t0 = time.monotonic()
+
+        async def scenario(wire=wire, groups=groups, room=room):
+            life = SessionLife(wire, groups, SETTINGS, Metrics(), room)
+            await asyncio.wait_for(life.run("t", Limits()), 30)
+            return life
+        life = asyncio.run(scenario())
+        assert time.monotonic() - t0 < 3.0 and life.phase is Phase.ENDED and not room.waiting
+        assert ("send", {"pong": True}) in wire.log and groups.requests[0].session_id == life.session_id
+        ends = [e for e in wire.log if e[0] in ("close", "error", "done")]
+        assert ends == ([] if last is None else [last]), wire.log          # gone: nothing sent after it
+    # an interaction sent while it waits goes to the group once it streams
+    wire = Wire([{"type": "start", "chunks": 1}, 0.1, {"type": "act", "id": "early"}])
+    groups = Groups(Lease([0.5, admitted("g1"), 0.3, chunk(0, started=["early"]), SessionDone(1)]), growth=growing)
+    life, _, _ = live(wire, groups)
+    assert wire.log[-1] == ("done", False, 1) and [eid for _, _, eid in groups.posted] == ["early"]
