@@ -12,12 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Optional
+from typing import Any, Optional
 
-from .codes import RETRYABLE, ErrorCode
+from .codes import RETRYABLE, ErrorCode, ProtocolError
 from .events import Admitted, SessionFailed, SessionRequest
-from .ports import GroupLink, Wire
+from .ports import STOP, ClientGone, GroupLink, Wire
 from .waiting import WaitingRoom, may_wait
+
+
+async def watch_client(next_message, control, limit: int, early: list) -> Optional[bool]:
+    """Read the client while its session waits for a group, so that one who leaves is seen at once (its place
+    in the queue goes, and nothing is sent to a closed connection: Serve's proxy logs that as an error).
+    Keepalives are answered (`next_message`); other messages are kept in `early` for the stream (read_controls
+    takes them first). True when the client stopped the session, None when it left or a refusal ended it."""
+    while True:
+        try:
+            msg = await next_message(time.monotonic() + 3600.0, limit)
+        except asyncio.TimeoutError:
+            continue
+        except ClientGone:
+            return None
+        if msg is None:
+            return None
+        try:
+            if control(msg) == STOP:
+                return True
+        except ProtocolError:
+            pass                                      # refused when read_controls takes it up
+        early.append(msg)
+
 
 WAIT_TICK_S = 0.5            # a waiting session's client is told its place this often (when it changed)
 
@@ -51,6 +74,25 @@ class Admission:
             return answer
         finally:
             self.room.leave(self.session_id, admitted=isinstance(answer, Admitted) and self.told is not None)
+
+    async def admit_while_watching(self, request: SessionRequest, wait_s: float, watch) -> tuple[bool, Any]:
+        """admit(queue=True) while `watch()` reads the client: (False, the admission's answer), or (True, what
+        the watch returned) when the client left or stopped first (the admission is given up)."""
+        admitting = asyncio.ensure_future(self.admit(request, wait_s, queue=True))
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.wait({admitting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left = not admitting.done()
+            for task in (admitting, watcher):            # (again until it ends: on Python 3.11 a wait_for whose
+                while not task.done():                   # inner read completed as it was cancelled swallows it)
+                    task.cancel()
+                    await asyncio.wait({task}, timeout=0.1)
+        if not left:
+            return False, admitting.result()
+        if watcher.exception() is not None:
+            raise watcher.exception()
+        return True, watcher.result()
 
     async def _queued_tick(self) -> bool:
         """One tick of waiting in the queue: False once no group can come and admission_wait_s has passed since

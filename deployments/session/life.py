@@ -34,7 +34,7 @@ import uuid
 from enum import Enum
 from typing import Optional
 
-from .admission import Admission
+from .admission import Admission, watch_client
 from .codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 from .events import (
     Admitted,
@@ -229,24 +229,12 @@ class SessionLife:
                                             retry_after_s=s.retry_after_s))
             return
         request = SessionRequest(self.group_sid, start, keeper=await self.snapshot_owner())
-        admitting = asyncio.ensure_future(self.admission.admit(request, s.max_queue_wait_s, queue=True))
-        watcher = asyncio.create_task(self._watch_while_admitting())
-        try:
-            await asyncio.wait({admitting, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left = not admitting.done()                  # the client left or stopped (or was refused) first
-            for task in (admitting, watcher):            # (again until it ends: on Python 3.11 a wait_for whose
-                while not task.done():                   # inner read completed as it was cancelled swallows it)
-                    task.cancel()
-                    await asyncio.wait({task}, timeout=0.1)
-        if left:
-            if watcher.exception() is not None:
-                raise watcher.exception()
-            if watcher.result() and not self.ended:      # stopped while it waited: nothing was generated
+        left, first = await self.admission.admit_while_watching(request, s.max_queue_wait_s, self._watch_client)
+        if left:                                         # nothing more is sent to a client that left
+            if first and not self.ended:                 # stopped while it waited: nothing was generated
                 self.enter(Phase.ENDED)
                 await self.wire.finish(True, 0)
-            return                                       # nothing more is sent to a client that left
-        first = admitting.result()
+            return
         if first is None or (isinstance(first, SessionFailed) and first.code == ErrorCode.CAPACITY_EXHAUSTED):
             await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, "every model group is busy; try again later",
                                             close=CLOSE_TRY_AGAIN, retry_after_s=s.retry_after_s))
@@ -276,26 +264,9 @@ class SessionLife:
         self.kept = self.kept or keeper is not None
         return None if keeper is None else SnapshotOwner(keeper, self.session_id)
 
-    async def _watch_while_admitting(self) -> Optional[bool]:
-        """Read the client while it waits for a group, so that one who leaves is seen at once (its place in the
-        queue goes, and nothing is sent to a closed connection: Serve's proxy logs that as an error).
-        Keepalives are answered; other messages are kept for the stream (read_controls takes them first).
-        Returns True when the client stopped the session, None when it left or a refusal ended it."""
-        while True:
-            try:
-                msg = await self.next_message(time.monotonic() + 3600.0, self.settings.max_control_bytes)
-            except asyncio.TimeoutError:
-                continue
-            except ClientGone:
-                return None
-            if msg is None:
-                return None
-            try:
-                if self.wire.control(msg, self.sequence + 1) == STOP:
-                    return True
-            except ProtocolError:
-                pass                                      # refused when read_controls takes it up
-            self.early.append(msg)
+    async def _watch_client(self) -> Optional[bool]:
+        return await watch_client(self.next_message, lambda msg: self.wire.control(msg, self.sequence + 1),
+                                  self.settings.max_control_bytes, self.early)
 
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
