@@ -7,7 +7,13 @@ keeper (16 threads unpickling snapshots and putting them in the object store) an
 and a put thread copying and pickling them) allocate and free a snapshot's worth of host memory per chunk:
 the soak measured their resident memory climbing by 9 and 6 MiB a minute while the memory they had in use,
 the Python objects and the object store stayed flat; the growth was free memory the arenas kept
-(docs/architecture.md, "Memory over a day"). `malloc_trim(0)` gives every whole free page of every arena back."""
+(docs/architecture.md, "Memory over a day"). `malloc_trim(0)` gives every whole free page of every arena back.
+
+Why a fixed mmap threshold: a block above malloc's mmap threshold (128 KiB at start) is its own mapping, given
+back whole when freed; but glibc raises the threshold to the size of every such block freed (up to 32 MiB), so
+after the first snapshot copy is freed, every later one is carved from an arena, and a small block allocated
+meanwhile above it pins the pages a trim could give back. `keep_large_blocks_mapped()` fixes the threshold
+(which also turns glibc's raising off), so a snapshot's buffers never enter an arena."""
 from __future__ import annotations
 
 import ctypes
@@ -16,12 +22,15 @@ import time
 from collections.abc import Callable
 
 TRIM_EVERY_S = 10.0
+MMAP_THRESHOLD = 128 * 1024          # glibc's own starting value, kept: blocks this large are mapped on their own
+_M_MMAP_THRESHOLD = -3               # mallopt's parameter number (malloc.h)
 
 
 def _libc():
     try:
         lib = ctypes.CDLL("libc.so.6")
         lib.malloc_trim.argtypes = [ctypes.c_size_t]
+        lib.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         return lib
     except (OSError, AttributeError):            # not glibc (musl, macOS): nothing to trim
         return None
@@ -37,6 +46,15 @@ def trim() -> bool:
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+def keep_large_blocks_mapped(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Every block of `threshold` bytes or more is mapped on its own and unmapped when freed, for the rest of this
+    process's life (call it before the process allocates much: a free chunk already in an arena is reused
+    first); False where the C library is not glibc (nothing done)."""
+    if _LIBC is None:
+        return False
+    return _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
 class Trimmer:

@@ -27,7 +27,7 @@ from lingbot.camera import CameraRig, Controls
 from lingbot.runtime.pipeline import WorldSession
 from lingbot.runtime.snapshot import HostCopier, restore_snapshots
 
-from ..memory import Trimmer, held_refs
+from ..memory import Trimmer, held_refs, keep_large_blocks_mapped
 from ..session.events import ModelFacts, RankRestore, SnapshotRef
 from ..settings import ServeSettings
 from .device import DeviceProbe, rank_device
@@ -62,6 +62,7 @@ class RankWorker:
         self.lock = threading.Lock()        # sessions, stopped, abort indices
         self.device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-device")
         self.probe = DeviceProbe(self.device, rank)
+        keep_large_blocks_mapped()           # a snapshot's host copy never enters a malloc arena (memory.py)
         self.trim = Trimmer()                # freed host memory back to the system (deployments/memory.py)
         # on CUDA a snapshot's copy overlaps the next chunk (a side stream)
         self.snapshots = RankSnapshots(rank, world_size, HostCopier(self.device), self.device_thread.submit,

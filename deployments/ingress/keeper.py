@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
-from ..memory import Trimmer, held_refs
+from ..memory import Trimmer, held_refs, keep_large_blocks_mapped
 
 log = logging.getLogger("ray.serve")
 
@@ -36,6 +36,7 @@ class SnapshotKeeper:
     another if it dies); keys are unique across keepers (a key of a dead keeper is unknown to the next)."""
 
     def __init__(self, tombstone_s: float = TOMBSTONE_S, clock: Callable[[], float] = time.monotonic):
+        keep_large_blocks_mapped()                  # an unpickled snapshot never enters a malloc arena (memory.py)
         self.trim = Trimmer()                       # the unpickled snapshots' freed heap back (deployments/memory.py)
         self.prefix = uuid.uuid4().hex[:12]
         self.numbers = itertools.count()

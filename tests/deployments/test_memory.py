@@ -1,5 +1,8 @@
 """A serving process's own memory (deployments/memory.py): the trim gives back the heap freed in many threads'
-arenas, at most once per interval."""
+arenas, at most once per interval; a fixed mmap threshold keeps large blocks out of them."""
+import json
+import subprocess
+import sys
 import threading
 import time
 from typing import Optional
@@ -8,6 +11,18 @@ import psutil
 import pytest
 
 from deployments.memory import Trimmer, trim
+
+# glibc's count of blocks mapped on their own (mallinfo2().hblks), read in a fresh process
+MAPPED_BLOCKS = '''
+import ctypes
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                'arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost'.split()]
+libc = ctypes.CDLL('libc.so.6')
+libc.mallinfo2.restype = Info
+def mapped():
+    return libc.mallinfo2().hblks
+'''
 
 
 def test_a_trim_gives_back_the_heap_freed_in_threads_arenas():
@@ -33,6 +48,32 @@ def test_a_trim_gives_back_the_heap_freed_in_threads_arenas():
     after = proc.memory_full_info().uss
     assert before - after > 100 * 2 ** 20, (before >> 20, after >> 20)
     assert len(kept) == 4 * 94
+
+
+def _mapped_blocks(fixed: bool) -> list[int]:
+    """In a fresh process: how many 4 MiB blocks are mapped on their own while held, allocated and freed three
+    times over, then ten 256 KiB blocks held at once."""
+    program = MAPPED_BLOCKS + ("from deployments.memory import keep_large_blocks_mapped\n"
+                       "assert keep_large_blocks_mapped()\n" if fixed else "") + """
+base = mapped()
+seen = []
+for _ in range(3):
+    block = bytearray(4 << 20)
+    seen.append(mapped() - base)
+    del block
+blocks = [bytearray(256 << 10) for _ in range(10)]
+seen.append(mapped() - base)
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def test_a_fixed_mmap_threshold_keeps_every_large_block_out_of_the_arenas():
+    """glibc raises its threshold past a mapped block once it is freed: the next one of that size comes from an
+    arena (where a small block above it pins its pages); fixed, every large block is mapped on its own."""
+    assert _mapped_blocks(fixed=False) == [1, 0, 0, 0]
+    assert _mapped_blocks(fixed=True) == [1, 1, 1, 10]
 
 
 def test_the_trimmer_trims_at_most_once_per_interval():
