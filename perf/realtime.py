@@ -73,7 +73,7 @@ async def run_session(args, index: int, image_url: str, width: int, height: int)
         chunks.append({"index": meta["generation_chunk_index"], "transport_index": meta["transport_chunk_index"],
                        "arrival_s": arrival - t0, "num_frames": meta["num_frames"],
                        "byte_length": len(data), "timings": meta.get("timings"),
-                       "started": meta.get("started_event_ids") or [],
+                       "started": meta.get("started_event_ids") or [], "quality": meta.get("quality", "full"),
                        "restarted": (meta.get("group_clock") or {}).get("restarted", 0.0)})
     _check(chunks, result, args.num_chunks)
     if args.save_video:
@@ -183,6 +183,10 @@ def table(report: dict) -> str:
                  ("Chunk deadline", f"{m['chunk_deadline_ms']:.0f} ms"), ("Underruns", m["underrun_count"]),
                  ("Stall ratio (mean)", f"{m['stall_ratio_mean']:.1%}")]
         rows += _control_rows(m["control_to_display"])
+    rungs = m.get("chunks_per_rung") or {}
+    total = sum(rungs.values())
+    if total:
+        rows += [("", "")] + [(f"Chunks at {name}", f"{n / total:.0%} ({n})") for name, n in sorted(rungs.items())]
     stages = report.get("stage_medians_ms") or {}
     if stages:
         rows.append(("", ""))

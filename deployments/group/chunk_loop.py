@@ -24,7 +24,7 @@ from ..detach import fresh_task
 from ..session.codes import ErrorCode
 from ..session.events import ChunkReady, GroupEvent, InteractionRefused, ModelFacts, Resumed, SessionDone, SessionFailed
 from .executor import RankExecutor
-from .ladder import QualityLadder
+from .ladder import QualityLadder, chunk_steps
 from .messages import ChunkReply, Fragment
 from .phase import GroupState
 from .planner import ChunkPlan
@@ -72,7 +72,8 @@ class ChunkLoop:
         self.wake: Optional[asyncio.Event] = None
         self.running: Optional[RunningChunk] = None    # the chunk the ranks are on now
         self.last_chunk_s = 0.0                        # how long the last chunk call took
-        self.ladder = QualityLadder.of(s, model)       # None: every chunk at full quality
+        self.ladder = QualityLadder.of(s, model)       # None: every chunk at full quality (or its pinned rung)
+        self.model_sink = 0 if model is None else model.sink_chunks
 
     @property
     def sessions(self) -> dict[str, ScheduledSession]:
@@ -181,8 +182,9 @@ class ChunkLoop:
         while True:
             plan = session.plan_next_chunk()
             plan.restarted = restarted
-            if self.ladder is not None:               # its rung travels with its controls (and its journal)
-                plan.controls.steps = self.ladder.steps_for(session, self.sessions.values(), plan.index)
+            # its rung travels with its controls (and its journal)
+            plan.controls.steps = chunk_steps(self.ladder, session, self.sessions.values(), plan.index,
+                                              self.model_sink)
             t0 = time.monotonic()
             self.running = RunningChunk(session, plan.index, may_restart=self.settings.restart_stale_chunks
                                         and not restarted)

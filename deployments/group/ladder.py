@@ -15,6 +15,8 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
   the most slack), and only if the group's load after the climb stays under target - `margin`.
 - A session without real-time demand (unpaced delivery) counts no load and runs at the floor while the group
   is loaded, at full when it is not.
+- A session that pinned a rung (extra_params.quality: full or a rung's name) stays on it and counts its load
+  there; the others make room around it. Pinned rungs hold with the ladder off too (`chunk_steps`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from lingbot.runtime.rungs import RUNGS, Rung, forward_ratio
+from lingbot.runtime.rungs import RUNGS, Rung, forward_ratio, rung_steps
 
 from ..settings.concerns import STEP_RUNGS
 
@@ -38,6 +40,7 @@ class Seat:
     rung: int = 0
     chunks: int = 0            # chunks it has run
     changed_at: int = -10 ** 9  # `chunks` when its rung last changed
+    pinned: Optional[int] = None  # the rung the session chose for its life (None: the ladder's choice)
 
 
 class Ladder:
@@ -71,12 +74,12 @@ class Ladder:
 
     def decide(self, seats: list[Seat]) -> dict[str, int]:
         """Each seat's rung for its next chunk (changes are also written to the seats)."""
-        if self.cost(0) is None:                     # nothing measured yet: every session at full
-            return {s.id: s.rung for s in seats}
-        rungs = {s.id: s.rung for s in seats}
-        free = {s.id for s in seats if s.chunks - s.changed_at >= self.hold_chunks}
+        if self.cost(0) is None:                     # nothing measured yet: every session at full (or pinned)
+            return {s.id: s.rung if s.pinned is None else s.pinned for s in seats}
+        rungs = {s.id: s.rung if s.pinned is None else s.pinned for s in seats}
+        free = {s.id for s in seats if s.chunks - s.changed_at >= self.hold_chunks and s.pinned is None}
         for s in seats:                              # behind its deadline: one rung down, now
-            if s.slack_s < 0 and rungs[s.id] < self.floor:
+            if s.slack_s < 0 and rungs[s.id] < self.floor and s.pinned is None:
                 rungs[s.id] += 1
                 free.discard(s.id)
         loaded = self.load(seats, rungs) > self.target
@@ -128,14 +131,18 @@ class QualityLadder:
                    model.geometry.pixel_frames(1))
 
     def _seat(self, session, now: float) -> Seat:
-        seat = self.seats.setdefault(session.id, Seat(session.id, 0.0, 0.0))
+        seat = self.seats.get(session.id)
+        if seat is None:
+            quality = session.start.quality
+            pinned = None if quality == "auto" else [r.name for r in self.ladder.rungs].index(quality)
+            seat = self.seats[session.id] = Seat(session.id, 0.0, 0.0, rung=pinned or 0, pinned=pinned)
         seat.chunks_per_s = session.start.fps / self.frames_per_chunk if session.start.paced else 0.0
         seat.slack_s = session.clock.deadline() - now
         return seat
 
     def steps_for(self, session, sessions, index: int) -> Optional[int]:
         """The denoising steps of `session`'s chunk `index` (None: all; the sink always runs all)."""
-        if index < self.sink_chunks:
+        if index < sink_chunks(session, self.sink_chunks):
             return None
         now = time.monotonic()
         rungs = self.ladder.decide([self._seat(s, now) for s in sessions])
@@ -146,9 +153,27 @@ class QualityLadder:
         seat = self.seats.get(session.id)
         if seat is not None:
             seat.chunks += 1
-        rung = 0 if index < self.sink_chunks else next(
+        rung = 0 if index < sink_chunks(session, self.sink_chunks) else next(
             (i for i, r in enumerate(self.ladder.rungs) if r.steps == steps), 0)
         self.ladder.observe(rung, seconds)
 
     def forget(self, session_id: str) -> None:
         self.seats.pop(session_id, None)
+
+
+def sink_chunks(session, model_sink: int) -> int:
+    """The session's attention sink in chunks: its own window's, else the model's."""
+    window = session.start.window
+    return model_sink if window is None else window[0]
+
+
+def chunk_steps(ladder: Optional[QualityLadder], session, sessions, index: int, model_sink: int) -> Optional[int]:
+    """The denoising steps of `session`'s chunk `index` (None: all of them): the sink at all; a session that
+    pinned a rung (extra_params.quality) at its rung, whether the ladder is on or off; else the ladder's choice
+    (off: all)."""
+    if index < sink_chunks(session, model_sink):
+        return None
+    if ladder is not None:
+        return ladder.steps_for(session, sessions, index)
+    quality = session.start.quality
+    return None if quality == "auto" else rung_steps(quality)

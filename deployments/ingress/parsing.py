@@ -349,6 +349,18 @@ class StartRules:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"seed must fit in 64 bits, got {seed}", close=self.close)
         return seed
 
+    def quality(self, value: Any, what: str, rungs: tuple[str, ...]) -> str:
+        """A session's quality (`what` names where it was read): `auto` (absent or null: the quality ladder
+        chooses each chunk's rung, or full where it is off), or one of the deployment's `rungs` (full down to
+        quality_floor), pinned for the session's life."""
+        if value is None:
+            return "auto"
+        if not isinstance(value, str) or value not in ("auto", *rungs):
+            shown = repr(value[:40]) if isinstance(value, str) else type(value).__name__
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{what} must be one of {['auto', *rungs]}, got {shown}",
+                                close=self.close)
+        return value
+
     def decoder(self, value: Any, loaded: tuple[str, ...]) -> Optional[str]:
         """A session's frame decoder by name (None: the deployment's default); one it did not load is refused."""
         if value is None:

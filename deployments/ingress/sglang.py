@@ -142,17 +142,18 @@ INIT_FIELDS = frozenset({"type", "model", "prompt", "first_frame", "size", "fps"
                          "num_inference_steps", "guidance_scale", "max_chunks", "condition_inputs",
                          "realtime_output_format", "output_compression", "realtime_preview_max_width",
                          "delta_reference", "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
-                         "realtime_causal_kv_cache_num_frames"})
+                         "realtime_causal_kv_cache_num_frames", "quality"})
 ACCEPTED_AND_IGNORED: dict[str, str] = {}
 
 
 def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
                default_fps: float, steps: int, fetcher=None, decoders: tuple[str, ...] = (),
-               max_fps: Optional[float] = None, model_window: Optional[tuple[int, int]] = None) -> StartRequest:
+               max_fps: Optional[float] = None, model_window: Optional[tuple[int, int]] = None,
+               rungs: tuple[str, ...] = ("full",)) -> StartRequest:
     """An `init` map -> StartRequest; `decoders`: the frame decoders loaded (`decoder` picks one); `max_fps`: the
     highest fps a session may ask for (None: default_fps); `model_window`: the model's (sink, window) chunks (a
-    session may ask for a smaller one). Bad input raises ProtocolError (the connection then waits for
-    another)."""
+    session may ask for a smaller one); `rungs`: those a session may pin (`quality`). Bad input raises
+    ProtocolError (the connection then waits for another)."""
     if msg["type"] != "init":
         raise ProtocolError(ErrorCode.NOT_STARTED, f"the first message must be an init, not {msg['type']!r}")
     decoder = START.decoder(msg.get("decoder"), decoders)
@@ -188,11 +189,12 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     window = None if model_window is None else START.window(
         msg.get("realtime_causal_sink_size"), msg.get("realtime_causal_kv_cache_num_frames"), "init",
         geometry.latent_frames, model_window)
+    quality = START.quality(msg.get("quality"), "init field 'quality'", rungs)
     output = parse_output(msg)
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
                         fps, seed, None, script, msg.get("model"), output=output, decoder=decoder, paced=paced,
-                        window=window,
+                        window=window, quality=quality,
                         unknown_fields=unknown_fields(msg, INIT_FIELDS | frozenset(ACCEPTED_AND_IGNORED)))
 
 
@@ -363,7 +365,7 @@ class SglangWire(WebSocketWire):
         s = self.settings
         start = await asyncio.to_thread(parse_init, msg, facts.size, facts.geometry, s.max_chunks, s.fps, facts.steps,
                                         self.fetcher, facts.decoders, s.resolved_max_fps,
-                                        (facts.sink_chunks, facts.window_chunks))
+                                        (facts.sink_chunks, facts.window_chunks), s.quality_rungs)
         self.output, self.size = start.output, facts.size
         return start
 
@@ -398,6 +400,7 @@ class SglangWire(WebSocketWire):
                  "num_batches": len(messages), "num_frames": event.num_frames,
                  "raw_bytes": sum(b.raw_size for b in event.batches),
                  "ws_payload_bytes": sum(len(m) for m in messages), "content_type": self.output.content_type,
+                 "quality": event.quality, "denoising_steps": event.steps,
                  "actions": None if event.keys is None else [list(k) for k in event.keys]}
         return await send(pack(stats))
 

@@ -63,15 +63,17 @@ START_FIELDS = frozenset({"type", "model", "prompt", "image_reference", "width",
                           "seed", "extra_params"})
 EXTRA_FIELDS = frozenset({"flow_shift", "camera_action_script", "camera_trajectory", "endless", "profile_stages",
                           "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
-                          "realtime_causal_kv_cache_num_frames"})
+                          "realtime_causal_kv_cache_num_frames", "quality"})
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
                 max_chunks: int, default_fps: float, fetcher=None, decoders: tuple[str, ...] = (),
-                max_fps: Optional[float] = None, model_window: Optional[tuple[int, int]] = None) -> StartRequest:
+                max_fps: Optional[float] = None, model_window: Optional[tuple[int, int]] = None,
+                rungs: tuple[str, ...] = ("full",)) -> StartRequest:
     """A session.start map -> StartRequest; `decoders`: the frame decoders loaded (extra_params.decoder picks one);
     `max_fps`: the highest fps a session may ask for (None: default_fps); `model_window`: the model's (sink,
-    window) chunks (extra_params may ask for a smaller one)."""
+    window) chunks (extra_params may ask for a smaller one); `rungs`: those a session may pin
+    (extra_params.quality)."""
     where = "session.start"
     extra = msg.get("extra_params")
     decoder = START.decoder(extra.get("decoder") if isinstance(extra, dict) else None, decoders)
@@ -143,10 +145,11 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
     window = None if model_window is None else START.window(
         extra.get("realtime_causal_sink_size"), extra.get("realtime_causal_kv_cache_num_frames"), "extra_params",
         geometry.latent_frames, model_window)
+    quality = START.quality(extra.get("quality"), "extra_params.quality", rungs)
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
-                        decoder=decoder, paced=paced, window=window,
+                        decoder=decoder, paced=paced, window=window, quality=quality,
                         unknown_fields=unknown_fields(msg, START_FIELDS) + unknown_fields(extra, EXTRA_FIELDS,
                                                                                           "extra_params."))
 
@@ -236,7 +239,7 @@ class VllmWire(WebSocketWire):
             try:
                 return await asyncio.to_thread(parse_start, msg, facts.size, facts.geometry, s.default_chunks,
                                                s.max_chunks, s.fps, self.fetcher, facts.decoders, s.resolved_max_fps,
-                                               (facts.sink_chunks, facts.window_chunks))
+                                               (facts.sink_chunks, facts.window_chunks), s.quality_rungs)
             except ProtocolError as e:
                 if e.close is None:
                     e.close = CLOSE_POLICY
@@ -275,7 +278,7 @@ class VllmWire(WebSocketWire):
                 "byte_length": len(event.data), "started_event_ids": event.started,
                 "active_event_ids": event.active, "completed_event_ids": event.completed,
                 "timings": {k: round(v, 5) for k, v in event.timings.items()},
-                "denoising_steps": None if event.controls is None else event.controls.steps,   # None: all
+                "quality": event.quality, "denoising_steps": event.steps,     # full, None: every step
                 "group_clock": {k: round(v, 4) for k, v in event.clock.items() if math.isfinite(v)}}  # unpaced: no lead
         return await send(meta) and await send(event.data)
 

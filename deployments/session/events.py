@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 from lingbot.camera import CameraEvent
 from lingbot.config import ChunkGeometry, Preset
 from lingbot.io.frames import FrameBatch
+from lingbot.runtime.rungs import step_rung
 from lingbot.runtime.snapshot import chunks_to_restore
 
 from .codes import ErrorCode
@@ -166,6 +167,16 @@ class ChunkReady:
     def keys(self) -> Optional[tuple[str, ...]]:
         """The key set of each latent frame (None: no keys)."""
         return None if self.controls is None else self.controls.keys
+
+    @property
+    def steps(self) -> Optional[int]:
+        """The denoising forwards the chunk ran (None: all the model's)."""
+        return None if self.controls is None else self.controls.steps
+
+    @property
+    def quality(self) -> str:
+        """The name of the rung the chunk ran at (`full`: the top)."""
+        return step_rung(self.steps)
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,11 @@ class PacingSettings(SettingsConcern):
                                          "step rung its group's load allows (deployments/group/ladder.py)")
     quality_floor: str = setting("steps2", "the lowest rung the ladder may choose: steps3 or steps2")
 
+    @property
+    def quality_rungs(self) -> tuple[str, ...]:
+        """The rungs a session may run at or pin (extra_params.quality): full down to quality_floor."""
+        return STEP_RUNGS[:STEP_RUNGS.index(self.quality_floor) + 1]
+
     def __post_init__(self):
         if self.mode not in ("fixed", "adaptive"):
             raise ConfigError(f"pacing {self.mode!r} must be fixed or adaptive")

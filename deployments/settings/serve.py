@@ -271,6 +271,11 @@ class ServeSettings:
         return _by_device(self.spare_groups, self.device, cpu=0, accelerator=1)
 
     @property
+    def quality_rungs(self) -> tuple[str, ...]:
+        """The rungs a session may pin (extra_params.quality): full down to quality_floor."""
+        return self.pace.quality_rungs
+
+    @property
     def resolved_max_fps(self) -> float:
         """max_fps, null resolved: fps (what capacity is counted at)."""
         return self.fps if self.max_fps is None else self.max_fps

@@ -49,3 +49,18 @@ def forward_ratio(num_steps: int, steps: Optional[int]) -> float:
 FULL = Rung("full")
 RUNGS = (FULL, Rung("steps3", steps=3), Rung("steps2", steps=2), Rung("tiny", decoder="tae"),
          Rung("tiny_steps2", steps=2, decoder="tae"))
+
+
+def step_rung(steps: Optional[int]) -> str:
+    """The name of the step rung of `steps` denoising forwards (None: all of them, `full`)."""
+    if steps is None:
+        return FULL.name
+    return next((r.name for r in RUNGS if r.steps == steps and r.decoder is None), f"steps{steps}")
+
+
+def rung_steps(name: str) -> Optional[int]:
+    """The denoising forwards of the step rung `name` (None: all of them)."""
+    for r in RUNGS:
+        if r.name == name and r.decoder is None:
+            return r.steps
+    raise ValueError(f"{name!r} is not a step rung: {[r.name for r in RUNGS if r.decoder is None]}")

@@ -60,6 +60,7 @@ def test_session_of_n_chunks(serve_app):
     assert [c["num_frames"] for c in result.chunks] == [9, 12, 12]
     assert [c["byte_length"] for c in result.chunks] == [len(d) for d in result.data]
     assert [c["denoising_steps"] for c in result.chunks] == [None] * 3      # the ladder is off: all steps
+    assert [c["quality"] for c in result.chunks] == ["full"] * 3
     assert result.done == {"type": "session.done", "chunks": 3, "stopped": False}
     frames = read_frames(result.video)
     assert frames.shape == (12 * 3 - 3, H, W, 3)
@@ -476,9 +477,11 @@ def test_a_client_that_stops_reading_is_freed(serve_app):
 
 def test_the_ranks_start_a_chunk_before_the_last_one_is_encoded(serve_app):
     """Delivery overlaps the device: chunk k+1 is dispatched to the ranks before chunk k's fragment is back
-    from the muxer (both on the group's clock), and the stream stays in order, whole and playable."""
-    result = run(session(serve_app, 5, seed=2))
+    from the muxer (both on the group's clock), and the stream stays in order, whole and playable. The session
+    pins the steps2 rung (extra_params.quality; the ladder is off): its chunks past the sink run 2 steps."""
+    result = run(session(serve_app, 5, seed=2, quality="steps2"))
     assert result.error is None and result.done["chunks"] == 5
+    assert [(c["quality"], c["denoising_steps"]) for c in result.chunks] == [("full", None)] * 3 + [("steps2", 2)] * 2
     clocks = [c["group_clock"] for c in result.chunks]
     assert [c["generation_chunk_index"] for c in result.chunks] == list(range(5))
     for k in range(4):

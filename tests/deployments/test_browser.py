@@ -42,7 +42,8 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
             # the page measures the press's control -> display latency once its chunk is on screen
             await page.wait_for_function("() => window.lingbot.controlLatencies.length >= 1", timeout=90000)
             control = await page.evaluate("[window.lingbot.controlLatencies.slice(), "
-                                          "document.getElementById('s-control').textContent]")
+                                          "document.getElementById('s-control').textContent, "
+                                          "document.getElementById('s-quality').textContent]")
             await page.wait_for_function("() => window.lingbot.chunks >= 6", timeout=90000)
             await asyncio.sleep(1.0)
             info = await page.evaluate("""() => { const v = document.getElementById('video');
@@ -54,7 +55,8 @@ def test_page_plays_and_sends_keys(serve_app, tmp_path):
             return t_before, info, control
 
     t_before, info, control = asyncio.run(scenario())
-    latencies, shown = control
+    latencies, shown, quality = control
+    assert quality == "full"                       # the chunk's rung, as its metadata names it (the ladder is off)
     recent = sorted(latencies[-8:])
     assert all(ms > 0 for ms in latencies)
     assert shown == f"{math.floor(recent[(len(recent) - 1) // 2] + 0.5)} ms"     # their median (JS Math.round)
@@ -92,6 +94,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
                 const rgb = []; for (let i = 0; i < d.length; i += 4) rgb.push(d[i], d[i + 1], d[i + 2]);
                 return {rgb, w: c.width, h: c.height, image: window.lingbot.imageUrl, errors: window.lingbot.errors,
                         status: document.getElementById('status').textContent,
+                        quality: document.getElementById('s-quality').textContent,
                         prompt: document.getElementById('prompt').value, csp: window.cspViolations}; }""")
             await page.fill("#chunks", "8")
             await page.click("#start")
@@ -114,6 +117,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
     assert key == ["?view=1", "é?>?~?", ["lingbot", "lingbot-key.w6k_Pj9-Pw"]]    # standard base64: w6k/Pj9+Pw==
     assert subprotocol_key({"sec-websocket-protocol": ", ".join(key[2])}) == "é?>?~?"
     assert drawn["errors"] == [] and drawn["status"] == "done: 3 chunks (generation complete)"
+    assert drawn["quality"] == "full"                    # from the chunks' chunk_stats
     assert drawn["csp"] == []
     canvas = np.array(drawn["rgb"], np.uint8).reshape(drawn["h"], drawn["w"], 3)
     assert python.frames.shape[0] == 33 and np.array_equal(canvas, python.frames[-1])

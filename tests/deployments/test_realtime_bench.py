@@ -29,6 +29,7 @@ def test_benchmark_json(serve_app, tmp_path, capsys):
         assert {"probe_0", "commit", "decode", "root_to_muxer", "outside_engine"} <= set(s["stage_medians_ms"])
     agg = data["metrics"]
     assert agg["sessions"] == 2 and agg["chunks_received"] == 16
+    assert agg["chunks_per_rung"] == {"full": 16}                     # the ladder is off here
     assert agg["video_rtf_best"] <= agg["video_rtf_mean"] <= agg["video_rtf_worst"]
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert agg["control_to_display"]["count"] == sum(s["metrics"]["control_to_display"]["count"]

@@ -52,6 +52,7 @@ def test_a_session_of_n_chunks_delivers_12n_minus_3_raw_frames(serve_app):
         assert stats["raw_bytes"] == len(chunk.frames) * FRAME_BYTES and stats["num_batches"] == 2
         assert stats["ws_payload_bytes"] > stats["raw_bytes"] and stats["scheduler_forward_ms"] > 0
         assert stats["actions"] is None
+        assert (stats["quality"], stats["denoising_steps"]) == ("full", None)      # 3 chunks: all in the sink
         integers = ("chunk_index", "request_prepare_ms", "scheduler_forward_ms", "raw_payload_build_ms", "ws_write_ms",
                     "chunk_total_ms", "num_batches", "num_frames", "raw_bytes", "ws_payload_bytes")
         assert all(type(stats[k]) is int for k in integers), {k: type(stats[k]) for k in integers}   # as SGLang

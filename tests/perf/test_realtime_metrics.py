@@ -47,6 +47,7 @@ def test_session_metrics_by_hand():
     assert m["interval_steady"]["max_ms"] == pytest.approx(900)
     assert m["slo_attainment"] == pytest.approx(2 / 3) and m["slo_violations"] == 1
     assert m["steady_video_rtf"] == pytest.approx((0.7 + 0.7 + 0.9) / (36 / 16))
+    assert m["chunks_per_rung"] == {"full": 9}                  # no chunk names its rung: full
     short = session_metrics(_chunks([0.5, 1.0, 1.5]), wall_s=2.0, fps=16)
     assert not short["steady_state_reached"] and "slo_attainment" not in short
 
@@ -60,6 +61,12 @@ def test_aggregate():
     assert agg["steady_interval_ms_mean"] == pytest.approx(750)
     assert agg["steady_interval_ms_spread"] == pytest.approx(500)
     assert aggregate([a])["sessions"] == 1 and aggregate([a])["video_rtf"] == a["video_rtf"]
+    laddered = _chunks([0.5 + 0.5 * i for i in range(8)])
+    for c, rung in zip(laddered, ["full"] * 3 + ["steps3"] * 2 + ["steps2"] * 3):
+        c["quality"] = rung
+    c = session_metrics(laddered, wall_s=4.0, fps=16)
+    assert c["chunks_per_rung"] == {"full": 3, "steps3": 2, "steps2": 3}
+    assert aggregate([a, c])["chunks_per_rung"] == {"full": 11, "steps3": 2, "steps2": 3}
 
 
 def test_control_to_display_by_hand():

@@ -77,7 +77,7 @@ function resetStats() {
   Object.assign(state, { sentAt: {}, pendingShows: [], controlLatencies: [] });
   Object.assign(state, { frames: [], framesReceived: 0, framesDrawn: 0, nextFrameAt: 0, echoed: null, lastFrame: null,
                          lastSentKeys: "" });
-  for (const id of ["s-interval", "s-rtf", "s-buffer", "s-ttfc", "s-control"]) $(id).textContent = "–";
+  for (const id of ["s-interval", "s-rtf", "s-buffer", "s-ttfc", "s-control", "s-quality"]) $(id).textContent = "–";
   $("s-chunks").textContent = "0"; $("s-acks").textContent = "0";
 }
 
@@ -125,6 +125,7 @@ function onChunk(meta, data) {
     if (id in state.sentAt) state.pendingShows.push({ id, sentAt: state.sentAt[id], mediaTime: state.videoSeconds });
   }
   state.videoSeconds += meta.num_frames / state.config.fps;
+  if (meta.quality) $("s-quality").textContent = meta.quality;
   if (data === null) {                               // the canvas transport counts its frames itself
     $("s-chunks").textContent = state.chunks;
     return;
@@ -306,8 +307,9 @@ function startFrames(proto, key) {
       log(`error ${msg.code || ""}: ${msg.content}`);
     } else if (msg.type === "queued") {
       showQueued(msg);
-    } else if (msg.type === "chunk_stats" && state.chunks === 1) {
-      setStatus(`session ${msg.session_id.slice(0, 8)}`);
+    } else if (msg.type === "chunk_stats") {
+      if (msg.quality) $("s-quality").textContent = msg.quality;
+      if (state.chunks === 1) setStatus(`session ${msg.session_id.slice(0, 8)}`);
     }
   };
   ws.onclose = (e) => {

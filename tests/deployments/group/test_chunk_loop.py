@@ -108,12 +108,12 @@ class Metrics:
         self.stage, self.rtf, self.stalls = self._Any(), self._Any(), self._Any()
 
 
-def start(chunks: int) -> StartRequest:
-    return StartRequest("p", np.zeros((3, 64, 112), np.float32), 112, 64, chunks, None, 16.0, 1, None, [])
+def start(chunks: int, **kw) -> StartRequest:
+    return StartRequest("p", np.zeros((3, 64, 112), np.float32), 112, 64, chunks, None, 16.0, 1, None, [], **kw)
 
 
-def session(sid: str, chunks: int) -> ScheduledSession:
-    return ScheduledSession(sid, start(chunks), GEOMETRY, SETTINGS.max_queued_controls, max_in_flight=1)
+def session(sid: str, chunks: int, **start_kw) -> ScheduledSession:
+    return ScheduledSession(sid, start(chunks, **start_kw), GEOMETRY, SETTINGS.max_queued_controls, max_in_flight=1)
 
 
 def run(scenario_sessions, ranks_kw=(), settings=SETTINGS, mailbox_posts=(), until=None, model=None):
@@ -236,3 +236,21 @@ def test_with_the_ladder_on_a_loaded_group_runs_chunks_past_the_sink_on_cheaper_
     off = []
     run([session("a", 5), session("b", 5)], {"engine_s": 0.5, "steps": off}, model=facts)
     assert {st for _, _, st in idle} == {None} and {st for _, _, st in off} == {None}
+
+
+def test_a_session_that_pins_a_rung_runs_every_chunk_past_its_sink_there_with_the_ladder_on_or_off():
+    """extra_params.quality: steps3 pins the rung past the sink (its own window's sink when it has one), with the
+    ladder off as on; `full` stays at full on a loaded group while the ladder steps the other session down."""
+    from deployments.session.events import ModelFacts
+    facts = ModelFacts.of(get_preset("tiny"))
+    for settings in (SETTINGS, dataclasses.replace(SETTINGS, quality_ladder="auto")):
+        steps = []
+        run([session("p", 6, quality="steps3"), session("w", 6, quality="steps2", window=(1, 4))],
+            {"engine_s": 0.01, "steps": steps}, settings, model=facts)
+        by = {sid: [st for s, i, st in sorted(steps) if s == sid] for sid in "pw"}
+        assert by == {"p": [None] * 3 + [3] * 3, "w": [None] + [2] * 5}, (settings.quality_ladder, by)
+    steps = []
+    run([session("f", 8, quality="full"), session("a", 8)], {"engine_s": 0.5, "steps": steps},
+        dataclasses.replace(SETTINGS, quality_ladder="auto"), model=facts)
+    by = {sid: [st for s, i, st in sorted(steps) if s == sid] for sid in "fa"}
+    assert by["f"] == [None] * 8 and by["a"][:3] == [None] * 3 and by["a"][-1] == 2, by

@@ -61,6 +61,20 @@ def test_the_floor_is_the_lowest_rung_and_unpaced_sessions_count_no_load():
     assert quiet.decide([Seat("u", 0.0, 0.0, rung=2)]) == {"u": 0}
 
 
+def test_a_pinned_session_keeps_its_rung_counts_its_load_there_and_the_others_make_room():
+    lad = ladder()
+    lad.observe(0, 0.4)                                       # two sessions at full: a load of 1.07
+    seats = [Seat("full", CPS, 1.0, pinned=0), Seat("auto", CPS, 0.5)]
+    assert lad.decide(seats) == {"full": 0, "auto": 1}       # the pinned one stays; the other steps down,
+    seats[1].chunks += 4                                      # (load 0.97) and after its hold, to the floor
+    assert lad.decide(seats) == {"full": 0, "auto": 2}
+    behind = [Seat("low", CPS, -1.0, pinned=1, rung=1)]       # behind its deadline, pinned: no step down
+    assert lad.decide(behind) == {"low": 1}
+    lad.observe(0, 0.01)                                      # idle: a pinned lower rung does not climb
+    assert lad.decide([Seat("low", CPS, 1.0, pinned=2, rung=2, chunks=50)]) == {"low": 2}
+    assert ladder().decide([Seat("low", CPS, 1.0, pinned=1)]) == {"low": 1}    # nothing measured yet
+
+
 def test_ratios_are_checked():
     with pytest.raises(ValueError, match="ratios"):
         Ladder(STEPS, (1.0, 0.61, 0.81))

@@ -54,6 +54,10 @@ def test_init_defaults_and_fields():
     assert all(init(guidance_scale=g).prompt == "p" for g in (1.0, 1, 0.0, 0, 0.5))
     assert init().paced and not init(realtime_output_pacing=False).paced and init(realtime_output_pacing=True).paced
     assert init(realtime_output_pacing=None).paced
+    # quality: auto unless the session pins one of the deployment's rungs (the same check as the first protocol's)
+    assert init().quality == "auto"
+    assert sglang.parse_init({"type": "init", "prompt": "p", "first_frame": png_bytes(), "quality": "steps2"}, SIZE,
+                             GEOMETRY, 100, 16.0, 4, rungs=("full", "steps3", "steps2")).quality == "steps2"
     # the K/V window fields are read (without the model's window given, as here, none is asked for); any other
     # field is ignored and named (escaped) for the log
     assert init(realtime_causal_sink_size=6, realtime_causal_kv_cache_num_frames=18).unknown_fields == ()
@@ -86,6 +90,7 @@ def test_init_defaults_and_fields():
     (dict(guidance_scale=float("nan")), "invalid_field", "guidance_scale must be at most 1.0"),
     (dict(guidance_scale="1.0"), "invalid_field", "'guidance_scale' must be a number"),
     (dict(realtime_output_pacing=0), "invalid_field", "'realtime_output_pacing' must be true or false, got int"),
+    (dict(quality="steps3"), "invalid_field", r"init field 'quality' must be one of \['auto', 'full'\], got 'steps3'"),
     (dict(max_chunks=0), "invalid_field", "max_chunks"),
     (dict(max_chunks=101), "invalid_field", "between 1 and 100"),
     (dict(num_frames=-1), "invalid_field", "num_frames"),

@@ -87,6 +87,21 @@ def test_the_decoder_is_picked_among_the_loaded_ones_before_the_request_is_built
         pick(extra_params={"decoder": 7})
 
 
+def test_a_session_pins_a_rung_among_the_deployments_or_leaves_it_to_the_ladder():
+    """extra_params.quality: auto (absent or null), full, or a rung down to the deployment's quality_floor."""
+    def pick(quality, rungs=("full", "steps3")):
+        msg = {"type": "session.start", "prompt": "p", "image_reference": {"image_url": data_url()},
+               "extra_params": {"quality": quality}}
+        return parse_start(msg, (112, 64), GEOMETRY, 8, 100, 16.0, rungs=rungs).quality
+    assert [pick(q) for q in (None, "auto", "full", "steps3")] == ["auto", "auto", "full", "steps3"]
+    assert start().quality == "auto" and pick("full", rungs=("full",)) == "full"
+    for bad, shown in (("steps2", "'steps2'"), ("tiny", "'tiny'"), (3, "int"), ("", "''")):
+        with pytest.raises(ProtocolError) as info:
+            pick(bad)
+        assert (info.value.code, info.value.close, info.value.message) == (
+            "invalid_field", 1008, f"extra_params.quality must be one of ['auto', 'full', 'steps3'], got {shown}")
+
+
 def test_json_limits():
     with pytest.raises(ProtocolError, match="exceeds the limit of 10 bytes") as info:
         parse_json('{"type": "session.ping"}', 10)
