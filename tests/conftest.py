@@ -1,4 +1,8 @@
 """Shared fixtures: the tiny preset, its random model and text encoder (built once per test session)."""
+import json
+import os
+import time
+
 import pytest
 import torch
 
@@ -51,3 +55,33 @@ def random_image(preset, seed=0):
     """A first frame in [-1, 1] of the preset's size."""
     g = torch.Generator().manual_seed(seed)
     return torch.rand(3, preset.height, preset.width, generator=g) * 2 - 1
+
+
+# ---- where the suite's time goes: LINGBOT_TEST_PROFILE=path.json writes, per test, its wall seconds and the
+# machine's busy CPU seconds meanwhile (all processes, Ray's included: /proc/stat), so a test that waits shows
+# a low ratio and one that computes a high one (README.md, "Two commands")
+def _busy_cpu_s() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]                       # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+_PROFILE: dict = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not os.environ.get("LINGBOT_TEST_PROFILE"):
+        yield
+        return
+    wall, busy = time.monotonic(), _busy_cpu_s()
+    yield
+    _PROFILE[item.nodeid] = {"wall_s": round(time.monotonic() - wall, 2), "busy_cpu_s": round(_busy_cpu_s() - busy, 2)}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("LINGBOT_TEST_PROFILE")
+    if path and _PROFILE:
+        with open(path, "w") as f:
+            json.dump(_PROFILE, f, indent=1)
