@@ -42,9 +42,14 @@ def ingress_scaling(s: ServeSettings) -> dict:
                                    "look_back_period_s": LOOK_BACK_S, "metrics_interval_s": METRICS_INTERVAL_S}}
 
 
+# settings a running app takes in place: they reach the groups as the WorldGroup deployment's user_config (Serve
+# applies a change to it without replacing a replica: WorldGroup.reconfigure), not in the deployments' arguments
+LIVE_SETTINGS = ("quality_ladder",)
+
+
 def build_app(args: dict | None = None) -> Application:
     s = ServeSettings.from_args(args)
-    settings = s.to_dict()
+    settings = {key: value for key, value in s.to_dict().items() if key not in LIVE_SETTINGS}
     capacity = s.sessions_per_group()
     if capacity < 1:
         raise ConfigError(f"memory_budget_gib {s.memory_budget_gib} fits no session of {s.preset} at sp {s.sp}; "
@@ -57,6 +62,7 @@ def build_app(args: dict | None = None) -> Application:
         autoscaling_config=group_autoscaling(s, capacity),
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
         health_check_period_s=10.0,
+        user_config={key: getattr(s, key) for key in LIVE_SETTINGS},
     ).bind(settings)
     return serve.deployment(
         Ingress, name="Ingress", ray_actor_options={"num_cpus": s.ingress_cpus},

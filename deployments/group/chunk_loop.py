@@ -13,6 +13,7 @@ drive it with stand-in actors.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -72,12 +73,25 @@ class ChunkLoop:
         self.wake: Optional[asyncio.Event] = None
         self.running: Optional[RunningChunk] = None    # the chunk the ranks are on now
         self.last_chunk_s = 0.0                        # how long the last chunk call took
+        self.model = model
         self.ladder = QualityLadder.of(s, model)       # None: every chunk at full quality (or its pinned rung)
         self.model_sink = 0 if model is None else model.sink_chunks
 
     @property
     def sessions(self) -> dict[str, ScheduledSession]:
         return self.scheduler.sessions
+
+    @property
+    def quality_ladder(self) -> str:
+        return "off" if self.ladder is None else "auto"
+
+    def set_quality_ladder(self, mode: str) -> None:
+        """Turn the quality ladder off or on (auto) from the next chunk, sessions running: off, every session not
+        pinned to a rung is at full from its next chunk; on, a new ladder starts every session at full and learns
+        this group's costs again."""
+        if mode == self.quality_ladder:
+            return
+        self.ladder = QualityLadder.of(dataclasses.replace(self.settings, quality_ladder=mode), self.model)
 
     # ---- sessions -----------------------------------------------------------------------------
     def add(self, session: ScheduledSession) -> asyncio.Queue:

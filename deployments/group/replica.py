@@ -22,6 +22,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from lingbot.config import ConfigError
+
 from ..detach import fresh_task
 from ..memory import held_refs
 from ..metrics import Metrics
@@ -128,6 +130,19 @@ class WorldGroup:
         if self.state.failed:
             raise RuntimeError(f"group {self.id} is broken: {self.state.failure}")
 
+    def reconfigure(self, config: dict) -> None:
+        """Serve's user_config of the WorldGroup deployment, applied in place to every running group (Serve calls
+        it on a config change that touches only user_config, and on every new replica): `quality_ladder` off or
+        auto, from each session's next chunk (docs/architecture.md, "Rungs")."""
+        unknown = set(config) - {"quality_ladder"}
+        if unknown:
+            raise ConfigError(f"WorldGroup user_config takes quality_ladder only, not {sorted(unknown)}")
+        mode = config.get("quality_ladder", self.settings.quality_ladder)
+        if mode not in ("off", "auto"):
+            raise ConfigError(f"quality_ladder {mode!r} must be off or auto")
+        self.chunks.set_quality_ladder(mode)
+        log.info("group %s: quality_ladder %s", self.id, mode)
+
     def facts(self) -> ModelFacts:
         """What this group's ranks run (the ingress checks starts against it)."""
         return self.model
@@ -140,9 +155,10 @@ class WorldGroup:
         muxer, mailbox = await asyncio.gather(self.muxer.census.remote(), self.mailbox.census.remote())
         own = {"sessions": len(self.chunks.sessions), "outboxes": len(self.chunks.outboxes),
                "deliveries": len(self.chunks.deliveries), "object_refs": held_refs()}
+        settings = {"quality_ladder": self.chunks.quality_ladder}
         if self.leases.snapshot_seats is not None:
             own["snapshot_seats_held"] = len(self.leases.snapshot_seats.holders)
-        return {"group": own, "ranks": ranks, "muxer": muxer, "mailbox": mailbox}
+        return {"group": own, "ranks": ranks, "muxer": muxer, "mailbox": mailbox, "settings": settings}
 
     # ---- healing ------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -213,7 +213,8 @@ class PacingSettings(SettingsConcern):
                                                         "ranks start the next while the last is encoded and sent); "
                                                         "null: 2 on accelerators, 1 on cpu")
     quality_ladder: str = setting("off", "off: every chunk at full quality; auto: each session's chunks on the "
-                                         "step rung its group's load allows (deployments/group/ladder.py)")
+                                         "step rung its group's load allows (deployments/group/ladder.py); "
+                                         "a redeploy that changes only this switches running groups in place")
     quality_floor: str = setting("steps2", "the lowest rung the ladder may choose: steps3 or steps2")
 
     @property

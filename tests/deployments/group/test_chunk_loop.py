@@ -254,3 +254,37 @@ def test_a_session_that_pins_a_rung_runs_every_chunk_past_its_sink_there_with_th
         dataclasses.replace(SETTINGS, quality_ladder="auto"), model=facts)
     by = {sid: [st for s, i, st in sorted(steps) if s == sid] for sid in "fa"}
     assert by["f"] == [None] * 8 and by["a"][:3] == [None] * 3 and by["a"][-1] == 2, by
+
+
+def test_the_ladder_turned_off_while_sessions_run_puts_them_at_full_from_their_next_chunk():
+    """WorldGroup.reconfigure (Serve's user_config) turns the ladder off on a running group: on a loaded group the
+    sessions were on cheaper rungs; every chunk planned after the switch runs at full, a pinned session keeps its
+    rung. Turned on again, a new ladder starts them at full."""
+    from deployments.session.events import ModelFacts
+    facts = ModelFacts.of(get_preset("tiny"))
+
+    async def scenario():
+        log, steps = [], []
+        ranks = RankExecutor([Rank(r, log, engine_s=0.5, steps=steps) for r in range(2)], SETTINGS.chunk_timeout_s)
+        loop = ChunkLoop("g", dataclasses.replace(SETTINGS, quality_ladder="auto"), GroupState(), ranks, Muxer(),
+                         Mailbox(), Metrics(), lambda e: None, model=facts)
+        assert loop.quality_ladder == "auto"
+        boxes = [loop.add(session("a", 10)), loop.add(session("b", 10)), loop.add(session("p", 10, quality="steps3"))]
+        while not any(st == 2 for _, _, st in steps):           # loaded: some chunk down at the floor
+            await asyncio.sleep(0.01)
+        switched = len(steps)
+        loop.set_quality_ladder("off")
+        loop.set_quality_ladder("off")                          # the same mode again: nothing changes
+        assert loop.quality_ladder == "off" and loop.ladder is None
+        for box in boxes:
+            while not isinstance(await box.get(), SessionDone):
+                pass
+        loop.set_quality_ladder("auto")
+        assert loop.ladder is not None and loop.ladder.seats == {}
+        return steps, switched                                  # (asyncio.run cancels the idle loop's tasks)
+
+    steps, switched = asyncio.run(scenario())
+    before, after = steps[:switched], steps[switched:]
+    assert {st for s, _, st in before if s != "p"} >= {2} and after
+    assert {st for s, _, st in after if s != "p"} == {None}      # at full from the next chunk
+    assert {st for s, i, st in after if s == "p"} == {3}          # (all of p's after the switch are past its sink)
