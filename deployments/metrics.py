@@ -21,6 +21,8 @@ class Metrics:
                            "(< 1 is real time)", tag_keys=("group",))
         self.stalls = m.Counter("lingbot_stalls_total", "chunks that arrived after the player ran dry",
                                 tag_keys=("group",))
+        self.chunks = m.Counter("lingbot_chunks_total", "chunks run, by the rung they ran at (quality: full, steps3, "
+                                "steps2)", tag_keys=("group", "quality"))
         self.refusals = m.Counter("lingbot_refusals_total", "refused requests and messages", tag_keys=("code",))
         self.sessions_total = m.Counter("lingbot_sessions_total", "sessions started", tag_keys=("component",))
         self.unknown_fields = m.Counter("lingbot_unknown_start_fields_total", "fields of session starts this server "

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from lingbot.runtime.rungs import step_rung
+
 from ..detach import fresh_task
 from ..session.codes import ErrorCode
 from ..session.events import ChunkReady, GroupEvent, InteractionRefused, ModelFacts, Resumed, SessionDone, SessionFailed
@@ -217,6 +219,7 @@ class ChunkLoop:
                 return
             break
         session.commit_plan(plan)                     # the ranks advanced the session: the chunk is in flight
+        self.metrics.chunks.inc(tags={"group": self.group_id, "quality": step_rung(plan.controls.steps)})
         if self.ladder is not None:
             self.ladder.ran(session, plan.index, plan.controls.steps, max(r.engine_s for r in replies))
         session.snapshots.take(reply.snapshots for reply in replies)

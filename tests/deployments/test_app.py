@@ -389,7 +389,8 @@ def test_metrics_count_what_happened(serve_app):
                ("lingbot_refusals_total", {"code": "invalid_json"}),
                ("lingbot_chunk_interval_seconds_count", {"group": "all"}),
                ("lingbot_stage_seconds_count", {"stage": "decode"}),
-               ("lingbot_stage_seconds_count", {"stage": "probe_0"})]
+               ("lingbot_stage_seconds_count", {"stage": "probe_0"}),
+               ("lingbot_chunks_total", {"quality": "full"})]
 
     def read():
         values = scrape(METRICS_PORT)
@@ -403,7 +404,7 @@ def test_metrics_count_what_happened(serve_app):
     result = run(session(serve_app, 3))
     assert result.error is None
     run(expect_error(serve_app, ["{not json"], "invalid_json"))
-    expected = [b + d for b, d in zip(before, [1, 1, 2, 3, 3])]    # 3 chunks: 2 intervals, 3 decodes
+    expected = [b + d for b, d in zip(before, [1, 1, 2, 3, 3, 3])]    # 3 chunks: 2 intervals, 3 decodes
     deadline = time.monotonic() + 60
     after, values = read()
     while after != expected and time.monotonic() < deadline:

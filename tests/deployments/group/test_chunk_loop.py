@@ -105,7 +105,7 @@ class Metrics:
             self.seen.append(1)
 
     def __init__(self):
-        self.stage, self.rtf, self.stalls = self._Any(), self._Any(), self._Any()
+        self.stage, self.rtf, self.stalls, self.chunks = self._Any(), self._Any(), self._Any(), self._Any()
 
 
 def start(chunks: int, **kw) -> StartRequest:
