@@ -33,7 +33,7 @@ from ..session.requests import Interaction
 from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import peers, sglang
-from .census import GroupCensus, serve_counts
+from .census import GroupCensus
 from .door import TenantLimits, accepted_subprotocol, busy, client_address, host_allowed, origin_allowed, presented_key
 from .fetch import ImageFetcher
 from .headers import SecurityHeaders
@@ -155,15 +155,15 @@ class Ingress:
                 "keeper_keys": kept.get("keys"), "keeper_sessions": kept.get("sessions")}
 
     @app.get("/readyz")
-    def readyz(self):
-        try:
-            running, starting = serve_counts()
-        except Exception as e:
-            return JSONResponse({"ready": False, "reason": f"{type(e).__name__}"}, status_code=503)
-        if running < 1:
-            return JSONResponse({"ready": False, "reason": "no model group is running yet", "starting": starting},
-                                status_code=503)
-        return {"ready": True, "groups": running, "starting": starting}
+    async def readyz(self):
+        # the groups as the admission sees them: Serve's controller asked at most once a second however many
+        # probes come (a crowd's health checks must not queue on the controller); its last answer while it is
+        # unavailable
+        growth = await self.groups.census.growth()
+        if growth.running < 1:
+            return JSONResponse({"ready": False, "reason": "no model group is running yet",
+                                 "starting": growth.starting}, status_code=503)
+        return {"ready": True, "groups": growth.running, "starting": growth.starting}
 
     @app.get("/")
     def index(self):
@@ -179,13 +179,11 @@ class Ingress:
 
     # the peers' descriptions (peers.py): health and version open; those that name the model path need a key
     @app.get("/health")
-    def health(self):
-        """vLLM's: 200 once a group serves (its clients wait on it before their first request), else 503."""
-        try:
-            running, _ = serve_counts()
-        except Exception:
-            running = 0
-        return Response(status_code=200 if running >= 1 else 503)
+    async def health(self):
+        """vLLM's: 200 once a group serves (its clients wait on it before their first request), else 503 (the
+        groups as /readyz sees them)."""
+        growth = await self.groups.census.growth()
+        return Response(status_code=200 if growth.running >= 1 else 503)
 
     @app.get("/version")
     def version(self):
