@@ -17,9 +17,15 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
   is loaded, at full when it is not.
 - A session that pinned a rung (extra_params.quality: full or a rung's name) stays on it and counts its load
   there; the others make room around it. Pinned rungs hold with the ladder off too (`chunk_steps`).
+- Admission (`holds`, `QualityLadder.admits`): a group takes one more session while every session, the new one
+  included, could run at real time at its lowest allowed rung (the floor, or its pinned rung): the load at the
+  floor within target. So a group full at the top rung still takes sessions (they and the others step down)
+  instead of them waiting for a group start, and refuses (capacity_exhausted: the ingress tries another group
+  or waits) once even the floor would not hold. `capacity` says how many sessions of one rate fit at a rung.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -71,6 +77,24 @@ class Ladder:
     def load(self, seats: list[Seat], rungs: Optional[dict[str, int]] = None) -> float:
         rungs = rungs or {}
         return sum((self.cost(rungs.get(s.id, s.rung)) or 0.0) * s.chunks_per_s for s in seats)
+
+    def holds(self, seats: list[Seat], chunks_per_s: float, rung: Optional[int] = None) -> bool:
+        """Whether one more session of `chunks_per_s` (at `rung`; None: the floor) keeps every deadline with each
+        session at its lowest allowed rung (a pinned one at its own, the others at the floor): their load within
+        target. True before anything is measured, and for a session without real-time demand."""
+        if chunks_per_s <= 0 or self.cost(0) is None:
+            return True
+        lowest = {s.id: self.floor if s.pinned is None else s.pinned for s in seats}
+        new = self.floor if rung is None else rung
+        return self.load(seats, lowest) + self.cost(new) * chunks_per_s <= self.target
+
+    def capacity(self, chunks_per_s: float, rung: int, cap: int) -> int:
+        """How many sessions of `chunks_per_s` the group holds at real time, all at `rung`: at most `cap` (the
+        configured one, a hard cap) and at least 1; `cap` before anything is measured."""
+        cost = self.cost(rung)
+        if cost is None or chunks_per_s <= 0:
+            return cap
+        return max(1, min(cap, math.floor(self.target / (cost * chunks_per_s) + 1e-9)))
 
     def decide(self, seats: list[Seat]) -> dict[str, int]:
         """Each seat's rung for its next chunk (changes are also written to the seats)."""
@@ -133,12 +157,32 @@ class QualityLadder:
     def _seat(self, session, now: float) -> Seat:
         seat = self.seats.get(session.id)
         if seat is None:
-            quality = session.start.quality
-            pinned = None if quality == "auto" else [r.name for r in self.ladder.rungs].index(quality)
+            pinned = self.pinned(session.start)
             seat = self.seats[session.id] = Seat(session.id, 0.0, 0.0, rung=pinned or 0, pinned=pinned)
-        seat.chunks_per_s = session.start.fps / self.frames_per_chunk if session.start.paced else 0.0
+        seat.chunks_per_s = self.chunks_per_s(session.start)
         seat.slack_s = session.clock.deadline() - now
         return seat
+
+    def chunks_per_s(self, start) -> float:
+        """A session's chunks per second at real time (0: unpaced, no real-time demand)."""
+        return start.fps / self.frames_per_chunk if start.paced else 0.0
+
+    def pinned(self, start) -> Optional[int]:
+        """The rung a session pinned, as an index into this ladder's rungs (None: the ladder chooses)."""
+        return None if start.quality == "auto" else [r.name for r in self.ladder.rungs].index(start.quality)
+
+    def admits(self, start, sessions, opening: int = 0, default_fps: float = 16.0) -> bool:
+        """Whether the group takes a session of `start` beside `sessions` (and `opening` sessions admitted but not
+        yet running, counted at `default_fps`) with the floor holding for every one of them (Ladder.holds)."""
+        now = time.monotonic()
+        seats = [self._seat(s, now) for s in sessions]
+        seats += [Seat(f"opening-{i}", default_fps / self.frames_per_chunk, 0.0) for i in range(opening)]
+        return self.ladder.holds(seats, self.chunks_per_s(start), self.pinned(start))
+
+    def capacities(self, fps: float, cap: int) -> dict[str, int]:
+        """Sessions of `fps` the group holds at real time at the top rung and at the floor (within `cap`)."""
+        cps = fps / self.frames_per_chunk
+        return {"top": self.ladder.capacity(cps, 0, cap), "floor": self.ladder.capacity(cps, self.ladder.floor, cap)}
 
     def steps_for(self, session, sessions, index: int) -> Optional[int]:
         """The denoising steps of `session`'s chunk `index` (None: all; the sink always runs all)."""

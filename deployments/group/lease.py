@@ -35,8 +35,10 @@ class Leases:
         self.reserved = 0                              # sessions admitted or being admitted
         self.snapshot_seats = snapshot_seats           # which sessions keep snapshots (the host budget's)
 
-    def _refusal(self) -> Optional[SessionFailed]:
-        """Why this group takes no new session now (None: it takes one)."""
+    def _refusal(self, start=None) -> Optional[SessionFailed]:
+        """Why this group takes no new session (of `start`) now (None: it takes one). With the quality ladder on,
+        a group below its cap takes a session only while the floor rung holds for every session
+        (QualityLadder.admits)."""
         if self.state.failed:
             return SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "this group failed and is being replaced; retry")
         if not self.state.takes_sessions:
@@ -44,7 +46,20 @@ class Leases:
                                  "redeploy); retry")
         if self.reserved >= self.capacity:
             return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full")
+        ladder = self.chunks.ladder
+        if start is not None and ladder is not None and self.reserved > 0 and not ladder.admits(
+                start, self.chunks.sessions.values(), self.reserved - len(self.chunks.sessions), self.settings.fps):
+            return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full: its sessions are at the quality "
+                                 "floor's real-time limit")
         return None
+
+    def capacities(self) -> dict:
+        """Sessions at the deployment's fps the group holds: configured (the hard cap), and at real time at the top
+        rung and at the floor as measured on this group (the ladder on; else the configured number for both)."""
+        ladder = self.chunks.ladder
+        measured = {"top": self.capacity, "floor": self.capacity} if ladder is None \
+            else ladder.capacities(self.settings.fps, self.capacity)
+        return {"configured": self.capacity, **measured}
 
     def _snapshot_plan(self, session_id: str, keeper) -> Optional[SnapshotPlan]:
         """How the session's ranks snapshot it: to its ingress's keeper every snapshot_interval_chunks, when it
@@ -66,7 +81,7 @@ class Leases:
         SessionDone (or SessionFailed, or Moving); a resumed session (request.resume) yields Resumed once its
         ranks are where the failed group's were. Cancelling it (client gone, stop) frees the session within
         one step."""
-        refusal = self._refusal()
+        refusal = self._refusal(request.start)
         if refusal is not None:                        # checked and taken before any await: no over-admission
             yield refusal
             return

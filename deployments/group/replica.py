@@ -158,7 +158,8 @@ class WorldGroup:
         settings = {"quality_ladder": self.chunks.quality_ladder}
         if self.leases.snapshot_seats is not None:
             own["snapshot_seats_held"] = len(self.leases.snapshot_seats.holders)
-        return {"group": own, "ranks": ranks, "muxer": muxer, "mailbox": mailbox, "settings": settings}
+        return {"group": own, "ranks": ranks, "muxer": muxer, "mailbox": mailbox, "settings": settings,
+                "capacity": self.leases.capacities()}
 
     # ---- healing ------------------------------------------------------------------------------
     def _watch(self) -> None:

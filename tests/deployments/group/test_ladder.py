@@ -75,6 +75,24 @@ def test_a_pinned_session_keeps_its_rung_counts_its_load_there_and_the_others_ma
     assert ladder().decide([Seat("low", CPS, 1.0, pinned=1)]) == {"low": 1}    # nothing measured yet
 
 
+def test_a_session_is_admitted_while_the_floor_holds_for_everyone_and_capacity_is_counted_per_rung():
+    lad = ladder()
+    assert lad.holds([Seat("a", CPS, 1.0)] * 9, CPS) and lad.capacity(CPS, 0, cap=6) == 6   # nothing measured
+    lad.observe(0, 0.3)                                       # full: 0.3 s a chunk -> 0.40 load per session
+    seats = [Seat("a", CPS, 1.0), Seat("b", CPS, 1.0), Seat("c", CPS, 1.0)]
+    # at the floor (0.61 of full) each is 0.244: three and a new one 0.976 > 0.9, two and a new one 0.73
+    assert not lad.holds(seats, CPS) and lad.holds(seats[:2], CPS)
+    assert lad.holds(seats[:2] + [Seat("u", 0.0, 0.0)], CPS)          # an unpaced session counts no load
+    assert lad.holds(seats, 0.0)                                       # nor does an unpaced newcomer
+    assert lad.holds(seats[:2], CPS, rung=0)                           # one that pins full: 0.4 more, 0.89
+    assert not lad.holds(seats[:2] + [Seat("d", CPS, 1.0, pinned=0)], CPS)   # beside one at full: 1.13
+    pinned = [Seat("a", CPS, 1.0, pinned=0), Seat("b", CPS, 1.0)]
+    assert lad.holds(pinned, CPS) and not lad.holds(pinned + [Seat("c", CPS, 1.0)], CPS)   # 0.4 + 3 x 0.244
+    # how many sessions of 16 fps hold at real time: 2 at full (0.9 / 0.4), 3 at the floor (0.9 / 0.244)
+    assert (lad.capacity(CPS, 0, cap=6), lad.capacity(CPS, 2, cap=6)) == (2, 3)
+    assert lad.capacity(CPS, 2, cap=2) == 2 and lad.capacity(CPS * 10, 0, cap=6) == 1       # within [1, cap]
+
+
 def test_ratios_are_checked():
     with pytest.raises(ValueError, match="ratios"):
         Ladder(STEPS, (1.0, 0.61, 0.81))

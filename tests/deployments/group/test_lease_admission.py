@@ -1,0 +1,55 @@
+"""A group's admission with the quality ladder on, without Ray (the chunk loop's stand-in ranks, muxer and
+mailbox): below its cap, a group takes a session only while the floor rung holds for every session, and its
+census reports the configured, top-rung and floor capacities."""
+import asyncio
+import dataclasses
+
+from deployments.group.chunk_loop import ChunkLoop
+from deployments.group.executor import RankExecutor
+from deployments.group.lease import Leases
+from deployments.group.phase import GroupState
+from deployments.session.codes import ErrorCode
+from deployments.session.events import ModelFacts
+from lingbot.config import get_preset
+from tests.deployments.group.test_chunk_loop import SETTINGS, Mailbox, Metrics, Muxer, Rank, session, start
+
+FACTS = ModelFacts.of(get_preset("tiny"))
+
+
+def leases(settings, capacity=6) -> Leases:
+    ranks = RankExecutor([Rank(0, [], engine_s=0.3)], settings.chunk_timeout_s)
+    loop = ChunkLoop("g", settings, GroupState(), ranks, Muxer(), Mailbox(), Metrics(), lambda e: None, model=FACTS)
+    return Leases("g", settings, loop.state, capacity, FACTS, ranks, Muxer(), Mailbox(), loop, Metrics())
+
+
+def test_with_the_ladder_a_group_below_its_cap_admits_while_the_floor_holds():
+    """Chunks of 0.3 s at full (a 16 fps session: 0.4 of the group at full, 0.24 at the floor): a group of cap 6
+    holds 2 at full and 3 at the floor. Three running: a fourth is refused (capacity_exhausted, which the ingress
+    retries elsewhere or waits on); two running and one opening: refused too; an unpaced one is taken, and so
+    is any one while nothing is measured. With the ladder off, the cap alone decides."""
+    async def scenario():
+        on = leases(dataclasses.replace(SETTINGS, quality_ladder="auto"))
+        assert on.capacities() == {"configured": 6, "top": 6, "floor": 6}          # nothing measured yet
+        for sid in "abc":
+            on.chunks.scheduler.add(session(sid, 50))             # scheduled, the loop not started
+        on.reserved = 3
+        assert on._refusal(start(10)) is None                                      # not measured: the cap
+        on.chunks.ladder.ladder.observe(0, 0.3)
+        assert on.capacities() == {"configured": 6, "top": 2, "floor": 3}
+        refused = on._refusal(start(10))
+        assert refused.code == ErrorCode.CAPACITY_EXHAUSTED and "quality floor" in refused.message
+        assert on._refusal(start(10, paced=False)) is None                         # no real-time demand
+        on.chunks.remove("c")
+        on.reserved = 2
+        assert on._refusal(start(10)) is None                                      # two: the floor holds 3
+        on.reserved = 3                                                            # two running, one opening
+        assert on._refusal(start(10)).code == ErrorCode.CAPACITY_EXHAUSTED
+        off = leases(SETTINGS)
+        for sid in "abcde":
+            off.chunks.scheduler.add(session(sid, 50))
+        off.reserved = 5
+        assert off._refusal(start(10)) is None and off.capacities()["floor"] == 6
+        off.reserved = 6
+        assert off._refusal(start(10)).message == "group is full"
+
+    asyncio.run(scenario())
