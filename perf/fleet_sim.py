@@ -22,6 +22,7 @@ import random
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from deployments.group.scaling import GroupScaling
 from deployments.session.waiting import Growth, WaitingRoom, may_wait
@@ -59,9 +60,11 @@ class Scaling:
 
 @dataclass
 class _Ctx:
-    """The one field of Serve's AutoscalingContext the policy reads."""
+    """The fields of Serve's AutoscalingContext the policy reads (no group reports a measured capacity here: the
+    configured one counts)."""
     total_num_requests: float
     policy_state: dict = field(default_factory=dict)
+    aggregated_metrics: Optional[dict] = None
 
 
 def simulate(rate_per_min: float, mean_length_s: float, hours: float, capacity: int, max_groups: int,

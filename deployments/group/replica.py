@@ -43,6 +43,7 @@ from .messages import DeviceStats, RankInfo
 from .muxer import Muxer
 from .phase import GroupPhase, GroupState
 from .rank import RankWorker
+from .scaling import TOP_CAPACITY
 from .snapshots import SnapshotSeats
 
 log = logging.getLogger("ray.serve")
@@ -142,6 +143,10 @@ class WorldGroup:
             raise ConfigError(f"quality_ladder {mode!r} must be off or auto")
         self.chunks.set_quality_ladder(mode)
         log.info("group %s: quality_ladder %s", self.id, mode)
+
+    def record_autoscaling_stats(self) -> dict:
+        """Serve's custom autoscaling metrics of this group (scaling.py): what it holds at the top rung."""
+        return {TOP_CAPACITY: float(self.leases.capacities()["top"])}
 
     def facts(self) -> ModelFacts:
         """What this group's ranks run (the ingress checks starts against it)."""

@@ -11,21 +11,21 @@ from deployments.group.scaling import GroupScaling, wanted_groups
 from deployments.settings import ServeSettings
 
 
-def context(config: AutoscalingConfig, sessions: float, replicas: int) -> AutoscalingContext:
+def context(config: AutoscalingConfig, sessions: float, replicas: int, metrics=None) -> AutoscalingContext:
     return AutoscalingContext(
         deployment_id=DeploymentID("WorldGroup", "lingbot"), deployment_name="WorldGroup", app_name="lingbot",
         current_num_replicas=replicas, target_num_replicas=replicas, running_replicas=[],
-        total_num_requests=sessions, total_queued_requests=None, aggregated_metrics=None, raw_metrics=None,
+        total_num_requests=sessions, total_queued_requests=None, aggregated_metrics=metrics, raw_metrics=None,
         capacity_adjusted_min_replicas=config.min_replicas, capacity_adjusted_max_replicas=config.max_replicas,
         policy_state={}, last_scale_up_time=None, last_scale_down_time=None, current_time=None, config=config)
 
 
-def decide(settings: ServeSettings, sessions: float, replicas: int) -> int:
+def decide(settings: ServeSettings, sessions: float, replicas: int, metrics=None) -> int:
     """One control-loop decision on the app's own autoscaling config (no delay: the decision itself)."""
     config = AutoscalingConfig(**{**group_autoscaling(settings, settings.sessions_per_group()),
                                   "upscale_delay_s": 0.0, "downscale_delay_s": 0.0})
     policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
-    groups, _ = policy(context(config, sessions, replicas))
+    groups, _ = policy(context(config, sessions, replicas, metrics))
     return min(max(groups, config.min_replicas), config.max_replicas)
 
 
@@ -41,6 +41,20 @@ def test_spare_groups_keep_free_groups_beyond_the_sessions():
     assert [decide(s, n, replicas=2) for n in (0, 1, 2, 3, 4)] == [1, 2, 2, 3, 3]
     assert ServeSettings(device="cuda", rank_devices=1).resolved_spare_groups == 1    # the default on accelerators
     assert ServeSettings().resolved_spare_groups == 0                                  # and on cpu
+
+
+def test_demand_is_counted_at_the_groups_top_rung_capacity_they_report():
+    """A group that holds 1 session at real time at full (the ladder carries the second on a cheaper rung)
+    reports it: 2 sessions ask for 2 groups, where its configured 2 would ask for 1. The smallest report counts,
+    never above the configured cap nor below 1; no report: the configured cap."""
+    from ray.serve._private.common import ReplicaID
+    s = ServeSettings(max_sessions_per_group=2, min_groups=1, max_groups=4)
+    a, b = (ReplicaID(f"r{i}", DeploymentID("WorldGroup", "lingbot")) for i in range(2))
+    assert decide(s, 2, replicas=1) == 1 and decide(s, 2, replicas=1, metrics={}) == 1
+    assert decide(s, 2, replicas=1, metrics={"top_capacity": {a: 1.0}}) == 2
+    assert decide(s, 3, replicas=2, metrics={"top_capacity": {a: 2.0, b: 1.4}}) == 3
+    assert decide(s, 4, replicas=2, metrics={"top_capacity": {a: 7.0, b: 5.0}}) == 2      # the cap: 2
+    assert decide(s, 3, replicas=2, metrics={"top_capacity": {a: 0.0}}) == 3               # at least 1
 
 
 def test_the_policy_refuses_nonsense_at_deploy_time():
