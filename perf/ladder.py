@@ -1,0 +1,94 @@
+"""The quality ladder under load, off against auto, side by side in one run, on a local Serve app of the embedded
+default with the Wan decoder on top (`decoder: wan,tae`; tiny, CPU, SP-2, both groups running, 3 sessions a
+group so that the cap does not hide the load): for 1 to 6 sessions at once, each paced at 16 fps with a key
+press every 2 s, the stall ratio per session (a simulated player, perf/realtime_metrics.py), the share of chunks
+per rung and control-to-display p50. The ladder is switched in place between the two passes (a deploy that
+changes only quality_ladder: docs/architecture.md, "Rungs"), so both see the same groups.
+
+    python -m perf.ladder [--sessions 1,2,3,4,5,6] [--chunks 10] [--output-json perf/results/ladder_tiny_cpu.json]
+
+This machine has 2 cores: Ray is told 4 logical CPUs so that both groups of SP-2 are placed; they then share
+the 2 cores, so the figures compare the two modes on the same machine, not a GPU's throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+
+from perf.local import ensure_serve, wait_for_groups
+from perf.realtime import build_parser, default_image, run_session
+from perf.realtime_metrics import session_metrics
+
+PORT = 18812
+W, H, FPS = 112, 64, 16.0
+
+
+def settings(ladder: str) -> dict:
+    return dict(preset="tiny", device="cpu", sp=2, min_groups=2, max_groups=2, max_sessions_per_group=3,
+                decoder="wan,tae", quality_ladder=ladder, graceful_shutdown_timeout_s=5, admission_wait_s=60,
+                max_sessions_per_key=0, max_starts_per_minute_per_key=0)   # every session comes from one address
+
+
+async def row(n: int, chunks: int, seed: int) -> list[dict]:
+    """n sessions at once; each one's metrics (stall ratio, chunks per rung, control-to-display)."""
+    args = build_parser().parse_args(["--url", f"ws://127.0.0.1:{PORT}/v1/realtime/video", "--num-chunks",
+                                      str(chunks), "--fps", str(FPS), "--control-interval", "2",
+                                      "--seed", str(seed)])
+    image = default_image(W, H)
+    runs = await asyncio.gather(*(run_session(args, i, image, W, H) for i in range(n)))
+    return [session_metrics(r["chunks"], r["wall_s"], FPS, controls=r["controls"]) for r in runs]
+
+
+def summary(mode: str, n: int, sessions: list[dict]) -> dict:
+    rungs: dict = {}
+    for m in sessions:
+        for name, count in m["chunks_per_rung"].items():
+            rungs[name] = rungs.get(name, 0) + count
+    total = sum(rungs.values())
+    shown = [ms for m in sessions for ms in m["control_latencies_ms"]]
+    stalls = [m["playback"]["stall_ratio"] for m in sessions]
+    return {"ladder": mode, "sessions": n, "stall_ratio_mean": statistics.mean(stalls),
+            "stall_ratio_max": max(stalls), "stall_ratio_per_session": stalls,
+            "below_full_share": 1 - rungs.get("full", 0) / total if total else 0.0, "chunks_per_rung": rungs,
+            "control_to_display_p50_ms": statistics.median(shown) if shown else None}
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", default="1,2,3,4,5,6", help="the rows: sessions at once")
+    ap.add_argument("--chunks", type=int, default=10, help="chunks per session (the first 3 are the sink: full)")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+    counts = [int(x) for x in args.sessions.split(",")]
+    from ray import serve
+
+    from deployments.app import build_app
+    ensure_serve(PORT, cpus=4)
+    rows = []
+    for mode in ("off", "auto"):
+        serve.run(build_app(settings(mode)), name="lingbot", route_prefix="/")   # in place after the first
+        wait_for_groups(2)
+        for n in counts:
+            print(f"ladder {mode}: {n} sessions at once ...", file=sys.stderr, flush=True)
+            rows.append(summary(mode, n, asyncio.run(row(n, args.chunks, seed=100 * n))))
+    serve.shutdown()
+    print(f"the quality ladder off and auto (tiny, CPU, SP-2, 2 groups of 3 sessions, Wan decoder, {args.chunks} "
+          f"chunks at 16 fps a session, a key every 2 s; 2 cores, 4 logical CPUs)")
+    print("| sessions | ladder | stall ratio mean | stall ratio max | chunks below full | control -> display p50 |")
+    print("|---|---|---|---|---|---|")
+    for n in counts:
+        for r in (r for r in rows if r["sessions"] == n):
+            p50 = "-" if r["control_to_display_p50_ms"] is None else f"{r['control_to_display_p50_ms']:.0f} ms"
+            print(f"| {n} | {r['ladder']} | {r['stall_ratio_mean']:.1%} | {r['stall_ratio_max']:.1%} | "
+                  f"{r['below_full_share']:.0%} | {p50} |")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
