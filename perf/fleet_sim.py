@@ -12,6 +12,13 @@ them: Poisson arrivals, exponential session lengths, a fixed group start, Serve'
 (min/max_groups, upscale 1 s, downscale 120 s, as deployments/app.py sets them), and scale-down of idle groups
 (Serve picks the newest replica; the drain moves its sessions, so the idle ones are what a drain leaves).
 One-second steps.
+
+With `--floor-capacity N` the quality ladder is on: a group admits up to N sessions (what it holds at real time
+at the floor rung) while the autoscaler counts demand at `--capacity` (the top rung's), as the serving code
+does (docs/architecture.md, "Rungs"); the table adds the share of session time spent below the top rung (a
+group over its top-rung capacity degrades all its sessions, evenly).
+
+    python -m perf.fleet_sim --floor-capacity 3    # 2 sessions a group at full, 3 at the floor
 """
 from __future__ import annotations
 
@@ -69,7 +76,10 @@ class _Ctx:
 
 def simulate(rate_per_min: float, mean_length_s: float, hours: float, capacity: int, max_groups: int,
              min_groups: int, spare_groups: int, start_s: float, max_queue_wait_s: float, admission_wait_s: float,
-             seed: int = 0) -> dict:
+             seed: int = 0, floor_capacity: Optional[int] = None) -> dict:
+    """One row; `capacity` is a group's at the top rung, `floor_capacity` at the floor (None: the ladder off)."""
+    admits = capacity if floor_capacity is None else max(capacity, floor_capacity)
+    below_top_s = session_s = 0
     rng = random.Random(seed)
     fleet = Fleet(capacity, max_groups, min_groups, start_s, [[0.0, 0] for _ in range(min_groups)])
     scaling = Scaling(GroupScaling(capacity, spare_groups), min_groups)
@@ -89,14 +99,18 @@ def simulate(rate_per_min: float, mean_length_s: float, hours: float, capacity: 
             ends.remove(end)
             end[1][1] -= 1
         running = [g for g in fleet.groups if g[0] <= now]
-        for group in running:                        # admit in arrival order where a slot is free
-            while queue and group[1] < capacity:
+        # admit in arrival order where a slot is free: at the top rung first, then (the ladder on) at the floor
+        for group in [g for cap in dict.fromkeys((capacity, admits)) for g in running if g[1] < cap]:
+            cap = capacity if group[1] < capacity else admits
+            while queue and group[1] < cap:
                 sid, arrived, length = queue.popleft()
                 room.leave(sid, admitted=True, now=now)
                 group[1] += 1
                 ends.append((now + length, group))
                 waits.append(now - arrived)
                 served += 1
+        session_s += sum(g[1] for g in running)
+        below_top_s += sum(g[1] for g in running if g[1] > capacity)
         starting = len(fleet.groups) - len(running)
         growth = Growth(len(running), starting, max_groups, start_s)
         wait, stuck_since = may_wait(growth, now, stuck_since, admission_wait_s)   # (a group admits at once here)
@@ -116,7 +130,8 @@ def simulate(rate_per_min: float, mean_length_s: float, hours: float, capacity: 
             "served": served, "refused": refused, "waiting_at_end": len(queue),
             "wait_p50_s": _quantile(waits, 0.5), "wait_p99_s": _quantile(waits, 0.99),
             "group_hours": round(group_s / 3600, 1),
-            "group_hours_per_served": round(group_s / 3600 / max(served, 1), 3)}
+            "group_hours_per_served": round(group_s / 3600 / max(served, 1), 3),
+            "below_top_share": round(below_top_s / max(session_s, 1), 3)}
 
 
 def _quantile(values: list, q: float) -> float:
@@ -134,7 +149,9 @@ def main(argv=None) -> int:
     p.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2, 4], help="spare_groups values")
     p.add_argument("--mean-length-s", type=float, default=300.0, help="mean session length (exponential)")
     p.add_argument("--hours", type=float, default=4.0, help="simulated time per row")
-    p.add_argument("--capacity", type=int, default=2, help="sessions per group")
+    p.add_argument("--capacity", type=int, default=2, help="sessions per group (at the top rung)")
+    p.add_argument("--floor-capacity", type=int, default=None,
+                   help="sessions per group at the quality floor (the ladder on; default: off)")
     p.add_argument("--max-groups", type=int, default=64)
     p.add_argument("--min-groups", type=int, default=1)
     p.add_argument("--start-s", type=float, default=180.0, help="group start (load, warm-up, compile)")
@@ -144,18 +161,20 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     rows = []
-    print(f"fleet: capacity {a.capacity}/group, groups {a.min_groups}..{a.max_groups}, group start {a.start_s:g} s, "
-          f"sessions {a.mean_length_s:g} s on average, {a.hours:g} h per row", flush=True)
+    ladder = "" if a.floor_capacity is None else f" at the top rung, {a.floor_capacity} at the floor"
+    print(f"fleet: capacity {a.capacity}/group{ladder}, groups {a.min_groups}..{a.max_groups}, group start "
+          f"{a.start_s:g} s, sessions {a.mean_length_s:g} s on average, {a.hours:g} h per row", flush=True)
     print("| arrivals/min | spare_groups | arrived | served | refused | wait p50 (s) | wait p99 (s) | group-hours "
-          "| group-hours per session |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| group-hours per session | below top rung |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rate in a.rates:
         for spare in a.spares:
             r = simulate(rate, a.mean_length_s, a.hours, a.capacity, a.max_groups, a.min_groups, spare, a.start_s,
-                         a.max_queue_wait_s, a.admission_wait_s, a.seed)
+                         a.max_queue_wait_s, a.admission_wait_s, a.seed, a.floor_capacity)
             rows.append(r)
             print(f"| {rate:g} | {spare} | {r['arrived']} | {r['served']} | {r['refused']} | {r['wait_p50_s']} | "
-                  f"{r['wait_p99_s']} | {r['group_hours']} | {r['group_hours_per_served']} |", flush=True)
+                  f"{r['wait_p99_s']} | {r['group_hours']} | {r['group_hours_per_served']} | "
+                  f"{r['below_top_share']:.1%} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
