@@ -53,6 +53,7 @@ from .timing import (
     stage_graphs,
     stage_interleaving,
     stage_no_sync,
+    stage_rungs,
     stage_setup,
 )
 
@@ -118,6 +119,9 @@ STAGES = (
     Stage("compiled", "regional compile", stage_compiled, lambda c: _estimate_compiled(c, 1.0),
           regions="compiled", risk=1, builds_mode=True),
     Stage("no_sync", "no host sync on the DiT step path", stage_no_sync, lambda c: 3 * c.chunk_s()[0],
+          regions="compiled", risk=1),
+    Stage("rungs", "the quality ladder's step rungs past the sink", stage_rungs,
+          lambda c: (max(c.warm, c.preset.transformer.sink_chunks) + 3 * c.steady) * c.chunk_s()[0],
           regions="compiled", risk=1),
     Stage("snapshots", "snapshots on this host; their copies against the chunk", stage_snapshots,
           _estimate_snapshots, regions="compiled", risk=1),

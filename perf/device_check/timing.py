@@ -1,6 +1,7 @@
 """The device check's timing stages: setup (the matmul peak, the pipeline, the attention kernel), the DiT
 and the whole chunk eager, compiled and as CUDA graphs (with one denoising step and the latents against
-eager's), no host sync on the DiT step path, and two sessions interleaved; and the chunk loops they share
+eager's), no host sync on the DiT step path, two sessions interleaved and the quality ladder's step rungs; and
+the chunk loops they share
 (`_dit_chunks`, `_whole_chunks`, `_prime_conditions`). Each keeps its figures as it measures them."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lingbot.builder import build_pipeline
 from lingbot.io.images import model_image
 from lingbot.runtime.attention import choose_for_steady_state
 from lingbot.runtime.condition import CONDITION_CACHE_CHUNKS, CausalConditionEncoder, LatentCondition
+from lingbot.runtime.rungs import RUNGS, forward_ratio
 from lingbot.transfer import to_device
 from perf.cost_model import matmul_peak
 
@@ -222,3 +224,25 @@ def stage_interleaving(c: Check, chunks: int = 3) -> None:
         b.run_chunk(KEYS)
     _sync(c.device)
     c.keep(regions=c.mode, chunks=chunks, intact=all(torch.equal(x, y) for x, y in zip(reference, again)))
+
+
+def stage_rungs(c: Check) -> None:
+    """The quality ladder's step rungs (lingbot/runtime/rungs.py) timed on one DiT session past its sink:
+    `steady` chunks at each rung in turn, their medians and their ratio to full's beside the cost model's
+    forward ratio (perf/rungs.py has the modelled TFLOP)."""
+    cfg = c.preset.transformer
+    warm = max(c.warm, cfg.sink_chunks)                # the sink runs every step whatever the rung
+    rungs = [r for r in RUNGS if r.decoder is None]
+    frames = cfg.num_frames_per_block * (warm + c.steady * len(rungs))
+    latents = c.latents.repeat(1, -(-frames // c.latents.shape[1]), 1, 1)[:, :frames]
+    session = c.pipe.runner.new_session(LatentCondition(latents), text_embedding=c.text, seed=2)
+    for _ in range(warm):
+        session.run_chunk(KEYS)
+    steady = {}
+    for rung in rungs:
+        times = [_timed(c.device, partial(session.run_chunk, KEYS, steps=rung.steps))[0] for _ in range(c.steady)]
+        steady[rung.name] = statistics.median(times)
+        c.progress(f"  {c.mode}: rung {rung.name} {steady[rung.name]:.2f} s a DiT chunk")
+    c.keep(regions=c.mode, rung_steady_s=steady,
+           rung_ratio={name: s / steady["full"] for name, s in steady.items()},
+           rung_forward_ratio={r.name: forward_ratio(len(c.preset.sampler.timesteps), r.steps) for r in rungs})

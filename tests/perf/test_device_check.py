@@ -41,7 +41,7 @@ def test_device_check_runs_end_to_end_on_cpu_and_a_late_failure_keeps_its_figure
     assert all(r["flags"] == serving for r in report["stages"].values())
     regions = {name: r.get("regions") for name, r in report["stages"].items() if r.get("regions")}
     assert regions == {"eager_dit": "eager", "eager_whole": "eager", "compiled": "compiled", "no_sync": "compiled",
-                       "snapshots": "compiled", "memory": "compiled", "graphs": "compiled+graphs",
+                       "rungs": "compiled", "snapshots": "compiled", "memory": "compiled", "graphs": "compiled+graphs",
                        "interleaving": "compiled"}                 # graphs broke: the compiled regions stand in
     for name, mode in regions.items():
         assert report["stages"][name]["figures"].get("regions", mode) == mode
@@ -58,6 +58,9 @@ def test_device_check_runs_end_to_end_on_cpu_and_a_late_failure_keeps_its_figure
         assert modes[name]["chunk0_within_tolerance"] and modes[name]["chunk0_relative_diff"] < 1e-5
         assert modes[name]["vs_eager_max_abs"] < 1e-5
     assert figures["interleaving"]["intact"]
+    rungs = figures["rungs"]                           # each step rung timed past the sink, beside the model's ratio
+    assert set(rungs["rung_steady_s"]) == {"full", "steps3", "steps2"} and rungs["rung_ratio"]["full"] == 1.0
+    assert rungs["rung_forward_ratio"] == {"full": 1.0, "steps3": 0.8, "steps2": 0.6}
     # the whole chunks replay the first frame's conditions (primed to the fixed point), in every mode
     whole = figures["eager_whole"]
     assert whole["condition_fixed_point_chunk"] is not None and whole["condition_encode_s"]

@@ -37,7 +37,8 @@ def test_stages_run_in_order_of_risk_with_graphs_after_memory_and_each_declares_
     assert all(names.index(n) < graphs for n in ("memory", "snapshots", "no_sync", "compiled", "comm"))
     assert {s.name: s.regions for s in STAGES if s.regions} == {
         "eager_dit": "eager", "eager_whole": "eager", "compiled": "compiled", "no_sync": "compiled",
-        "snapshots": "compiled", "memory": "compiled", "graphs": "compiled+graphs", "interleaving": "compiled+graphs"}
+        "rungs": "compiled", "snapshots": "compiled", "memory": "compiled", "graphs": "compiled+graphs",
+        "interleaving": "compiled+graphs"}
     assert {s.name for s in STAGES if s.builds_mode} == {"compiled", "graphs"}
     assert max(s.risk for s in STAGES) == STAGES[names.index("graphs")].risk
 
