@@ -196,45 +196,6 @@ def test_every_nodes_proxy_reaches_sessions_on_both_groups(cluster):
             assert sum(c["num_frames"] for c in r.chunks) == 21
 
 
-def serve_apps() -> dict:
-    """Serve's applications as its REST API details them (deployments, their config, their replicas)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{DASHBOARD_PORT}/api/serve/applications/",
-                                 headers={"Authorization": f"Bearer {TOKEN_FILE.read_text().strip()}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())["applications"]
-
-
-def test_the_quality_ladder_is_switched_in_place_by_serve_deploy(cluster, tmp_path):
-    """`quality_ladder` changed in the config and `serve deploy`ed again is a lightweight update: the groups'
-    replicas stay (the same actors, none started), their user_config is the new mode (WorldGroup.reconfigure
-    applies it); and back."""
-    def group_replicas(apps):
-        group = apps["lingbot"]["deployments"]["WorldGroup"]
-        return group["deployment_config"].get("user_config"), {r["actor_id"] for r in group["replicas"]}, \
-            group["status"]
-
-    before_config, before, _ = group_replicas(serve_apps())
-    assert before_config == {"quality_ladder": "off"} and len(before) == 2
-    for mode in ("auto", "off"):
-        config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-        config["http_options"]["port"] = HEAD_PROXY
-        config["applications"][0]["args"] = {**config["applications"][0]["args"], **SETTINGS, "quality_ladder": mode}
-        path = tmp_path / f"serve_config_{mode}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        deployed = subprocess.run([str(BIN / "serve"), "deploy", str(path), "--address",
-                                   f"http://127.0.0.1:{DASHBOARD_PORT}"], env={**os.environ, **TOKEN_ENV},
-                                  capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        deadline, seen = time.monotonic() + 120, None
-        while time.monotonic() < deadline:
-            seen = group_replicas(serve_apps())
-            if seen[0] == {"quality_ladder": mode} and seen[2] == "HEALTHY":
-                break
-            time.sleep(1)
-        assert seen[0] == {"quality_ladder": mode} and seen[2] == "HEALTHY", seen
-        assert seen[1] == before, (mode, seen[1], before)        # the same replicas: updated in place
-
-
 def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):
     """Kill the raylet of the worker node that does not hold the ingress, while a session streams on each
     group. The other group's session streams on, untouched. The lost one waits (the other group is full),

@@ -354,8 +354,8 @@ def metric(values, name, **labels):
 
 def test_the_group_reports_its_ladder_mode_and_capacities(serve_app):
     """The group census: the quality ladder's mode as Serve's user_config set it (WorldGroup.reconfigure; a
-    `serve deploy` that changes it updates the running groups in place: tests/cluster/test_multinode.py) and
-    its capacities (the ladder off: the configured 2 at every rung)."""
+    `serve deploy` that changes it is a lightweight update of the running groups) and its capacities (the
+    ladder off: the configured 2 at every rung)."""
     from perf.soak import census
     group = census("lingbot")["group"]
     assert group["settings"] == {"quality_ladder": "off"}
