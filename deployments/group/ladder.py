@@ -185,9 +185,8 @@ class QualityLadder:
         return {"top": self.ladder.capacity(cps, 0, cap), "floor": self.ladder.capacity(cps, self.ladder.floor, cap)}
 
     def steps_for(self, session, sessions, index: int) -> Optional[int]:
-        """The denoising steps of `session`'s chunk `index` (None: all; the sink always runs all)."""
-        if index < sink_chunks(session, self.sink_chunks):
-            return None
+        """The denoising steps the ladder gives `session`'s chunk `index`, one past its sink (chunk_steps keeps the
+        sink at all of them); None: all."""
         now = time.monotonic()
         rungs = self.ladder.decide([self._seat(s, now) for s in sessions])
         return self.ladder.rungs[rungs[session.id]].steps

@@ -24,7 +24,7 @@ from deployments.session.events import (
 )
 from deployments.session.requests import Interaction, StartRequest
 from deployments.settings import ServeSettings
-from lingbot.config import get_preset
+from lingbot.config import ConfigError, get_preset
 
 GEOMETRY = get_preset("tiny").geometry
 SETTINGS = ServeSettings(pacing="fixed", pacing_lead_s=100.0, chunk_timeout_s=5.0, max_queued_controls=2)
@@ -275,6 +275,12 @@ def test_the_ladder_turned_off_while_sessions_run_puts_them_at_full_from_their_n
         switched = len(steps)
         loop.set_quality_ladder("off")
         loop.set_quality_ladder("off")                          # the same mode again: nothing changes
+        try:
+            loop.set_quality_ladder("on")                       # checked as the setting is
+        except ConfigError as e:
+            assert str(e) == "quality_ladder 'on' must be off or auto"
+        else:
+            raise AssertionError("quality_ladder 'on' was taken")
         assert loop.quality_ladder == "off" and loop.ladder is None
         for box in boxes:
             while not isinstance(await box.get(), SessionDone):
