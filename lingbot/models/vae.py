@@ -80,12 +80,39 @@ class CausalCache:
 # ---------------------------------------------------------------------------------------------------
 # layers
 # ---------------------------------------------------------------------------------------------------
+def cpu_fast(x: Tensor, exact: bool) -> bool:
+    """Whether the CPU kernels below replace the ones PyTorch picks: float32 on the CPU, unless `exact`."""
+    return not exact and x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def conv3d(x: Tensor, conv: nn.Conv3d, exact: bool = False) -> Tensor:
+    """`conv`'s weights over the already padded `x`. On the CPU, float32 runs oneDNN's convolution for every
+    shape: PyTorch's own choice sends a 3D input with N*C*T*H <= 20480 (every tiny-preset layer, the VAE's
+    narrow ones at small sizes) to its im2col fallback, 2.5-6x slower here. Other devices and `exact` (the
+    kernel PyTorch picks, as diffusers runs it) take F.conv3d. The two agree to float rounding, not bitwise."""
+    if cpu_fast(x, exact) and torch.backends.mkldnn.is_available():
+        return torch.ops.aten.mkldnn_convolution(x.contiguous(), conv.weight, conv.bias, [0, 0, 0],
+                                                 list(conv.stride), list(conv.dilation), conv.groups)
+    return F.conv3d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+
+def normalize_channels(x: Tensor, exact: bool = False) -> Tensor:
+    """x / max(||x||_2 over dim 1, 1e-12), F.normalize's formula. On the CPU (float32, not `exact`) the norm
+    is the square root of a plain sum of squares: linalg's norm reduces a strided channel axis ~20x slower
+    here. Equal to F.normalize to float rounding (a few 1e-8), not bitwise."""
+    if cpu_fast(x, exact):
+        return x / (x * x).sum(dim=1, keepdim=True).sqrt().clamp_min(1e-12)
+    return F.normalize(x, dim=1)
+
+
 class CausalConv3d(nn.Conv3d):
     """Conv3d padded causally in time (2*p frames in front, none behind), zero padded in space.
 
-    With a cache, the 2 frames before the input come from the cache instead of zeros."""
+    With a cache, the 2 frames before the input come from the cache instead of zeros. `exact` takes the
+    kernel PyTorch picks on the CPU too (conv3d above; WanVAE.use_exact_kernels)."""
 
     cache_key: str = ""
+    exact: bool = False
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
@@ -96,7 +123,7 @@ class CausalConv3d(nn.Conv3d):
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         if self.time_pad == 0:
-            return super().forward(F.pad(x, (*self.space_pad, 0, 0)))
+            return conv3d(F.pad(x, (*self.space_pad, 0, 0)), self, self.exact)
         front = self.time_pad
         if cache is not None:
             previous = cache.get(self.cache_key)
@@ -105,11 +132,14 @@ class CausalConv3d(nn.Conv3d):
             if previous is not None:
                 x = history
                 front -= previous.shape[2]
-        return super().forward(F.pad(x, (*self.space_pad, front, 0)))
+        return conv3d(F.pad(x, (*self.space_pad, front, 0)), self, self.exact)
 
 
 class RMSNorm(nn.Module):
-    """Wan's RMS_norm over channels: F.normalize(x, dim=1) * sqrt(dim) * gamma (fp32 for half inputs)."""
+    """Wan's RMS_norm over channels: F.normalize(x, dim=1) * sqrt(dim) * gamma (fp32 for half inputs); the
+    norm as normalize_channels computes it (`exact`: F.normalize's own)."""
+
+    exact: bool = False
 
     def __init__(self, dim: int, images: bool = False):
         super().__init__()
@@ -118,7 +148,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return F.normalize(xf, dim=1).to(x.dtype) * self.scale * self.gamma
+        return normalize_channels(xf, self.exact).to(x.dtype) * self.scale * self.gamma
 
 
 class ResidualBlock(nn.Module):
@@ -310,6 +340,15 @@ class WanVAE(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.quant_conv.weight.dtype
+
+    def use_exact_kernels(self, exact: bool = True) -> WanVAE:
+        """Run PyTorch's own kernel choice on the CPU too (as diffusers' AutoencoderKLWan runs), bitwise its
+        output; the default (False) runs the faster CPU kernels of conv3d and normalize_channels, equal to it
+        to float rounding. No effect off the CPU."""
+        for module in self.modules():
+            if isinstance(module, (CausalConv3d, RMSNorm)):
+                module.exact = exact
+        return self
 
     def encode(self, video: Tensor, cache: CausalCache) -> Tensor:
         """Pixels [B, 3, T, H, W] in [-1, 1] -> normalised latents (the posterior mode) [B, 16, t, h, w].

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import split_range, split_sizes
-from ..models.vae import CACHE_FRAMES, AttentionBlock, CausalCache, CausalConv3d, FrameDecoder, WanVAE
+from ..models.vae import CACHE_FRAMES, AttentionBlock, CausalCache, CausalConv3d, FrameDecoder, WanVAE, conv3d
 from .comm import Comm
 from .pixels import DEFAULT_PIXEL_MODE, assemble_frames, check_pixel_mode
 
@@ -72,7 +72,7 @@ class HaloCausalConv3d(nn.Module):
         buf = assemble_halo_input(x, from_left, from_right, self.pad_h, pw, history, self.conv.time_pad)
         if cache is not None and self.conv.time_pad:
             cache.put(self.cache_key, buf[:, :, -CACHE_FRAMES:].clone())
-        return F.conv3d(buf, self.conv.weight, self.conv.bias, self.conv.stride)
+        return conv3d(buf, self.conv, self.conv.exact)
 
 
 class HaloConv2d(nn.Module):

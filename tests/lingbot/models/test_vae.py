@@ -1,4 +1,5 @@
-"""Our Wan VAE against diffusers' AutoencoderKLWan, streaming decode, strict loading, uint8 pixels."""
+"""Our Wan VAE against diffusers' AutoencoderKLWan (bitwise with PyTorch's own kernel choice, to float rounding
+with the CPU's faster kernels, the default), streaming decode, strict loading, uint8 pixels."""
 import diffusers
 import numpy as np
 import pytest
@@ -19,14 +20,22 @@ def vae_pair():
     return ours, theirs
 
 
+@pytest.fixture()
+def exact_pair(vae_pair):
+    """The pair with ours on the kernels PyTorch picks, as diffusers' layers run them."""
+    ours, theirs = vae_pair
+    yield ours.use_exact_kernels(), theirs
+    ours.use_exact_kernels(False)
+
+
 def _norm(cfg):
     mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
     return mean, inv_std
 
 
-def test_encode_equals_diffusers_bitwise(vae_pair):
-    ours, theirs = vae_pair
+def test_encode_equals_diffusers_bitwise(exact_pair):
+    ours, theirs = exact_pair
     video = torch.rand(1, 3, 9, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     mean, inv_std = _norm(CFG)
     with torch.no_grad():
@@ -36,8 +45,8 @@ def test_encode_equals_diffusers_bitwise(vae_pair):
     assert torch.equal(got, expected)
 
 
-def test_whole_clip_decode_equals_diffusers_bitwise(vae_pair):
-    ours, theirs = vae_pair
+def test_whole_clip_decode_equals_diffusers_bitwise(exact_pair):
+    ours, theirs = exact_pair
     latents = torch.randn(1, 16, 4, 4, 6, generator=torch.Generator().manual_seed(1))
     mean, inv_std = _norm(CFG)
     with torch.no_grad():
@@ -45,6 +54,29 @@ def test_whole_clip_decode_equals_diffusers_bitwise(vae_pair):
         got = ours.decode(latents, CausalCache())
     assert got.shape == (1, 3, 13, 32, 48)
     assert torch.equal(got, expected)
+
+
+def test_the_cpu_kernels_are_onednns_conv_and_a_plain_norm_and_agree_with_diffusers_to_rounding(vae_pair):
+    """The default on the CPU: every causal conv runs oneDNN's convolution (PyTorch's own choice sends these
+    small inputs to its im2col fallback) and the RMS norm a plain sum of squares; encode and decode then
+    agree with diffusers' to float rounding."""
+    from torch.profiler import ProfilerActivity, profile
+    ours, theirs = vae_pair
+    video = torch.rand(1, 3, 9, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = torch.randn(1, 16, 4, 4, 6, generator=torch.Generator().manual_seed(1))
+    mean, inv_std = _norm(CFG)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        got_latents = ours.encode(video, CausalCache())
+        got_pixels = ours.decode(latents, CausalCache())
+    ops = {e.key: e.count for e in prof.key_averages()}
+    assert ops.get("aten::mkldnn_convolution", 0) > 0 and "aten::slow_conv3d_forward" not in ops
+    assert "aten::linalg_vector_norm" not in ops
+    with torch.no_grad():
+        expected_latents = (theirs.encode(video).latent_dist.mode() - mean) * inv_std
+        expected_pixels = theirs.decode(latents / inv_std + mean).sample
+    assert not torch.equal(got_latents, expected_latents)          # other kernels: not bitwise
+    torch.testing.assert_close(got_latents, expected_latents, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got_pixels, expected_pixels, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("split,frame_counts", [((1, 3, 3, 3), [1, 12, 12, 12]), ((3, 3, 3, 3), [9, 12, 12, 12])])
