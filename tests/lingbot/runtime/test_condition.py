@@ -33,22 +33,61 @@ def test_chunked_condition_equals_whole_clip_encode(tiny, tiny_vae):
     assert torch.count_nonzero(chunked[:4, 1:]) == 0
 
 
-def test_fixed_point_is_detected_and_changes_nothing(tiny, tiny_pipeline):
-    chunks = FIXED_POINT_CHUNK_TINY + 3        # the fixed point, then chunks that skip the encoder
-    image = random_image(tiny, seed=5)
-    outputs = {}
-    for skip in (True, False):
-        tiny_pipeline.skip_fixed_point = skip
-        session = tiny_pipeline.new_session(image, "a desert road", seed=8)
-        frames = [session.step().frames for _ in range(chunks)]
-        outputs[skip] = (torch.cat(frames), session.condition)
-    tiny_pipeline.skip_fixed_point = True
-    on, off = outputs[True], outputs[False]
+# one first frame, prompt and seed for the pipeline tests below, on a pipeline of their own (an empty cache)
+IMAGE_SEED, PROMPT, SEED = 8, "a harbour", 3
+CHUNKS = FIXED_POINT_CHUNK_TINY + 3        # the fixed point, then chunks that skip the encoder
+
+
+@pytest.fixture(scope="module")
+def cold(tiny, tiny_runner, tiny_vae):
+    """A pipeline of its own (skip_fixed_point on, an empty condition cache) and the first session on it:
+    its first frame encoded up to the fixed point (and cached), its frames chunk by chunk over CHUNKS chunks.
+    The session with the skip off and the session replaying the cache are each compared with it."""
+    from lingbot.runtime.pipeline import WorldPipeline
+    pipeline = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True)
+    session = pipeline.new_session(random_image(tiny, seed=IMAGE_SEED), PROMPT, seed=SEED)
+    frames = [session.step().frames for _ in range(CHUNKS)]
+    assert len(pipeline.condition_cache.entries) == 1                   # its first frame, cached
+    return pipeline, session, frames
+
+
+def test_fixed_point_is_detected_and_changes_nothing(tiny, cold):
+    pipeline, on, on_frames = cold
+    pipeline.skip_fixed_point = False                                   # the same session with the skip off
+    try:
+        off = pipeline.new_session(random_image(tiny, seed=IMAGE_SEED), PROMPT, seed=SEED)
+        off_frames = [off.step().frames for _ in range(CHUNKS)]
+    finally:
+        pipeline.skip_fixed_point = True
+    on, off = (torch.cat(on_frames), on.condition), (torch.cat(off_frames), off.condition)
     assert on[1].fixed_point_chunk == FIXED_POINT_CHUNK_TINY
     assert on[1].encoded_chunks == FIXED_POINT_CHUNK_TINY + 1          # no encoder runs after the fixed point
-    assert off[1].fixed_point_chunk is None and off[1].encoded_chunks == chunks
-    assert on[0].shape == (chunks * 12 - 3, tiny.height, tiny.width, 3)
+    assert off[1].fixed_point_chunk is None and off[1].encoded_chunks == CHUNKS
+    assert on[0].shape == (CHUNKS * 12 - 3, tiny.height, tiny.width, 3)
     assert torch.equal(on[0], off[0])                                   # bit-identical, after the fixed point too
+
+
+def test_a_first_frame_seen_before_replays_its_conditions_bitwise(tiny, tiny_runner, tiny_vae, cold):
+    """The second session from the same image runs no encoder and gives the same frames, bit for bit; a
+    different image misses the cache; the cache stays within its bounds."""
+    from lingbot.runtime.pipeline import WorldPipeline
+    pipeline, cold, cold_frames = cold                     # the first session from the image, on an empty cache
+    image = random_image(tiny, seed=IMAGE_SEED)
+    assert cold.condition.fixed_point_chunk is not None and cold.condition.encoded_chunks > 0
+    warm = pipeline.new_session(image.clone(), PROMPT, seed=SEED)
+    assert warm.condition.replay is None                     # the cache is read in the first chunk, not before
+    warm_frames = [warm.step().frames for _ in range(FIXED_POINT_CHUNK_TINY + 2)]
+    assert warm.condition.replay is not None and warm.condition.encoded_chunks == 0   # the encoder never ran
+    assert all(torch.equal(a, b) for a, b in zip(cold_frames[:len(warm_frames)], warm_frames, strict=True))
+    other = pipeline.new_session(random_image(tiny, seed=9), PROMPT, seed=SEED)
+    other.step()
+    assert other.condition.replay is None
+    replayed = len(pipeline.condition_cache.get(warm.condition.key))
+    assert replayed == cold.condition.fixed_point_chunk + 1 <= pipeline.condition_cache.max_chunks
+    off = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True, condition_cache=False)
+    uncached = off.new_session(image, PROMPT, seed=SEED)
+    uncached.step()
+    assert uncached.condition.replay is None and uncached.condition.encoded_chunks == 1
 
 
 def test_reset_re_encodes(tiny, tiny_vae):
@@ -94,32 +133,6 @@ def test_uncommitted_chunk_is_not_kept(tiny, tiny_vae):
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="condition for chunk 1 asked; the encoder is at chunk 0"):
         encoder.chunk_condition(1)
-
-
-def test_a_first_frame_seen_before_replays_its_conditions_bitwise(tiny, tiny_runner, tiny_vae):
-    """The second session from the same image runs no encoder and gives the same frames, bit for bit; a
-    different image misses the cache; the cache stays within its bounds."""
-    from lingbot.runtime.pipeline import WorldPipeline
-    pipeline = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True)         # its own, empty cache
-    image = random_image(tiny, seed=8)
-    cold = pipeline.new_session(image, "a harbour", seed=3)
-    cold_frames = [cold.step().frames for _ in range(FIXED_POINT_CHUNK_TINY + 2)]
-    assert cold.condition.fixed_point_chunk is not None and cold.condition.encoded_chunks > 0
-    assert len(pipeline.condition_cache.entries) == 1
-    warm = pipeline.new_session(image.clone(), "a harbour", seed=3)
-    assert warm.condition.replay is None                     # the cache is read in the first chunk, not before
-    warm_frames = [warm.step().frames for _ in range(FIXED_POINT_CHUNK_TINY + 2)]
-    assert warm.condition.replay is not None and warm.condition.encoded_chunks == 0   # the encoder never ran
-    assert all(torch.equal(a, b) for a, b in zip(cold_frames, warm_frames))
-    other = pipeline.new_session(random_image(tiny, seed=9), "a harbour", seed=3)
-    other.step()
-    assert other.condition.replay is None
-    replayed = len(pipeline.condition_cache.get(warm.condition.key))
-    assert replayed == cold.condition.fixed_point_chunk + 1 <= pipeline.condition_cache.max_chunks
-    off = WorldPipeline(tiny_runner, tiny_vae, skip_fixed_point=True, condition_cache=False)
-    uncached = off.new_session(image, "a harbour", seed=3)
-    uncached.step()
-    assert uncached.condition.replay is None and uncached.condition.encoded_chunks == 1
 
 
 def _round_trip(encoder, new, chunks_after=2):
