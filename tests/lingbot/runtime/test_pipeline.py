@@ -82,20 +82,6 @@ class ForbidHostReads:
             setattr(torch.Tensor, name, original)
 
 
-def test_steady_whole_chunks_read_nothing_back_but_their_frames(tiny, tiny_pipeline):
-    session = tiny_pipeline.new_session(random_image(tiny, seed=4), "a harbour", seed=5)
-    while session.condition.fixed_latents is None:          # the encoder's fixed point: the steady state
-        session.step(Controls(keys=("w", "", "l")))
-    steady = 3
-    with ForbidHostReads(allow_frame_copies=steady) as guard:
-        for _ in range(steady):
-            chunk = session.step(Controls(keys=("w", "i", "j")))
-            chunk.frames.cpu()
-    assert guard.allowed == 0
-    with ForbidHostReads(), pytest.raises(AssertionError, match=r"host read on the step path: Tensor.item"):
-        torch.ones(2).sum().item()                          # the guard does catch a read
-
-
 def owned_bytes(root, shared) -> int:
     """Bytes of the tensor storages reachable from `root`, not through `shared` objects or modules (the
     weights): what one session holds."""
@@ -115,23 +101,45 @@ def owned_bytes(root, shared) -> int:
     return sum(storages.values())
 
 
-def test_the_budget_covers_what_a_session_holds(tiny, tiny_pipeline):
+@pytest.fixture(scope="module")
+def past_the_fixed_point(tiny, tiny_pipeline):
+    """One session (a first frame no test replays: its condition is encoded) run chunk by chunk to one chunk
+    past its condition's fixed point (chunk 10), and what it owned after every chunk: the bytes of its
+    tensors, then of its K/V window and its decoder cache. The steady-state test goes on with it."""
+    pipeline = tiny_pipeline
+    session = pipeline.new_session(random_image(tiny, seed=1234), "a castle", seed=0)
+    held = []
+    for _ in range(12):
+        session.step(Controls(keys=("w", "", "l")))
+        held.append(owned_bytes(session, [pipeline, pipeline.runner, pipeline.vae, pipeline.decoder,
+                                          pipeline.condition_cache]))        # shared: counted once per rank
+    return session, held, owned_bytes(session.dit.kv, []), session.decoder_cache.nbytes()
+
+
+def test_steady_whole_chunks_read_nothing_back_but_their_frames(past_the_fixed_point):
+    session = past_the_fixed_point[0]
+    assert session.condition.fixed_latents is not None       # the encoder's fixed point: the steady state
+    steady = 3
+    with ForbidHostReads(allow_frame_copies=steady) as guard:
+        for _ in range(steady):
+            chunk = session.step(Controls(keys=("w", "i", "j")))
+            chunk.frames.cpu()
+    assert guard.allowed == 0
+    with ForbidHostReads(), pytest.raises(AssertionError, match=r"host read on the step path: Tensor.item"):
+        torch.ones(2).sum().item()                          # the guard does catch a read
+
+
+def test_the_budget_covers_what_a_session_holds(tiny, past_the_fixed_point):
     """The admission budget's per-session bytes against the tensors a real session owns at every chunk
     (window filling, condition history growing until its fixed point, then freed): never more than the
     budget, and the budget no more than 5% above the peak. The parts with an exact size match exactly."""
     from lingbot.runtime.budget import session_footprint
-    pipeline = tiny_pipeline
-    session = pipeline.new_session(random_image(tiny, seed=1234), "a castle", seed=0)  # an image no test replays
+    session, held, kv_window, decoder_cache = past_the_fixed_point
     footprint = session_footprint(tiny)
-    held = []
-    for _ in range(12):
-        session.step()
-        held.append(owned_bytes(session, [pipeline, pipeline.runner, pipeline.vae, pipeline.decoder,
-                                          pipeline.condition_cache]))        # shared: counted once per rank
     assert session.condition.fixed_point_chunk is not None and held[-1] < held[0]     # history freed
     assert max(held) <= footprint.total <= 1.05 * max(held), (held, footprint)
-    assert owned_bytes(session.dit.kv, []) == footprint.kv_window
-    assert session.decoder_cache.nbytes() == footprint.decoder_cache
+    assert kv_window == footprint.kv_window
+    assert decoder_cache == footprint.decoder_cache
 
 
 def test_a_chunk_restarted_with_a_new_control_is_the_chunk_run_with_it(tiny, tiny_pipeline):
