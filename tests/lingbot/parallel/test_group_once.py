@@ -109,18 +109,30 @@ THREADS = 1
 
 
 @pytest.fixture(scope="module")
-def one_device():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        return _group_run(Comm())
-    finally:
-        torch.set_num_threads(threads)
+def runs():
+    """The run on one device and the SP-2 group's, side by side: the group's two ranks run in their own
+    processes while this one runs the one device (each at THREADS threads: the machine's 2 cores busy, not
+    one after the other)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        group = pool.submit(run_local, _group_run, 2, timeout_s=300, threads_per_rank=THREADS)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(THREADS)
+        try:
+            one = _group_run(Comm())
+        finally:
+            torch.set_num_threads(threads)
+        return one, group.result()
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_local(_group_run, 2, timeout_s=300, threads_per_rank=THREADS)
+def one_device(runs):
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(runs):
+    return runs[1]
 
 
 def test_the_condition_encoder_runs_on_rank_0_and_every_rank_gets_its_conditions_bitwise(one_device, two_ranks):
