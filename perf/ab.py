@@ -5,6 +5,7 @@ the steady chunk time with its spread across rounds.
     python -m perf.ab --switch fixed_point_skip  --chunks 16
     python -m perf.ab --switch pixel_mode --sp 2            (root_uint8_p2p vs root_float)
     python -m perf.ab --switch compile                      (regional torch.compile of the DiT blocks)
+    python -m perf.ab --switch vae_cpu_kernels              (the VAE's CPU kernels: condition and decode)
 
 Workload: one in-process session of --chunks chunks per measurement, the whole pipeline (condition, DiT,
 decode, pixels) or the DiT alone (--workload dit, the default for camera_cache and compile); steady = chunks >=
@@ -32,6 +33,9 @@ SWITCHES = {
     "pixel_mode": ("root_uint8_p2p (off: root_float)",
                    lambda p, on: setattr(p.decoder, "pixel_mode", "root_uint8_p2p" if on else "root_float")),
     "compile": ("regional torch.compile of the DiT blocks (off: eager)", lambda p, on: _set_compiled(p, on)),
+    "vae_cpu_kernels": ("the VAE's CPU kernels: oneDNN conv3d for every shape, a plain sum-of-squares norm "
+                        "(off: PyTorch's own choice, as diffusers runs)",
+                        lambda p, on: p.decoder.vae.use_exact_kernels(not on)),
 }
 
 
