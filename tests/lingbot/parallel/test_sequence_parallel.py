@@ -56,22 +56,22 @@ def _latent_run(comm, preset):
 
 
 def _decode_run(comm, preset):
-    """Streaming decode of 1 + 3 + 3 latent frames; the pixel shards, and rank-0 frames of every mode."""
+    """Streaming decode of 1 + 3 + 3 latent frames; the pixel shards, and rank-0 frames of every mode. The
+    mode only says how the shards reach the root (`to_frames`; the decode does not read it), so each chunk is
+    decoded once and its shard assembled in every mode before the next chunk is decoded."""
     from lingbot.builder import build_pipeline
     from lingbot.models.vae import CausalCache
     decoder = build_pipeline(preset, comm=comm).decoder
     latents = torch.randn(16, 7, *preset.latent_hw, generator=torch.Generator().manual_seed(0))
-    results = {}
-    for mode in PIXEL_MODES:
-        if comm.world_size > 1:
-            decoder.pixel_mode = mode
-        cache, shards, frames = CausalCache(), [], []
-        for sl in (slice(0, 1), slice(1, 4), slice(4, 7)):
-            shard = decoder.decode(latents[:, sl], cache)
-            shards.append(shard)
-            frames.append(decoder.to_frames(shard))
-        results[mode] = (torch.cat(shards, dim=1), None if frames[0] is None else torch.cat(frames))
-    return results
+    cache, shards, frames = CausalCache(), [], {mode: [] for mode in PIXEL_MODES}
+    for sl in (slice(0, 1), slice(1, 4), slice(4, 7)):
+        shards.append(decoder.decode(latents[:, sl], cache))
+        for mode in PIXEL_MODES:
+            if comm.world_size > 1:
+                decoder.pixel_mode = mode
+            frames[mode].append(decoder.to_frames(shards[-1]))
+    pixels = torch.cat(shards, dim=1)
+    return {mode: (pixels, None if got[0] is None else torch.cat(got)) for mode, got in frames.items()}
 
 
 def _halo_check(comm):
