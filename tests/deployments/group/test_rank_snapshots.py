@@ -50,8 +50,14 @@ class Muxer:
 
 @pytest.fixture
 def worker(monkeypatch, tiny_pipeline):
+    """A rank on the session-wide tiny pipeline; malloc left as the test process has it (a serving rank fixes
+    the mmap threshold for its process's life, deployments/memory.py: here every large block would be mapped
+    anew, the chunks twice as slow, and nothing tested depends on it)."""
     import ray
+
+    from deployments.group import rank
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(rank, "keep_large_blocks_mapped", lambda: True)
     worker = RankWorker(ServeSettings(sp=1).to_dict(), rank=0, world_size=1)
     worker.pipeline, worker.comm = tiny_pipeline, Comm()          # joined: the session-wide tiny pipeline
     return worker
