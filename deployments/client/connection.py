@@ -38,7 +38,17 @@ class WebSocketClient:
         return self
 
     async def __aexit__(self, *exc):
-        await self.ws.close()
+        """The closing handshake, reading what the server still sends meanwhile: a client that stopped reading a
+        stream has a full receive queue, which stops the connection reading, so the server's close frame would
+        wait behind it until the close timed out (10 s, then an abnormal close, 1006)."""
+        import websockets
+        closing = asyncio.ensure_future(self.ws.close())
+        try:
+            while not closing.done():
+                await self.ws.recv()
+        except (websockets.ConnectionClosed, websockets.exceptions.ConcurrencyError):
+            pass                                    # closed; or another task reads, which drains it too
+        await closing
 
     async def _send(self, data) -> None:
         """Send one message. A message the server closed the connection before is dropped: the server may

@@ -240,10 +240,13 @@ def test_refusals_close_with_their_codes(serve_app):
             for client in (a, b):
                 await client.ws.recv()
             third = await frames_session(url, 2, seed=3)
-            return third
-    third = run(capacity())
+        return third, [c.ws.close_code for c in (a, b)]
+    third, holders_closed = run(capacity())
     assert [e["code"] for e in third.errors] == ["capacity_exhausted"] and third.errors[0]["retry_after_s"] == 7
     assert third.close_code == 1013 and third.chunks == []
+    # the holders stopped reading their streams meanwhile: leaving, the client reads on until the server's close
+    # frame, so the closing handshake completes (1000), not the close timeout's abnormal end (1006)
+    assert holders_closed == [1000, 1000]
 
 
 def test_python_client_speaks_the_second_protocol(serve_app, tmp_path, capsys):
