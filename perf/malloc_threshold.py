@@ -18,10 +18,11 @@ import subprocess
 import sys
 
 CHILD = """
-import ctypes, json, statistics, sys, time
+import json, statistics, sys, time
 threshold, chunks = int(sys.argv[1]), int(sys.argv[2])
 if threshold:
-    assert ctypes.CDLL("libc.so.6").mallopt(-3, threshold) == 1      # M_MMAP_THRESHOLD
+    from deployments.memory import keep_large_blocks_mapped
+    assert keep_large_blocks_mapped(threshold)                    # what a serving rank calls (at 128 KiB)
 import torch
 torch.set_num_threads(1)                                          # as a rank runs
 from lingbot.builder import build_pipeline

@@ -64,7 +64,7 @@ def random_image(preset, seed=0):
 # the suite builds ranks in process (tests/deployments/group/) before it runs tests/lingbot/ and tests/perf/.
 # Nothing can turn glibc's own raising of the threshold back on; it is set where that raising ends (32 MiB, the
 # trim threshold twice that), so a test runs as in a fresh process that has freed a large block.
-_MMAP_THRESHOLD_MAX, _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = 32 * 2 ** 20, -1, -3
+_MMAP_THRESHOLD_MAX, _M_TRIM_THRESHOLD = 32 * 2 ** 20, -1
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +72,7 @@ def _malloc_as_a_test_process():
     yield
     import sys
     memory = sys.modules.get("deployments.memory")       # not imported: nothing here could have fixed it
-    if memory is not None and memory._LIBC is not None:
-        memory._LIBC.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    if memory is not None and memory.keep_large_blocks_mapped(_MMAP_THRESHOLD_MAX):
         memory._LIBC.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
 
 
