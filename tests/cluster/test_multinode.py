@@ -254,7 +254,10 @@ def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):
     assert survivor.error is None and survivor.done["stopped"] is True and len(survivor.chunks) >= 2
     [resumed] = [m for m in lost.messages if m["type"] == "session.resumed"]
     assert lost.error is None and lost.done["stopped"] is True, lost.error
-    assert resumed["restored_chunks"] >= 1 and resumed["replayed_chunks"] <= 2, resumed
+    # restored from a snapshot, not replayed from the start; how many chunks it replays depends on how far the
+    # keeper's puts lagged the chunks when the node died (best effort: a busy machine replays more)
+    assert resumed["restored_chunks"] >= 1, resumed
+    assert resumed["restored_chunks"] + resumed["replayed_chunks"] == resumed["generation_chunk_index"], resumed
     indices = [c["transport_chunk_index"] for c in lost.chunks]           # 3 were read before the kill
     assert indices == list(range(3, 3 + len(indices))) and indices[-1] >= resumed["transport_chunk_index"] + 1
     assert fresh.error is None and fresh.done["chunks"] == 2
