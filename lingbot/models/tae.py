@@ -20,6 +20,7 @@ decoder, whose first latent frame gives 1 frame): a clip of T latent frames give
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
@@ -119,6 +120,18 @@ class TinyDecoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.decoder[1].weight.dtype
 
+    def history_frames(self) -> int:
+        """How many latent frames of the past the cache depends on (see vae.WanVAE.history_frames): each memory
+        block reaches one frame back at its stage's frame rate, which each grow multiplies: 3 + 3 + 3/2 = 7.5
+        latent frames for taew2_1, so 8."""
+        rate, frames = 1, 0.0
+        for layer in self.decoder:
+            if isinstance(layer, MemBlock):
+                frames += 1 / rate
+            elif isinstance(layer, TGrow):
+                rate *= layer.stride
+        return math.ceil(frames)
+
     def _step(self, latent: Tensor, cache: CausalCache) -> Tensor:
         """One latent frame [B, C, h, w] -> t_upscale frames [B, t_upscale, 3, 8h, 8w] in [0, 1]."""
         b = latent.shape[0]
@@ -154,6 +167,7 @@ class TinyFrameDecoder:
 
     def __init__(self, tae: TinyDecoder):
         self.tae = tae
+        self.history_frames = tae.history_frames()
 
     def decode(self, latents: Tensor, cache: CausalCache) -> Tensor:
         """Normalised latents [C, t, h, w] -> pixels [3, T, H, W] in [-1, 1]."""

@@ -10,6 +10,7 @@ Latents outside this module are normalised: (z - latents_mean) * (1 / latents_st
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from typing import Optional
 
@@ -350,6 +351,22 @@ class WanVAE(nn.Module):
                 module.exact = exact
         return self
 
+    def history_frames(self) -> int:
+        """How many latent frames of the past the decoder's cache depends on: a fresh cache that decodes the
+        last this-many latent frames of a stream holds, bitwise, the cache of the whole stream (a decoder
+        switched to mid-session is warmed so: lingbot/runtime/decoding.py). Each causal convolution reaches
+        its 2 frames back at its stage's frame rate, which every temporal upsampling doubles: 37.5 latent
+        frames for the Wan 2.1 decoder, so 38 (the test checks 37 is not enough)."""
+        rate, frames, upsampling = 1, 0.0, set()
+        for module in self.decoder.modules():           # in forward order: a stage's blocks, then its upsampler
+            if isinstance(module, Resample) and module.mode == "upsample3d":
+                frames += module.time_conv.time_pad / rate
+                upsampling.add(id(module.time_conv))
+                rate *= 2
+            elif isinstance(module, CausalConv3d) and id(module) not in upsampling:
+                frames += module.time_pad / rate
+        return math.ceil(frames)
+
     def encode(self, video: Tensor, cache: CausalCache) -> Tensor:
         """Pixels [B, 3, T, H, W] in [-1, 1] -> normalised latents (the posterior mode) [B, 16, t, h, w].
 
@@ -397,6 +414,7 @@ class FrameDecoder:
 
     def __init__(self, vae: WanVAE):
         self.vae = vae
+        self.history_frames = vae.history_frames()      # before a sequence-parallel wrapper swaps modules
 
     def decode(self, latents: Tensor, cache: CausalCache) -> Tensor:
         """Normalised latents [16, t, h, w] -> pixels [3, T, H, W] in [-1, 1]."""

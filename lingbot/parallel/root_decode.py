@@ -29,6 +29,7 @@ class RootFrameDecoder:
 
     def __init__(self, decoder: TinyFrameDecoder, comm: Comm, pixel_mode: str = DEFAULT_PIXEL_MODE):
         self.decoder = decoder
+        self.history_frames = decoder.history_frames
         self.comm = comm
         self.pixel_mode = check_pixel_mode(pixel_mode)
 

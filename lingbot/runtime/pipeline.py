@@ -8,14 +8,15 @@ modules it is given (the DiT, the frame decoders), never here. A session's state
 its K/V window's slots, is one `state_dict` (what snapshot.py copies to the host) and `load_state`.
 
 A pipeline holds one or more frame decoders by name ("wan": the Wan VAE; "tae": the tiny autoencoder,
-lingbot/models/tae.py); each session picks one when it is made and keeps it for its life (its decoder
-cache is that decoder's).
+lingbot/models/tae.py); each session picks one when it is made, its own. A session may also name other
+loaded decoders its chunks may run on (`switch_to`: the quality ladder's decoder rungs); it then keeps a ring
+of its latest latents, from which a decoder switched to is warmed exactly (decoding.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -26,22 +27,8 @@ from ..io.images import model_image
 from ..models.vae import CausalCache, FrameDecoder, WanVAE
 from ..transfer import to_device
 from .condition import CausalConditionEncoder, ChunkEncoder, ConditionCache
+from .decoding import ChunkDecoder, DecoderNotLoaded, DecoderStream
 from .dit_runner import ChunkResult, DiTRunner, StageTimer
-
-
-class ChunkDecoder(Protocol):
-    """A chunk's latents -> its uint8 frames in two timed stages (`vae.FrameDecoder`, `tae.TinyFrameDecoder`
-    and their sequence-parallel wrappers)."""
-
-    def decode(self, latents: Tensor, cache: CausalCache) -> Optional[Tensor]:
-        """Normalised latents [16, t, h, w] -> pixels in [-1, 1] (this rank's share; None: none here)."""
-
-    def to_frames(self, video: Optional[Tensor]) -> Optional[Tensor]:
-        """Pixels from `decode` -> uint8 frames [T, H, W, 3] (None on ranks that hold no frames)."""
-
-
-class DecoderNotLoaded(ValueError):
-    """A session asked for a decoder its pipeline did not load; the message names the loaded ones."""
 
 
 @dataclass
@@ -100,87 +87,102 @@ class WorldPipeline:
     def new_session(self, image: Union[np.ndarray, Tensor], prompt: Optional[str], seed: int = 0,
                     rig: Optional[CameraRig] = None, flow_shift: Optional[float] = None,
                     text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None,
-                    window: Optional[tuple[int, int]] = None) -> WorldSession:
+                    window: Optional[tuple[int, int]] = None, switch_to: Sequence[str] = ()) -> WorldSession:
         """`image`: the first frame at the preset's size, uint8 [H, W, 3] or float [3, H, W] in [-1, 1];
         `flow_shift`: the sampler's shift for this session (None: the preset's); `text_embedding`: a ready
         encoder output [1, T, text_dim] instead of a prompt (a runner built without a text encoder);
         `decoder`: the name of a loaded frame decoder (None: the default; else DecoderNotLoaded); `window`: the
-        session's own K/V window (sink_chunks, window_chunks; None: the model's: kv_cache.KVWindow). Under
+        session's own K/V window (sink_chunks, window_chunks; None: the model's: kv_cache.KVWindow);
+        `switch_to`: other loaded decoders its chunks may run on (`step(decoder=...)`). Under
         sequence parallelism every rank makes the session with the same arguments."""
         name = self.decoder_name(decoder)
         image = model_image(image)
         h, w = self.preset.height, self.preset.width
         if tuple(image.shape) != (3, h, w):
             raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
+        for other in switch_to:
+            self.decoder_name(other)
         return WorldSession(self, to_device(image, self.runner.device), prompt, seed, rig, flow_shift, text_embedding,
-                            name, window)
+                            name, window, switch_to)
 
 
 class WorldSession:
-    """One user's world: the DiT session, the condition encoder, its frame decoder and that decoder's cache."""
+    """One user's world: the DiT session, the condition encoder, and its frame decoding (decoding.py: the
+    decoder its chunks run on and that decoder's cache)."""
 
     def __init__(self, pipeline: WorldPipeline, image: Tensor, prompt: Optional[str], seed: int,
                  rig: Optional[CameraRig], flow_shift: Optional[float] = None,
                  text_embedding: Optional[Tensor] = None, decoder: Optional[str] = None,
-                 window: Optional[tuple[int, int]] = None):
+                 window: Optional[tuple[int, int]] = None, switch_to: Sequence[str] = ()):
         self.pipeline = pipeline
         self.decoder_name = pipeline.decoder_name(decoder)
-        self.decoder = pipeline.decoders[self.decoder_name]
+        self.decoding = DecoderStream(pipeline.decoders, self.decoder_name,
+                                      [n for n in switch_to if n != self.decoder_name],
+                                      pipeline.runner.config.num_frames_per_block)
         self.condition = CausalConditionEncoder(pipeline.vae, image, pipeline.runner.config.num_frames_per_block,
                                                 pipeline.skip_fixed_point, pipeline.condition_cache,
                                                 pipeline.condition_encoder)
         self.dit = pipeline.runner.new_session(self.condition, prompt=prompt, seed=seed, rig=rig, shift=flow_shift,
                                                text_embedding=text_embedding, window=window)
-        self.decoder_cache = CausalCache()
         self.failed: Optional[str] = None
 
     @property
     def chunk_index(self) -> int:
         return self.dit.chunk_index
 
+    @property
+    def decoder(self) -> ChunkDecoder:
+        """The decoder the session's last chunk ran on (its own until a chunk ran on another)."""
+        return self.decoding.decoder()
+
+    @property
+    def decoder_cache(self) -> CausalCache:
+        return self.decoding.cache
+
     def reset(self) -> None:
         self.dit.reset()                      # also resets the condition encoder and the camera
-        self.decoder_cache.reset()
+        self.decoding.reset()
         self.failed = None
 
     def state_dict(self, copy: Callable[[Tensor], Tensor] = torch.clone) -> dict:
         """The session's state after its last chunk, but for its K/V window's slots (`dit.kv.slot_state`):
         the DiT session's, the condition encoder's and the decoder cache's (this rank's share of it), each
-        tensor through `copy`, and the name of the decoder the cache belongs to."""
+        tensor through `copy`, the session's own decoder's name and the one the cache belongs to, and the ring
+        of latents a decoder switched to is warmed from (empty unless the session may switch)."""
         if self.failed:
             raise ValueError(f"session failed ({self.failed}): its DiT and decoder are not at one chunk")
         return {"dit": self.dit.state_dict(copy), "condition": self.condition.state_dict(copy),
-                "decoder": self.decoder_cache.state_dict(copy), "decoder_name": self.decoder_name}
+                **self.decoding.state_dict(copy)}
 
     def load_state(self, state: dict) -> None:
         """Continue from `state` (as `state_dict` gave it, from a session of the same pipeline, image, prompt,
         seed and flow shift, on the same rank of a group of the same size), its tensors on any device. The
         K/V window is put back on its own (`dit.kv.load_slots`, up to the same chunk). The session must use
-        the decoder the state's cache belongs to."""
-        if state.get("decoder_name") != self.decoder_name:
-            raise ValueError(f"a state of a session with the {state.get('decoder_name')!r} decoder cannot continue "
-                             f"a session with the {self.decoder_name!r} one")
+        the same own decoder as the state's, and may switch to the decoder its cache belongs to."""
+        self.decoding.check_state(state)
         self.dit.load_state(state["dit"])
         self.condition.load_state(state["condition"])
-        self.decoder_cache.load_state(state["decoder"], self.pipeline.runner.device)
+        self.decoding.load_state(state, self.pipeline.runner.device)
         self.failed = None
 
     @torch.no_grad()
     def step(self, controls: Optional[Controls] = None, should_stop: Callable[[], bool] = lambda: False,
              prompt: Optional[tuple[str, int]] = None, profile: bool = False,
-             keep_latents: bool = False, steps: Optional[int] = None) -> Optional[VideoChunk]:
+             keep_latents: bool = False, steps: Optional[int] = None,
+             decoder: Optional[str] = None) -> Optional[VideoChunk]:
         """One chunk. A stopped or failed DiT chunk changes nothing lasting; a failure after it (decode,
         pixels) leaves the DiT one chunk ahead of the decoder, so the session is marked failed (reset() clears).
         `profile` synchronises the device at stage boundaries (exact stage times, slower); `keep_latents`
         returns the chunk's latents with its frames (to decode them again, `lingbot generate --save-latents`);
-        `steps`: a cheaper rung's denoising forwards (lingbot/runtime/rungs.py; None: all)."""
+        `steps`: a cheaper rung's denoising forwards (lingbot/runtime/rungs.py; None: all); `decoder`: the
+        decoder of this chunk (None: the session's own; another of its `switch_to` is warmed first)."""
         if self.failed:
             raise RuntimeError(f"session failed earlier ({self.failed}); reset it")
         result = self.dit.run_chunk(controls, should_stop, prompt, profile, steps)
         if result is None:
             return None
         try:
-            chunk = self._decode(result, StageTimer(self.pipeline.runner.device, profile))
+            chunk = self._decode(result, StageTimer(self.pipeline.runner.device, profile), decoder)
             if keep_latents:
                 chunk.latents = result.latents
             return chunk
@@ -188,11 +190,10 @@ class WorldSession:
             self.failed = f"{type(e).__name__} while decoding chunk {result.index}"
             raise
 
-    def _decode(self, result: ChunkResult, timer: StageTimer) -> VideoChunk:
-        decoder = self.decoder
-        video = decoder.decode(result.latents, self.decoder_cache)       # pixels in [-1, 1] (this rank's share)
+    def _decode(self, result: ChunkResult, timer: StageTimer, name: Optional[str]) -> VideoChunk:
+        video = self.decoding.decode(result.index, result.latents, name)  # pixels in [-1, 1] (this rank's share)
         timer.mark("decode")
-        frames = decoder.to_frames(video)                                 # uint8 [F, H, W, 3] (None off-root)
+        frames = self.decoder.to_frames(video)                            # uint8 [F, H, W, 3] (None off-root)
         timer.mark("pixels")
         return VideoChunk(result.index, frames, {**result.timings, **timer.timings})
 

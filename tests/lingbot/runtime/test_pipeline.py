@@ -177,8 +177,9 @@ def test_session_state_goes_through_copy_and_round_trips(tiny, tiny_pipeline):
         copied.append(host(t))
         return copied[-1]
     state = a.state_dict(copy=counted)
-    assert state.keys() == {"dit", "condition", "decoder", "decoder_name"} and state["decoder"]
-    assert state["decoder_name"] == "wan"
+    assert state.keys() == {"dit", "condition", "decoder", "decoder_name", "active_decoder", "ring"}
+    assert state["decoder"] and state["decoder_name"] == state["active_decoder"] == "wan"
+    assert state["ring"] == {"chunks": [], "latents": []}           # a session that never switches keeps no ring
     tensors = StateSnapshot(1, 0, 1, state).tensors()
     assert [t for t in tensors if not any(t is c for c in copied)] == [state["dit"]["rng"]]
     b = tiny_pipeline.new_session(image, "a harbour", seed=4)
