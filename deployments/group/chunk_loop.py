@@ -21,13 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
-from lingbot.runtime.rungs import step_rung
-
 from ..detach import fresh_task
 from ..session.codes import ErrorCode
 from ..session.events import ChunkReady, GroupEvent, InteractionRefused, ModelFacts, Resumed, SessionDone, SessionFailed
 from .executor import RankExecutor
-from .ladder import QualityLadder, chunk_steps
+from .ladder import QualityLadder, chunk_rung
 from .messages import ChunkReply, Fragment
 from .phase import GroupState
 from .planner import ChunkPlan
@@ -78,6 +76,7 @@ class ChunkLoop:
         self.model = model
         self.ladder = QualityLadder.of(s, model)       # None: every chunk at full quality (or its pinned rung)
         self.model_sink = 0 if model is None else model.sink_chunks
+        self.loaded_decoders = ("wan",) if model is None else tuple(model.decoders)
 
     @property
     def sessions(self) -> dict[str, ScheduledSession]:
@@ -89,8 +88,9 @@ class ChunkLoop:
 
     def set_quality_ladder(self, mode: str) -> None:
         """Turn the quality ladder off or on (auto) from the next chunk, sessions running: off, every session not
-        pinned to a rung is at full from its next chunk; on, a new ladder starts every session at full and learns
-        this group's costs again."""
+        pinned to a rung is at full from its next chunk (one on a decoder rung warms its own decoder at once, from
+        its ring: 13 decodes in that chunk); on, a new ladder starts every session at full and learns this
+        group's costs again."""
         if mode == self.quality_ladder:
             return
         self.ladder = QualityLadder.of(dataclasses.replace(self.settings, quality_ladder=mode), self.model)
@@ -199,8 +199,10 @@ class ChunkLoop:
             plan = session.plan_next_chunk()
             plan.restarted = restarted
             # its rung travels with its controls (and its journal)
-            plan.controls.steps = chunk_steps(self.ladder, session, self.sessions.values(), plan.index,
-                                              self.model_sink)
+            rung = chunk_rung(self.ladder, session, self.sessions.values(), plan.index, self.model_sink,
+                              self.loaded_decoders)
+            plan.controls.steps, plan.controls.decoder, plan.controls.prewarm = rung.rung.steps, rung.decoder, \
+                rung.prewarm
             t0 = time.monotonic()
             self.running = RunningChunk(session, plan.index, may_restart=self.settings.restart_stale_chunks
                                         and not restarted)
@@ -219,9 +221,9 @@ class ChunkLoop:
                 return
             break
         session.commit_plan(plan)                     # the ranks advanced the session: the chunk is in flight
-        self.metrics.chunks.inc(tags={"group": self.group_id, "quality": step_rung(plan.controls.steps)})
+        self.metrics.chunks.inc(tags={"group": self.group_id, "quality": plan.controls.quality})
         if self.ladder is not None:
-            self.ladder.ran(session, plan.index, plan.controls.steps, max(r.engine_s for r in replies))
+            self.ladder.ran(session, plan.index, rung, max(r.engine_s for r in replies), root.warm)
         session.snapshots.take(reply.snapshots for reply in replies)
         previous = self.deliveries.get(session.id)
         self.deliveries[session.id] = fresh_task(self._deliver(session, plan, root, t0, previous))

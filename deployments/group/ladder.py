@@ -16,7 +16,14 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
 - A session without real-time demand (unpaced delivery) counts no load and runs at the floor while the group
   is loaded, at full when it is not.
 - A session that pinned a rung (extra_params.quality: full or a rung's name) stays on it and counts its load
-  there; the others make room around it. Pinned rungs hold with the ladder off too (`chunk_steps`).
+  there; the others make room around it. Pinned rungs hold with the ladder off too (`chunk_rung`).
+- Decoder rungs (tiny, tiny_steps2: the tiny decoder instead of the Wan one) are the ladder's where both decoders
+  are loaded, below the step rungs, and apply to a session whose own decoder is the Wan one (for another they run
+  its own decoder). A step down onto one switches at once (the tiny decoder is warmed from the session's ring of
+  latents: 3 tiny decodes). A climb back off one waits until the Wan decoder is warm: the session stays on its
+  rung and each chunk warms the Wan decoder by one decode (ChunkControls.prewarm: the cost of the Wan decode it
+  climbs to, so a group with room to climb has room to warm) until a rank reports it ready (13 chunks at most),
+  and no chunk stalls on a 13-decode warm-up.
 - Admission (`holds`, `QualityLadder.admits`): a group takes one more session while every session, the new one
   included, could run at real time at its lowest allowed rung (the floor, or its pinned rung): the load at the
   floor within target. So a group full at the top rung still takes sessions (they and the others step down)
@@ -30,9 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from lingbot.runtime.rungs import RUNGS, Rung, forward_ratio, rung_steps
-
-from ..settings.concerns import STEP_RUNGS
+from lingbot.runtime.rungs import FULL, WAN_DECODE_SHARE, Rung, rung, rung_decoders, rung_name, rung_ratio
 
 EMA = 0.2                      # weight of a new chunk time in a rung's learned cost
 
@@ -47,6 +52,7 @@ class Seat:
     chunks: int = 0            # chunks it has run
     changed_at: int = -10 ** 9  # `chunks` when its rung last changed
     pinned: Optional[int] = None  # the rung the session chose for its life (None: the ladder's choice)
+    warming: bool = False      # held below the rung it climbed to until its decoder is warm: climbs no further
 
 
 class Ladder:
@@ -118,7 +124,7 @@ class Ladder:
             rungs[s.id] += 1
             free.discard(s.id)
         while True:
-            up = [s for s in seats if s.id in free and s.chunks_per_s > 0 and rungs[s.id] > 0]
+            up = [s for s in seats if s.id in free and s.chunks_per_s > 0 and rungs[s.id] > 0 and not s.warming]
             if not up:
                 break
             s = max(up, key=lambda s: (rungs[s.id], s.slack_s))
@@ -133,26 +139,51 @@ class Ladder:
         return rungs
 
 
+@dataclass(frozen=True)
+class ChunkRung:
+    """What one chunk runs at: its rung, the frame decoder that means for its session (None: its own), and a
+    decoder to warm ahead of a climb (None: none)."""
+    rung: Rung
+    decoder: Optional[str] = None
+    prewarm: Optional[str] = None
+
+
+def own_decoder(session, loaded: tuple[str, ...]) -> str:
+    """The session's own frame decoder: the one it asked for, else the deployment's default (the first loaded)."""
+    return session.start.decoder or loaded[0]
+
+
+def session_decoder(r: Rung, own: str, loaded: tuple[str, ...]) -> Optional[str]:
+    """The decoder a session whose own is `own` runs rung `r` with: the rung's where the session may switch to it,
+    else its own (None)."""
+    return r.decoder if r.decoder in rung_decoders(own, loaded) else None
+
+
 class QualityLadder:
     """The controller as the chunk loop asks it (quality_ladder: auto): a seat per session, its chunks per second
     (its fps over a chunk's frames; 0 when unpaced) and its slack (its next chunk's deadline at the player, from
     now), the rung of each chunk past the sink, and what each chunk cost at its rung."""
 
-    def __init__(self, ladder: Ladder, sink_chunks: int, frames_per_chunk: int):
+    def __init__(self, ladder: Ladder, sink_chunks: int, frames_per_chunk: int, loaded: tuple[str, ...] = ("wan",)):
         self.ladder, self.sink_chunks, self.frames_per_chunk = ladder, sink_chunks, frames_per_chunk
+        self.loaded = loaded
         self.seats: dict[str, Seat] = {}
+        self.last: dict[str, ChunkRung] = {}        # each session's last chunk as it ran
+        self.warm: dict[str, bool] = {}             # a climb's decoder reported warm by the ranks
 
     @classmethod
     def of(cls, settings, model) -> Optional[QualityLadder]:
-        """The group's ladder (None: quality_ladder off): the step rungs down to quality_floor, seeded with the
-        forward counts' ratios."""
+        """The group's ladder (None: quality_ladder off): the rungs down to quality_floor that the model runs (the
+        decoder rungs where both decoders are loaded), seeded with the cost model's ratios (the forward counts';
+        with decoder rungs, also the Wan decode's share and the tiny decoder's FLOP ratio)."""
         if settings.quality_ladder != "auto" or model is None:
             return None
-        by_name = {r.name: r for r in RUNGS}
-        names = STEP_RUNGS[:STEP_RUNGS.index(settings.quality_floor) + 1]
-        rungs = tuple(by_name[n] for n in names)
-        return cls(Ladder(rungs, tuple(forward_ratio(model.steps, r.steps) for r in rungs)), model.sink_chunks,
-                   model.geometry.pixel_frames(1))
+        loaded = tuple(model.decoders)
+        runs = {None, *loaded} if len(loaded) > 1 else {None}
+        rungs = tuple(r for r in map(rung, settings.quality_rungs) if r.decoder in runs)
+        share = WAN_DECODE_SHARE if any(r.decoder for r in rungs) else 0.0
+        return cls(Ladder(rungs, tuple(rung_ratio(model.steps, r, share) for r in rungs)), model.sink_chunks,
+                   model.geometry.pixel_frames(1), loaded)
 
     def _seat(self, session, now: float) -> Seat:
         seat = self.seats.get(session.id)
@@ -184,24 +215,34 @@ class QualityLadder:
         cps = fps / self.frames_per_chunk
         return {"top": self.ladder.capacity(cps, 0, cap), "floor": self.ladder.capacity(cps, self.ladder.floor, cap)}
 
-    def steps_for(self, session, sessions, index: int) -> Optional[int]:
-        """The denoising steps the ladder gives `session`'s chunk `index`, one past its sink (chunk_steps keeps the
-        sink at all of them); None: all."""
+    def rung_for(self, session, sessions, index: int) -> ChunkRung:
+        """The rung the ladder gives `session`'s chunk `index`, one past its sink (chunk_rung keeps the sink at
+        full); a climb off a decoder rung holds the last rung and warms the session's own decoder until ready."""
         now = time.monotonic()
         rungs = self.ladder.decide([self._seat(s, now) for s in sessions])
-        return self.ladder.rungs[rungs[session.id]].steps
+        own = own_decoder(session, self.loaded)
+        chosen = self.ladder.rungs[rungs[session.id]]
+        plan = ChunkRung(chosen, session_decoder(chosen, own, self.loaded))
+        last, seat = self.last.get(session.id), self.seats[session.id]
+        climbing = last is not None and last.decoder is not None and plan.decoder is None   # back to its own
+        seat.warming = climbing and not self.warm.get(session.id)
+        return ChunkRung(last.rung, last.decoder, prewarm=own) if seat.warming else plan
 
-    def ran(self, session, index: int, steps: Optional[int], seconds: float) -> None:
-        """Chunk `index` of `session` ran at `steps` in `seconds` (the slowest rank's engine time)."""
+    def ran(self, session, index: int, chunk: ChunkRung, seconds: float, warm: Optional[bool] = None) -> None:
+        """Chunk `index` of `session` ran at `chunk` in `seconds` (the slowest rank's engine time); `warm`: the
+        ranks' answer to its prewarm (ready to switch)."""
         seat = self.seats.get(session.id)
         if seat is not None:
             seat.chunks += 1
-        rung = 0 if index < sink_chunks(session, self.sink_chunks) else next(
-            (i for i, r in enumerate(self.ladder.rungs) if r.steps == steps), 0)
-        self.ladder.observe(rung, seconds)
+        self.last[session.id] = chunk
+        self.warm[session.id] = bool(warm) if chunk.prewarm is not None else False
+        names = [r.name for r in self.ladder.rungs]
+        if chunk.rung.name in names:
+            self.ladder.observe(names.index(chunk.rung.name), seconds)
 
     def forget(self, session_id: str) -> None:
-        self.seats.pop(session_id, None)
+        for held in (self.seats, self.last, self.warm):
+            held.pop(session_id, None)
 
 
 def sink_chunks(session, model_sink: int) -> int:
@@ -210,13 +251,18 @@ def sink_chunks(session, model_sink: int) -> int:
     return model_sink if window is None else window[0]
 
 
-def chunk_steps(ladder: Optional[QualityLadder], session, sessions, index: int, model_sink: int) -> Optional[int]:
-    """The denoising steps of `session`'s chunk `index` (None: all of them): the sink at all; a session that
-    pinned a rung (extra_params.quality) at its rung, whether the ladder is on or off; else the ladder's choice
-    (off: all)."""
-    if index < sink_chunks(session, model_sink):
-        return None
-    if ladder is not None:
-        return ladder.steps_for(session, sessions, index)
+def chunk_rung(ladder: Optional[QualityLadder], session, sessions, index: int, model_sink: int,
+               loaded: tuple[str, ...] = ("wan",)) -> ChunkRung:
+    """What `session`'s chunk `index` runs at: the sink at every denoising step (on a pinned decoder rung's
+    decoder: the decoder does not touch the K/V); a session that pinned a rung (extra_params.quality) at its
+    rung, whether the ladder is on or off; else the ladder's choice (off: full)."""
     quality = session.start.quality
-    return None if quality == "auto" else rung_steps(quality)
+    pinned = None if quality == "auto" else rung(quality)
+    if index < sink_chunks(session, model_sink):
+        decoder = None if pinned is None else session_decoder(pinned, own_decoder(session, loaded), loaded)
+        return ChunkRung(rung(rung_name(None, decoder)), decoder)
+    if ladder is not None:
+        return ladder.rung_for(session, sessions, index)
+    if pinned is None:
+        return ChunkRung(FULL)
+    return ChunkRung(pinned, session_decoder(pinned, own_decoder(session, loaded), loaded))

@@ -67,6 +67,7 @@ class ChunkReply:
     engine_s: float = 0.0          # wall time of the chunk inside the rank
     fragment: Any = None           # ray.ObjectRef[Optional[Fragment]]
     snapshots: tuple[SnapshotRef, ...] = ()   # stored since the last reply
+    warm: Optional[bool] = None    # with controls.prewarm: whether a switch to that decoder decodes nothing more
 
 
 @dataclass(frozen=True)

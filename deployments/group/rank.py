@@ -25,6 +25,7 @@ import torch
 
 from lingbot.camera import CameraRig, Controls
 from lingbot.runtime.pipeline import WorldSession
+from lingbot.runtime.rungs import rung_decoders
 from lingbot.runtime.snapshot import HostCopier, restore_snapshots
 
 from ..memory import Trimmer, held_refs, keep_large_blocks_mapped
@@ -113,8 +114,8 @@ class RankWorker:
                  self.device, time.monotonic() - t0, warmup.seconds, capacity)
         decoders = tuple(self.pipeline.decoders)
         # what a session's snapshots cost the group's host: a fact of the model, reported once (by rank 0)
-        host = snapshot_host(preset, self.world_size, s.snapshot_interval_chunks, cuda=self.device.type == "cuda") \
-            if s.snapshots and self.rank == 0 else None
+        host = snapshot_host(preset, self.world_size, s.snapshot_interval_chunks, cuda=self.device.type == "cuda",
+                             decoders=decoders) if s.snapshots and self.rank == 0 else None
         return RankInfo(capacity, session_footprint(preset, self.world_size, decoders, self.device).total,
                         str(self.device), ModelFacts.of(preset, random_weights=s.model_path is None,
                                                         decoders=decoders), warmup.seconds, host)
@@ -153,8 +154,10 @@ class RankWorker:
             return None
         preset = self.pipeline.runner.preset
         rig = CameraRig.default(preset.width, preset.height, start.trajectory)
+        own = self.pipeline.decoder_name(start.decoder)
         world = self.pipeline.new_session(start.image, start.prompt, start.seed, rig=rig, flow_shift=start.flow_shift,
-                                          decoder=start.decoder, window=start.window)
+                                          decoder=own, window=start.window,
+                                          switch_to=rung_decoders(own, tuple(self.pipeline.decoders)))
         if restored:
             try:
                 restore_snapshots(world, *restored, self.rank, self.world_size)
@@ -247,11 +250,12 @@ class RankWorker:
         t0 = time.perf_counter()
         self.snapshots.before_chunk(call.session_id, world, call.index)
         prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
+        warm = None if controls.prewarm is None else world.decoding.prewarm(controls.prewarm, call.index)
         chunk = world.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
-                           prompt=prompt, profile=controls.profile, steps=controls.steps)
+                           prompt=prompt, profile=controls.profile, steps=controls.steps, decoder=controls.decoder)
         if chunk is None:
             return ChunkReply(stopped=True)
-        reply = ChunkReply(stopped=False, timings=chunk.timings, engine_s=time.perf_counter() - t0)
+        reply = ChunkReply(stopped=False, timings=chunk.timings, engine_s=time.perf_counter() - t0, warm=warm)
         if chunk.frames is not None and call.muxer is not None:
             frames = chunk.frames.cpu().numpy()                   # the one device -> host copy, uint8
             reply.fragment = call.muxer.encode.remote(call.session_id, call.index, frames, time.perf_counter())

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 from lingbot.camera import CameraEvent
 from lingbot.config import ChunkGeometry, Preset
 from lingbot.io.frames import FrameBatch
-from lingbot.runtime.rungs import step_rung
+from lingbot.runtime.rungs import rung_name
 from lingbot.runtime.snapshot import chunks_to_restore
 
 from .codes import ErrorCode
@@ -100,6 +100,13 @@ class ChunkControls:
     profile: bool = False          # synchronise the device at stage boundaries (exact stage times)
     steps: Optional[int] = None    # a cheaper rung's denoising forwards (lingbot/runtime/rungs.py); None: all.
     #                                Journaled with the rest, so a replay runs the chunk as it ran.
+    decoder: Optional[str] = None  # a decoder rung's frame decoder (None: the session's own); journaled too
+    prewarm: Optional[str] = None  # a decoder to warm ahead of a switch up (frames unchanged; decoding.py)
+
+    @property
+    def quality(self) -> str:
+        """The name of the rung the chunk runs at (`full`: the top)."""
+        return rung_name(self.steps, self.decoder)
 
 
 @dataclass(frozen=True)
@@ -176,7 +183,7 @@ class ChunkReady:
     @property
     def quality(self) -> str:
         """The name of the rung the chunk ran at (`full`: the top)."""
-        return step_rung(self.steps)
+        return "full" if self.controls is None else self.controls.quality
 
 
 @dataclass(frozen=True)

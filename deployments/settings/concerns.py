@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from lingbot.config import DECODERS, DTYPES, PRESETS, ConfigError, Preset, get_preset, with_dtype
 from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
+from lingbot.runtime.rungs import LADDER
 
 
 def setting(default: Any, help: str, key: Optional[str] = None, secret: bool = False):
@@ -22,7 +23,6 @@ def setting(default: Any, help: str, key: Optional[str] = None, secret: bool = F
     return field(default=default, repr=not secret, metadata={"help": help, "key": key})
 
 
-STEP_RUNGS = ("full", "steps3", "steps2")   # the ladder's rungs a group runs (the decoder rungs: not yet)
 HEALTH_ROOM = 16        # requests an ingress takes beyond its sessions: refusals at the door, health and config
 
 @dataclass(frozen=True)
@@ -215,12 +215,13 @@ class PacingSettings(SettingsConcern):
     quality_ladder: str = setting("off", "off: every chunk at full quality; auto: each session's chunks on the "
                                          "step rung its group's load allows (deployments/group/ladder.py); "
                                          "a redeploy that changes only this switches running groups in place")
-    quality_floor: str = setting("steps2", "the lowest rung the ladder may choose: steps3 or steps2")
+    quality_floor: str = setting("steps2", "the lowest rung the ladder may choose: steps3, steps2, or with both "
+                                           "decoders loaded (decoder: wan,tae) the decoder rungs tiny, tiny_steps2")
 
     @property
     def quality_rungs(self) -> tuple[str, ...]:
         """The rungs a session may run at or pin (extra_params.quality): full down to quality_floor."""
-        return STEP_RUNGS[:STEP_RUNGS.index(self.quality_floor) + 1]
+        return LADDER[:LADDER.index(self.quality_floor) + 1]
 
     def __post_init__(self):
         if self.mode not in ("fixed", "adaptive"):
@@ -235,8 +236,8 @@ class PacingSettings(SettingsConcern):
             raise ConfigError(f"max_in_flight_chunks must be >= 1, got {self.max_in_flight_chunks}")
         if self.quality_ladder not in ("off", "auto"):
             raise ConfigError(f"quality_ladder {self.quality_ladder!r} must be off or auto")
-        if self.quality_floor not in STEP_RUNGS[1:]:
-            raise ConfigError(f"quality_floor {self.quality_floor!r} must be one of {list(STEP_RUNGS)[1:]}")
+        if self.quality_floor not in LADDER[1:]:
+            raise ConfigError(f"quality_floor {self.quality_floor!r} must be one of {list(LADDER)[1:]}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from lingbot.config import ConfigError
 from lingbot.io.video import H264Settings
+from lingbot.runtime.rungs import rung
 
 from .concerns import (
     CONCERNS,
@@ -176,6 +177,9 @@ class ServeSettings:
         if self.muxer_gpus > 0 and self.device != "cuda":
             raise ConfigError("muxer_gpus is for NVENC on CUDA nodes; set it to 0 for device "
                               f"{self.device}")
+        if rung(self.quality_floor).decoder is not None and not {"wan", "tae"} <= set(self.decoder_names):
+            raise ConfigError(f"quality_floor {self.quality_floor!r} is a decoder rung: it needs both decoders "
+                              f"loaded (decoder: wan,tae), not {','.join(self.decoder_names)}")
 
     @classmethod
     def from_args(cls, args: Optional[dict[str, Any]] = None) -> ServeSettings:

@@ -36,6 +36,7 @@ class SessionFootprint:
     decoder_cache: int         # frame-decoder cache: the Wan decoder's (this rank's columns) or the tiny one's
     condition_cache: int       # condition-encoder cache (freed at the fixed point)
     condition_history: int     # the chunk latents kept until the fixed point (for the cross-session cache)
+    latent_ring: int = 0       # the last chunks' latents a session that may switch decoders keeps (decoding.py)
 
     @property
     def total(self) -> int:
@@ -95,6 +96,18 @@ def _tae_cache_bytes(preset: Preset, dtype: torch.dtype) -> int:
     return sum(tae_cache_entries(preset, dtype))
 
 
+@functools.lru_cache(maxsize=16)
+def latent_ring_chunks(preset: Preset, decoders: Sequence[str] = ("wan",)) -> int:
+    """The chunks of latents a session keeps to warm a decoder it switches to (lingbot/runtime/decoding.py):
+    with both decoders loaded (a session may switch between them: the quality ladder's decoder rungs), enough
+    for the deeper one's history (13 chunks for the Wan decoder's 38 latent frames); else none."""
+    if not {"wan", "tae"} <= set(decoders):
+        return 0
+    with torch.device("meta"):
+        frames = max(WanVAE(preset.vae).history_frames(), TinyDecoder(preset.tae).history_frames())
+    return math.ceil(frames / preset.transformer.num_frames_per_block)
+
+
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -117,9 +130,10 @@ def session_footprint(preset: Preset, world_size: int = 1, decoders: Sequence[st
     wan, condition = _vae_cache_bytes(preset, world_size)
     decoder = max(wan if name == "wan" else _tae_cache_bytes(preset, tae_dtype(device)) for name in decoders)
     history = CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
+    ring = latent_ring_chunks(preset, tuple(decoders)) * condition_chunk_bytes(preset)   # a chunk's latents
     # the condition encoder's cache is on rank 0 only under SP (lingbot/parallel/condition.py): counted on
     # every rank, since the group admits what its fullest rank holds
-    return SessionFootprint(kv, text, decoder, condition, history)
+    return SessionFootprint(kv, text, decoder, condition, history, ring)
 
 
 @dataclass(frozen=True)

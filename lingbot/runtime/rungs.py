@@ -1,7 +1,9 @@
 """The quality ladder's rungs: named, deterministic configurations of one chunk, cheaper than the session's
 own (docs/architecture.md, "Rungs").
 
-A rung runs fewer of the sampler's denoising probes, or decodes with the tiny decoder. The probes it keeps
+A rung runs fewer of the sampler's denoising probes, or decodes with the tiny decoder instead of the Wan
+decoder (a decoder rung: for a session whose own decoder is the Wan one, where both are loaded; switching
+decoders is exact, lingbot/runtime/decoding.py). The probes it keeps
 (`kept_steps`): the first (the only one that starts from pure noise) and, from two probes on, the last (the
 lowest timestep, the finest detail the distilled model was trained to finish at), and the rest evenly
 between by index; a rung of one probe keeps the first alone. The model was distilled on its schedule's
@@ -51,11 +53,51 @@ RUNGS = (FULL, Rung("steps3", steps=3), Rung("steps2", steps=2), Rung("tiny", de
          Rung("tiny_steps2", steps=2, decoder="tae"))
 
 
+LADDER = tuple(r.name for r in RUNGS)       # the ladder's order: the step rungs, then the decoder rungs
+
+# Seeds of a rung's cost before a group measured it: the Wan decode's share of a full chunk (about 225 of
+# 715-783 ms at 14B on SP-4, vLLM-Omni's served path) and the tiny decoder's FLOPs against the Wan
+# decoder's (1.63 vs 40.7 TFLOP a steady 480x832 chunk: docs/architecture.md, "The tiny decoder").
+WAN_DECODE_SHARE = 0.3
+TINY_DECODE_RATIO = 1.63 / 40.7
+
+
 def step_rung(steps: Optional[int]) -> str:
     """The name of the step rung of `steps` denoising forwards (None: all of them, `full`)."""
-    if steps is None:
+    return rung_name(steps, None)
+
+
+def rung_name(steps: Optional[int], decoder: Optional[str]) -> str:
+    """The name of the rung of `steps` denoising forwards (None: all) decoded by `decoder` (None: the session's
+    own): full, steps3, steps2, tiny, tiny_steps2."""
+    if steps is None and decoder is None:
         return FULL.name
-    return next((r.name for r in RUNGS if r.steps == steps and r.decoder is None), f"steps{steps}")
+    found = next((r.name for r in RUNGS if r.steps == steps and r.decoder == decoder), None)
+    if found is not None:
+        return found
+    return ("tiny" if decoder == "tae" else "") + ("" if steps is None else f"{'_' if decoder else ''}steps{steps}")
+
+
+def rung(name: str) -> Rung:
+    """The rung called `name` (ValueError for another)."""
+    for r in RUNGS:
+        if r.name == name:
+            return r
+    raise ValueError(f"{name!r} is not a rung: {list(LADDER)}")
+
+
+def rung_ratio(num_steps: int, r: Rung, decode_share: float = 0.0) -> float:
+    """A rung's cost against the full one's: its DiT forwards' share (forward_ratio) of the chunk's DiT part,
+    and of its decode part the tiny decoder's FLOP ratio for a decoder rung; `decode_share` 0 (no decoder
+    rungs) gives the forward counts' ratio alone."""
+    decode = TINY_DECODE_RATIO if r.decoder == "tae" else 1.0
+    return (1 - decode_share) * forward_ratio(num_steps, r.steps) + decode_share * decode
+
+
+def rung_decoders(own: str, loaded: tuple[str, ...]) -> tuple[str, ...]:
+    """The decoders other than its own that a session's chunks may run on: the decoder rungs' where they are
+    loaded (the tiny one for a Wan session with both loaded); empty: it never switches (and keeps no ring)."""
+    return tuple(dict.fromkeys(r.decoder for r in RUNGS if r.decoder not in (None, own) and r.decoder in loaded))
 
 
 def rung_steps(name: str) -> Optional[int]:

@@ -23,13 +23,14 @@ them for every preset and SP degree.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..config import Preset, tae_dtype
-from .budget import condition_chunk_bytes, tae_cache_entries, vae_cache_entries
+from .budget import condition_chunk_bytes, latent_ring_chunks, tae_cache_entries, vae_cache_entries
 from .condition import CONDITION_CACHE_CHUNKS
 from .kv_cache import KVWindow
 from .snapshot import SNAPSHOTS_IN_FLIGHT
@@ -60,6 +61,7 @@ class SnapshotFootprint:
     snapshot_slots: int                 # slots one snapshot copies at most
     steady_slots: int                   # slots one snapshot copies once the window is full
     interval: int
+    ring: tuple[int, ...] = ()          # the latents of the last chunks, kept to switch decoders (every rank)
 
     @property
     def slot(self) -> int:
@@ -67,7 +69,7 @@ class SnapshotFootprint:
 
     @property
     def state(self) -> int:
-        return sum(self.decoder_cache) + sum(self.condition) + sum(self.text) + self.rng
+        return sum(self.decoder_cache) + sum(self.condition) + sum(self.text) + sum(self.ring) + self.rng
 
     @property
     def snapshot(self) -> int:
@@ -86,15 +88,15 @@ class SnapshotFootprint:
 
     def pinned(self, cuda: bool = True) -> int:
         """Host memory of one snapshot's copies on the rank: power-of-two pinned blocks on CUDA, else as is."""
-        blocks = [*self.kv_slot * self.snapshot_slots, *self.decoder_cache, *self.condition, *self.text]
+        blocks = [*self.kv_slot * self.snapshot_slots, *self.decoder_cache, *self.condition, *self.text, *self.ring]
         return sum(map(_pinned, blocks) if cuda else blocks) + self.rng
 
 
 def snapshot_footprint(preset: Preset, world_size: int = 1, rank: int = 0, interval: int = 1, decoder: str = "wan",
-                       device: torch.device | str = "cpu") -> SnapshotFootprint:
+                       device: torch.device | str = "cpu", decoders: Sequence[str] = ()) -> SnapshotFootprint:
     """Rank `rank` of a group of `world_size` (rank 0 is the fullest: it holds the condition encoder's cache);
     `decoder`: the session's frame decoder (the tiny one's cache is on the root alone, in its dtype on
-    `device`)."""
+    `device`); `decoders`: those loaded (with both, a session keeps a ring of latents to switch between them)."""
     if interval < 1:
         raise ValueError(f"snapshot interval must be >= 1 chunk, got {interval}")
     cfg = preset.transformer
@@ -107,8 +109,9 @@ def snapshot_footprint(preset: Preset, world_size: int = 1, rank: int = 0, inter
     text = [cfg.text_dim * preset.text.max_length * torch.empty((), dtype=preset.torch_dtype).element_size()] * 3
     restore = cfg.window_chunks - 1
     recent = cfg.window_chunks - cfg.sink_chunks - 1            # history chunks besides the sink a continuation attends
+    ring = (condition_chunk_bytes(preset),) * latent_ring_chunks(preset, tuple(decoders or (decoder,)))
     return SnapshotFootprint((slot, slot), tuple(decoded), tuple(condition), tuple(text), RNG_STATE_BYTES,
-                             restore, min(interval, restore), min(interval, recent), interval)
+                             restore, min(interval, restore), min(interval, recent), interval, ring)
 
 
 @dataclass(frozen=True)
@@ -151,9 +154,11 @@ class SnapshotHost:
 
 
 def snapshot_host(preset: Preset, world_size: int = 1, interval: int = 1, cuda: bool = True,
-                  in_flight: int = SNAPSHOTS_IN_FLIGHT) -> SnapshotHost:
-    return SnapshotHost(tuple(snapshot_footprint(preset, world_size, r, interval) for r in range(world_size)),
-                        in_flight, cuda)
+                  in_flight: int = SNAPSHOTS_IN_FLIGHT, decoders: Sequence[str] = ("wan",)) -> SnapshotHost:
+    """`decoders`: those the ranks loaded; a session's snapshots are counted with the Wan decoder's cache (the
+    larger) and, with both loaded, the ring of latents it keeps to switch between them."""
+    return SnapshotHost(tuple(snapshot_footprint(preset, world_size, r, interval, decoders=decoders)
+                              for r in range(world_size)), in_flight, cuda)
 
 
 def default_host_budget(node_memory: int, group_share: float = 1.0) -> int:

@@ -105,7 +105,9 @@ def test_a_rank_runs_the_dtype_of_its_settings():
     assert info.facts.dtype == "bfloat16" and runner.preset.dtype == "bfloat16"
     assert runner.model.dtype == runner.text_encoder.model.dtype == torch.bfloat16
     assert next(worker.pipeline.vae.parameters()).dtype == torch.float32
-    assert info.session_bytes == session_footprint(with_dtype(get_preset("tiny"), "bfloat16")).total
+    footprint = session_footprint(with_dtype(get_preset("tiny"), "bfloat16"), decoders=info.facts.decoders)
+    assert info.session_bytes == footprint.total and info.facts.decoders == ("tae", "wan")
+    assert footprint.latent_ring == 13 * 16 * 3 * 8 * 14 * 4          # both decoders: a ring of 13 chunks' latents
     assert worker.open_session(opening("s", np.zeros((64, 112, 3), np.uint8), "a harbour", 1)) == 0
     assert not worker.run_chunk(chunk("s", 0, ChunkControls(keys=("w", "", "l")))).stopped
     assert worker.sessions["s"].world.dit.kv.keys.dtype == torch.bfloat16

@@ -140,6 +140,53 @@ def test_chunks_run_on_cheaper_rungs_replay_bitwise_from_the_journal(worker, tin
         assert np.array_equal(muxer.frames["r2", index], muxer.frames["r", index]), index
 
 
+DECODER_RUNGS = {3: ChunkControls(decoder="tae"), 4: ChunkControls(steps=2, decoder="tae"),
+                 5: ChunkControls(decoder="tae", prewarm="wan"), 6: ChunkControls(), 7: ChunkControls(steps=3)}
+
+
+def test_a_session_whose_chunks_switched_decoders_resumes_bitwise(worker, tiny, tiny_runner, tiny_vae):
+    """A Wan session on a rank that loaded both decoders, its chunks 3-5 on the decoder rungs (the tiny decoder,
+    one with 2 steps, one warming the Wan decoder a decode ahead of the climb) and back on its own decoder at 6:
+    resumed from the snapshot of chunk 3, 4 and 5 replayed from the journal (their decoders in it), it goes on
+    bitwise; the tiny chunks' frames are not the Wan decoder's."""
+    from lingbot.io.weights import build_random_tae
+    from lingbot.models.tae import TinyFrameDecoder
+    from lingbot.models.vae import FrameDecoder
+    from lingbot.runtime.pipeline import WorldPipeline
+    worker.pipeline = WorldPipeline(tiny_runner, tiny_vae, decoders={
+        "tae": TinyFrameDecoder(build_random_tae(tiny.tae, tiny.weights_seed)), "wan": FrameDecoder(tiny_vae)})
+    image = np.random.RandomState(8).randint(0, 256, (64, 112, 3), dtype=np.uint8)
+    muxer, keeper = Muxer(), Keeper()
+    ledger = ContinuityLedger(1)
+    ledger.facts = ModelFacts.of(tiny, decoders=("tae", "wan"))
+    assert worker.open_session(opening("d", image, "a harbour", 8, keeper, INTERVAL, decoder="wan")) == 0
+    assert worker.open_session(opening("w", image, "a harbour", 8, None, decoder="wan")) == 0     # on its own
+    replies = {}
+    for index in range(8):
+        controls = DECODER_RUNGS.get(index, ChunkControls())
+        replies[index] = reply = worker.run_chunk(chunk("d", index, controls, muxer))
+        worker._on_device(lambda: None)
+        wait([f for _, f in worker.sessions["d"].snapshots.puts])
+        if index < 6:
+            ledger.delivered(ChunkReady(index, b"", 9 if index == 0 else 12, [], [], [], {}, 0.0, controls=controls,
+                                        interactions=InteractionState({}, None), snapshots=reply.snapshots), 16.0)
+        if index < 4:
+            worker.run_chunk(chunk("w", index, ChunkControls(), muxer))
+    assert replies[5].warm is False and replies[4].warm is None         # one decode of the Wan decoder's 13
+    assert np.array_equal(muxer.frames["d", 2], muxer.frames["w", 2])   # the same session until chunk 3 ...
+    assert not np.array_equal(muxer.frames["d", 3], muxer.frames["w", 3])   # ... decoded by the tiny decoder
+    decoding = worker.sessions["d"].world.decoding
+    assert decoding.ring_chunks == 13 and [i for i, _ in decoding.ring] == list(range(8))
+    resume = ledger.resume(SnapshotOwner(keeper, "d"))
+    assert resume.snapshot_index == 3 and [c.decoder for c in resume.journal[3:6]] == ["tae"] * 3
+    assert worker.open_session(opening("d2", image, "a harbour", 8, Keeper(), INTERVAL, resume.restore[0],
+                                       decoder="wan")) == 4
+    for index in range(4, 8):                         # 4, 5 replayed (their journaled decoders), then on
+        worker.run_chunk(chunk("d2", index, resume.journal[index] if index < 6 else DECODER_RUNGS[index], muxer))
+        worker._on_device(lambda: None)
+        assert np.array_equal(muxer.frames["d2", index], muxer.frames["d", index]), index
+
+
 def test_a_session_of_its_own_window_resumes_bitwise(worker, tiny_pipeline):
     """A session with its own K/V window (sink 2 chunks, window 4; the model's: 3 and 6), snapshotted every
     chunk: its ledger keeps what that window's continuation attends, and a resume after chunk 6 restores 5

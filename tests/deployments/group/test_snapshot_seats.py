@@ -70,8 +70,8 @@ def test_rank_0_reports_what_snapshots_cost_and_the_group_counts_its_seats_once(
     machine's memory (tiny, CPU)."""
     settings = ServeSettings(sp=1, snapshot_interval_chunks=2)
     info = RankWorker(settings.to_dict(), rank=0, world_size=1).join(None)
-    host = snapshot_host(get_preset("tiny"), 1, 2, cuda=False)
-    assert info.snapshot_host == host
+    host = snapshot_host(get_preset("tiny"), 1, 2, cuda=False, decoders=("tae", "wan"))   # with the ring it keeps
+    assert info.snapshot_host == host and len(host.ranks[0].ring) == 13
     seats = SnapshotSeats.of("g1", settings, info.snapshot_host)
     assert seats.seats == host.sessions_within(int(SNAPSHOT_HOST_SHARE * psutil.virtual_memory().total)) > 0
     assert RankWorker(ServeSettings(sp=1, snapshots=False).to_dict(), 0, 1).join(None).snapshot_host is None
