@@ -2,10 +2,16 @@
 (cost at each session's rung times its chunks per second) kept under target, the sessions degraded evenly and
 climbing back with a margin, a change at most every few chunks unless a session is behind, and unpaced sessions
 counting no load."""
+import time
+
 import pytest
 
-from deployments.group.ladder import Ladder, Seat
+from deployments.group.ladder import Ladder, QualityLadder, Seat, chunk_rung
+from deployments.session.events import ModelFacts
+from deployments.settings import ServeSettings
+from lingbot.config import ConfigError, get_preset
 from lingbot.runtime.rungs import RUNGS
+from tests.deployments.group.test_scheduler import _state
 
 STEPS = RUNGS[:3]                          # full, steps3, steps2
 RATIOS = (1.0, 0.81, 0.61)                # the cost model's at 14B (perf/rungs.py)
@@ -102,14 +108,10 @@ def test_ratios_are_checked():
 
 # ---- the decoder rungs, as the chunk loop asks the ladder -------------------------------------------------------
 def _facts(decoders):
-    from deployments.session.events import ModelFacts
-    from lingbot.config import get_preset
     return ModelFacts.of(get_preset("tiny"), random_weights=True, decoders=decoders)
 
 
 def _session(sid, decoder=None, quality="auto"):
-    from tests.deployments.group.test_scheduler import _state
-    import time
     s = _state(sid, chunks=40)
     s.start.decoder, s.start.quality = decoder, quality
     s.clock.first_delivery = time.monotonic() + 100.0      # well ahead of its viewer: the load alone decides
@@ -117,14 +119,10 @@ def _session(sid, decoder=None, quality="auto"):
 
 
 def _settings(**kw):
-    from deployments.settings import ServeSettings
     return ServeSettings(quality_ladder="auto", **kw)
 
 
 def test_the_decoder_rungs_are_the_ladders_where_both_decoders_are_loaded_seeded_below_the_step_rungs():
-    from deployments.group.ladder import QualityLadder
-    from deployments.settings import ServeSettings
-    from lingbot.config import ConfigError
     both = QualityLadder.of(_settings(quality_floor="tiny_steps2", decoder="wan,tae"), _facts(("wan", "tae")))
     assert [r.name for r in both.ladder.rungs] == ["full", "steps3", "steps2", "tiny", "tiny_steps2"]
     # the Wan decode 0.3 of a chunk, the tiny one 1.63 / 40.7 of it: steps3 0.86, steps2 0.72, tiny 0.712
@@ -137,7 +135,6 @@ def test_the_decoder_rungs_are_the_ladders_where_both_decoders_are_loaded_seeded
 
 
 def test_a_step_down_onto_the_tiny_decoder_is_at_once_and_a_climb_back_waits_for_the_wan_decoder_to_be_warm():
-    from deployments.group.ladder import QualityLadder, chunk_rung
     q = QualityLadder.of(_settings(quality_floor="tiny_steps2", decoder="wan,tae"), _facts(("wan", "tae")))
     a = _session("a", decoder="wan")
     sessions = [a]
@@ -164,7 +161,6 @@ def test_a_step_down_onto_the_tiny_decoder_is_at_once_and_a_climb_back_waits_for
 
 
 def test_a_tiny_decoder_session_runs_the_decoder_rungs_on_its_own_decoder_and_a_pinned_rung_holds_in_the_sink():
-    from deployments.group.ladder import QualityLadder, chunk_rung
     q = QualityLadder.of(_settings(quality_floor="tiny_steps2", decoder="wan,tae"), _facts(("wan", "tae")))
     t = _session("t", decoder="tae")
     q.ladder.observe(0, 5.0)
