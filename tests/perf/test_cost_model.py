@@ -82,10 +82,15 @@ def test_sp_bytes_match_the_analytical_count(tiny, world_size):
         assert got.get("pixels", 0) == sp_pixel_bytes_per_chunk(64, 112, 12, 14, world_size, rank)
 
 
-def test_a_step_rung_costs_the_prepare_and_one_forward_per_probe_kept_and_the_commit():
+def test_a_rung_costs_the_prepare_one_forward_per_probe_kept_the_commit_and_its_decoders_decode():
     from lingbot.config import get_preset
+    from perf.decode_time import steady_step_flops
     from perf.rungs import modelled
-    f = preset_chunk_flops(get_preset("lingbot-world-v2-14b"), 24)
+    preset = get_preset("lingbot-world-v2-14b")
+    f = preset_chunk_flops(preset, 24)
+    wan, tae = (3 * steady_step_flops(preset, d) for d in ("wan", "tae"))
     costs = modelled()
-    assert costs[None] == f.total and costs[3] == f.prepare + 4 * f.forward and costs[2] == f.prepare + 3 * f.forward
-    assert 0.60 < costs[2] / costs[None] < 0.62
+    assert costs["full"] == f.total + wan and costs["steps3"] == f.prepare + 4 * f.forward + wan
+    assert costs["steps2"] == f.prepare + 3 * f.forward + wan and costs["tiny"] == f.total + tae
+    assert costs["tiny_steps2"] == f.prepare + 3 * f.forward + tae
+    assert 0.60 < (costs["steps2"] - wan) / (costs["full"] - wan) < 0.62 and 24 < wan / tae < 26
