@@ -32,7 +32,9 @@ written to the log:
                   (STEP_TOLERANCE, judged), chunk 0's latents (reported)
     no_sync       a DiT chunk with every host synchronisation an error (CUDA: set_sync_debug_mode("error"))
     rungs         the quality ladder's step rungs (full, steps3, steps2) on one DiT session past its sink,
-                  `steady` chunks each: their times and ratios to full beside the forward counts' ratios
+                  `steady` chunks each: their times and ratios to full beside the forward counts' ratios;
+                  a steady chunk's decode by each decoder, so every rung's whole chunk (the decoder rungs
+                  too), the Wan decode's share of a full chunk and a climb's one-shot warm-up
     snapshots     what a deployment on this host does with snapshots (lingbot/runtime/snapshot_budget.py,
                   `plan_snapshots`); the whole chunk alone, with a synchronous copy of its snapshot to the
                   host and with the asynchronous one (side stream, pinned memory); the copies' own time with

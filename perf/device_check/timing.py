@@ -14,12 +14,15 @@ import numpy as np
 import torch
 
 from lingbot.builder import build_pipeline
+from lingbot.config import tae_dtype
 from lingbot.io.images import model_image
+from lingbot.io.weights import build_random_tae
 from lingbot.runtime.attention import choose_for_steady_state
 from lingbot.runtime.condition import CONDITION_CACHE_CHUNKS, CausalConditionEncoder, LatentCondition
-from lingbot.runtime.rungs import RUNGS, forward_ratio
+from lingbot.runtime.rungs import RUNGS, forward_ratio, rung_name
 from lingbot.transfer import to_device
 from perf.cost_model import matmul_peak
+from perf.decode_time import time_steps
 
 from .check import KEYS, STEP_TOLERANCE, Check, NotApplicable, _allocated, _sync, _timed
 
@@ -227,9 +230,12 @@ def stage_interleaving(c: Check, chunks: int = 3) -> None:
 
 
 def stage_rungs(c: Check) -> None:
-    """The quality ladder's step rungs (lingbot/runtime/rungs.py) timed on one DiT session past its sink:
-    `steady` chunks at each rung in turn, their medians and their ratio to full's beside the cost model's
-    forward ratio (perf/rungs.py has the modelled TFLOP)."""
+    """The quality ladder's rungs (lingbot/runtime/rungs.py): the step rungs timed on one DiT session past its
+    sink, `steady` chunks at each rung in turn, their medians and their ratio to full's beside the cost model's
+    forward ratio (perf/rungs.py has the modelled TFLOP); then a steady chunk's decode by each decoder (the Wan
+    decoder of the pipeline, the tiny one in its serving dtype), so each rung's whole chunk, the decoder rungs'
+    included, and the Wan decode's share of a full chunk (the ladder's seed, WAN_DECODE_SHARE) are measured, and
+    what a climb back to the Wan decoder would cost at once (its history's chunks and the chunk's own)."""
     cfg = c.preset.transformer
     warm = max(c.warm, cfg.sink_chunks)                # the sink runs every step whatever the rung
     rungs = [r for r in RUNGS if r.decoder is None]
@@ -246,3 +252,20 @@ def stage_rungs(c: Check) -> None:
     c.keep(regions=c.mode, rung_steady_s=steady,
            rung_ratio={name: s / steady["full"] for name, s in steady.items()},
            rung_forward_ratio={r.name: forward_ratio(len(c.preset.sampler.timesteps), r.steps) for r in rungs})
+    decode = decode_chunk_s(c)
+    whole = {r.name: steady[rung_name(r.steps, None)] + decode[r.decoder or "wan"] for r in RUNGS}
+    warm_chunks = -(-c.pipe.vae.history_frames() // cfg.num_frames_per_block)
+    c.progress(f"  {c.mode}: a chunk's decode: wan {decode['wan']:.3f} s, tae {decode['tae']:.4f} s")
+    c.keep(decode_chunk_s=decode, rung_chunk_s=whole, rung_chunk_ratio={n: t / whole["full"] for n, t in whole.items()},
+           wan_decode_share=decode["wan"] / whole["full"], climb_at_once_decode_s=(warm_chunks + 1) * decode["wan"])
+
+
+def decode_chunk_s(c: Check) -> dict[str, float]:
+    """Seconds of a steady chunk's decode (its latent frames, after the stream's first) by each decoder."""
+    frames = c.preset.transformer.num_frames_per_block
+    tae = build_random_tae(c.preset.tae, c.preset.weights_seed or 0, tae_dtype(c.device), c.device)
+    out = {}
+    for name, model in (("wan", c.pipe.vae), ("tae", tae)):
+        times, _ = time_steps(model, c.preset.latent_hw, frames * c.steady, c.device)
+        out[name] = frames * statistics.median(times)
+    return out

@@ -61,6 +61,10 @@ def test_device_check_runs_end_to_end_on_cpu_and_a_late_failure_keeps_its_figure
     rungs = figures["rungs"]                           # each step rung timed past the sink, beside the model's ratio
     assert set(rungs["rung_steady_s"]) == {"full", "steps3", "steps2"} and rungs["rung_ratio"]["full"] == 1.0
     assert rungs["rung_forward_ratio"] == {"full": 1.0, "steps3": 0.8, "steps2": 0.6}
+    # and each decoder's chunk: every rung's whole chunk, the decoder rungs' with the tiny decoder's decode
+    assert rungs["rung_chunk_s"]["tiny"] == rungs["rung_steady_s"]["full"] + rungs["decode_chunk_s"]["tae"]
+    assert rungs["rung_chunk_s"]["steps2"] == rungs["rung_steady_s"]["steps2"] + rungs["decode_chunk_s"]["wan"]
+    assert 0 < rungs["wan_decode_share"] < 1 and rungs["climb_at_once_decode_s"] == 14 * rungs["decode_chunk_s"]["wan"]
     # the whole chunks replay the first frame's conditions (primed to the fixed point), in every mode
     whole = figures["eager_whole"]
     assert whole["condition_fixed_point_chunk"] is not None and whole["condition_encode_s"]
