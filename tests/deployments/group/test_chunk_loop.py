@@ -41,9 +41,12 @@ class Remote:
 
 
 class Rank:
-    def __init__(self, rank: int, log: list, fail_at=None, hang_at=None, engine_s=0.01, steps=None):
+    def __init__(self, rank: int, log: list, fail_at=None, hang_at=None, engine_s=0.01, steps=None, controls=None,
+                 warm_after: int = 0):
         self.rank, self.log, self.fail_at, self.hang_at = rank, log, fail_at, hang_at
         self.engine_s, self.steps = engine_s, steps          # steps: a list the chunks' rungs go to
+        self.controls = controls                             # a list each chunk's (session, index, controls) go to
+        self.warm_after, self.prewarms = warm_after, {}      # a prewarm is ready at its warm_after-th chunk
         self.run_chunk, self.abort_chunk = Remote(self._run_chunk), Remote(self._noop)
 
     async def _noop(self, *args):
@@ -54,6 +57,15 @@ class Rank:
         self.log.append((self.rank, sid, index, muxer is not None))
         if self.steps is not None and self.rank == 0:
             self.steps.append((sid, index, call.controls.steps))
+        warm = None
+        if call.controls.prewarm is not None:
+            self.prewarms[sid] = self.prewarms.get(sid, 0) + 1
+            warm = self.prewarms[sid] >= self.warm_after
+        else:
+            self.prewarms.pop(sid, None)
+        if self.controls is not None and self.rank == 0:
+            self.controls.append((sid, index, call.controls, warm))
+        engine_s = self.engine_s(call.controls) if callable(self.engine_s) else self.engine_s
         await asyncio.sleep(0.001)
         if index == self.fail_at:
             raise RuntimeError(f"rank {self.rank} lost its device")
@@ -62,8 +74,8 @@ class Rank:
         fragment = None
         if muxer is not None:
             fragment = muxer.encode.remote(sid, index, GEOMETRY.pixel_frames(index))
-        return ChunkReply(False, {"denoise": 0.01}, self.engine_s, fragment,
-                          (SnapshotRef(index, self.rank, "slot", "state"),))
+        return ChunkReply(False, {"denoise": 0.01}, engine_s, fragment,
+                          (SnapshotRef(index, self.rank, "slot", "state"),), warm=warm)
 
 
 class Muxer:
@@ -254,6 +266,37 @@ def test_a_session_that_pins_a_rung_runs_every_chunk_past_its_sink_there_with_th
         dataclasses.replace(SETTINGS, quality_ladder="auto"), model=facts)
     by = {sid: [st for s, i, st in sorted(steps) if s == sid] for sid in "fa"}
     assert by["f"] == [None] * 8 and by["a"][:3] == [None] * 3 and by["a"][-1] == 2, by
+
+
+def test_decoder_rungs_step_down_at_once_and_climb_back_only_once_the_ranks_report_the_wan_decoder_warm():
+    """Both decoders loaded, floor tiny_steps2, two Wan sessions whose chunks cost 0.5 s on the Wan decoder and
+    0.05 s on the tiny one: the sink at full on its own decoder; the ladder takes them down onto the tiny decoder
+    (ChunkControls.decoder, journaled with the chunk); a climb back holds the tiny decoder and asks the ranks to
+    warm the Wan decoder (prewarm) chunk after chunk until a reply says it is warm (the 3rd here), and only the
+    chunk after that runs on the Wan decoder."""
+    from deployments.session.events import ModelFacts
+    facts = ModelFacts.of(get_preset("tiny"), decoders=("wan", "tae"))
+    laddered = dataclasses.replace(SETTINGS, quality_ladder="auto", quality_floor="tiny_steps2")
+    ran = []
+    events, _, failures = run([session("a", 24, decoder="wan"), session("b", 24, decoder="wan")],
+                              {"engine_s": lambda c: 0.5 if c.decoder is None else 0.05, "controls": ran,
+                               "warm_after": 3}, laddered, model=facts)
+    assert not failures and all(isinstance(events[s][-1], SessionDone) for s in "ab")
+    climbed = 0
+    for sid in "ab":
+        chunks = [(c, warm) for s, i, c, warm in sorted(ran, key=lambda r: r[1]) if s == sid]
+        assert all(c.quality == "full" and c.decoder is None for c, _ in chunks[:3])          # the sink
+        assert any(c.decoder == "tae" for c, _ in chunks), sid
+        for (before, warm), (after, _) in zip(chunks, chunks[1:]):
+            if before.decoder == "tae" and after.decoder is None:          # a climb back to the Wan decoder ...
+                assert before.prewarm == "wan" and warm is True, sid       # ... only once it was warm
+            if after.prewarm is not None:
+                assert after.decoder == "tae" and after.prewarm == "wan"
+        climbs = [i for i, ((b, _), (a, _)) in enumerate(zip(chunks, chunks[1:])) if b.decoder and not a.decoder]
+        assert all([c.prewarm for c, _ in chunks[i - 2:i + 1]] == ["wan"] * 3 for i in climbs), sid
+        assert {c.quality for c, _ in chunks} <= {"full", "steps3", "steps2", "tiny", "tiny_steps2"}
+        climbed += len(climbs)
+    assert climbed >= 1
 
 
 def test_the_ladder_turned_off_while_sessions_run_puts_them_at_full_from_their_next_chunk():
