@@ -2,10 +2,15 @@
 default with the Wan decoder on top (`decoder: wan,tae`; tiny, CPU, SP-2, both groups running, 3 sessions a
 group so that the cap does not hide the load): for 1 to 6 sessions at once, each paced at 16 fps with a key
 press every 2 s, the stall ratio per session (a simulated player, perf/realtime_metrics.py), the share of chunks
-per rung and control-to-display p50. The ladder is switched in place between the two passes (a deploy that
-changes only quality_ladder: docs/architecture.md, "Rungs"), so both see the same groups.
+per rung and control-to-display p50. The app is redeployed with `serve.run` between the passes (from Python,
+that replaces the groups: docs/architecture.md, "Rungs"), and each pass waits for both groups to run.
 
-    python -m perf.ladder [--sessions 1,2,3,4,5,6] [--chunks 10] [--output-json perf/results/ladder_tiny_cpu.json]
+    python -m perf.ladder [--sessions 1,2,3,4,5,6] [--chunks 10] [--modes off,auto]
+                          [--output-json perf/results/ladder_tiny_cpu.json]
+
+A mode is `off`, `auto` (down to the default floor, steps2) or `auto:<floor>`: `auto:tiny_steps2` lets the ladder
+use the decoder rungs too (the tiny decoder in place of the Wan decoder, switched exactly: lingbot/runtime/
+decoding.py).
 
 This machine has 2 cores: Ray is told 4 logical CPUs so that both groups of SP-2 are placed; they then share
 the 2 cores, so the figures compare the two modes on the same machine, not a GPU's throughput.
@@ -26,9 +31,11 @@ PORT = 18812
 W, H, FPS = 112, 64, 16.0
 
 
-def settings(ladder: str) -> dict:
+def settings(mode: str) -> dict:
+    ladder, _, floor = mode.partition(":")
     return dict(preset="tiny", device="cpu", sp=2, min_groups=2, max_groups=2, max_sessions_per_group=3,
-                decoder="wan,tae", quality_ladder=ladder, graceful_shutdown_timeout_s=5, admission_wait_s=60,
+                decoder="wan,tae", quality_ladder=ladder, quality_floor=floor or "steps2",
+                graceful_shutdown_timeout_s=5, admission_wait_s=60,
                 max_sessions_per_key=0, max_starts_per_minute_per_key=0)   # every session comes from one address
 
 
@@ -60,16 +67,18 @@ def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", default="1,2,3,4,5,6", help="the rows: sessions at once")
     ap.add_argument("--chunks", type=int, default=10, help="chunks per session (the first 3 are the sink: full)")
+    ap.add_argument("--modes", default="off,auto", help="off, auto, auto:<floor> (e.g. auto:tiny_steps2)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
     counts = [int(x) for x in args.sessions.split(",")]
     from ray import serve
 
     from deployments.app import build_app
     ensure_serve(PORT, cpus=4)
     rows = []
-    for mode in ("off", "auto"):
-        serve.run(build_app(settings(mode)), name="lingbot", route_prefix="/")   # in place after the first
+    for mode in modes:
+        serve.run(build_app(settings(mode)), name="lingbot", route_prefix="/")
         wait_for_groups(2)
         for n in counts:
             print(f"ladder {mode}: {n} sessions at once ...", file=sys.stderr, flush=True)

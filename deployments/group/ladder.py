@@ -17,13 +17,14 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
   is loaded, at full when it is not.
 - A session that pinned a rung (extra_params.quality: full or a rung's name) stays on it and counts its load
   there; the others make room around it. Pinned rungs hold with the ladder off too (`chunk_rung`).
-- Decoder rungs (tiny, tiny_steps2: the tiny decoder instead of the Wan one) are the ladder's where both decoders
-  are loaded, below the step rungs, and apply to a session whose own decoder is the Wan one (for another they run
-  its own decoder). A step down onto one switches at once (the tiny decoder is warmed from the session's ring of
-  latents: 3 tiny decodes). A climb back off one waits until the Wan decoder is warm: the session stays on its
-  rung and each chunk warms the Wan decoder by one decode (ChunkControls.prewarm: the cost of the Wan decode it
-  climbs to, so a group with room to climb has room to warm) until a rank reports it ready (13 chunks at most),
-  and no chunk stalls on a 13-decode warm-up.
+- The decoder rung (tiny_steps2: two steps and the tiny decoder instead of the Wan one) is the ladder's floor where
+  both decoders are loaded and quality_floor says so, below steps2, and applies to a session whose own decoder is
+  the Wan one (another runs it on its own decoder). The step down onto it switches at once (the tiny decoder is
+  warmed from the session's ring of latents: 3 tiny decodes). The climb back to steps2 waits until the Wan
+  decoder is warm: the session stays on tiny_steps2 and each chunk warms the Wan decoder by one decode
+  (ChunkControls.prewarm), which makes the chunk cost what a steps2 chunk costs (a group with room to climb has
+  room to warm), until a rank reports it ready (14 chunks), and no chunk stalls on a 14-decode warm-up. A warming
+  chunk's time is not learned as its rung's cost (it is the rung above's).
 - Admission (`holds`, `QualityLadder.admits`): a group takes one more session while every session, the new one
   included, could run at real time at its lowest allowed rung (the floor, or its pinned rung): the load at the
   floor within target. So a group full at the top rung still takes sessions (they and the others step down)
@@ -237,7 +238,7 @@ class QualityLadder:
         self.last[session.id] = chunk
         self.warm[session.id] = bool(warm) if chunk.prewarm is not None else False
         names = [r.name for r in self.ladder.rungs]
-        if chunk.rung.name in names:
+        if chunk.rung.name in names and chunk.prewarm is None:
             self.ladder.observe(names.index(chunk.rung.name), seconds)
 
     def forget(self, session_id: str) -> None:

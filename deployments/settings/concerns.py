@@ -216,7 +216,7 @@ class PacingSettings(SettingsConcern):
                                          "step rung its group's load allows (deployments/group/ladder.py); "
                                          "a redeploy that changes only this switches running groups in place")
     quality_floor: str = setting("steps2", "the lowest rung the ladder may choose: steps3, steps2, or with both "
-                                           "decoders loaded (decoder: wan,tae) the decoder rungs tiny, tiny_steps2")
+                                           "decoders loaded (decoder: wan,tae) tiny_steps2 (the tiny decoder)")
 
     @property
     def quality_rungs(self) -> tuple[str, ...]:

@@ -53,7 +53,11 @@ RUNGS = (FULL, Rung("steps3", steps=3), Rung("steps2", steps=2), Rung("tiny", de
          Rung("tiny_steps2", steps=2, decoder="tae"))
 
 
-LADDER = tuple(r.name for r in RUNGS)       # the ladder's order: the step rungs, then the decoder rungs
+# The served ladder's order: each rung one change cheaper than the one above (a probe fewer, a probe fewer, the
+# tiny decoder), so the one decoder switch is between rungs of the same steps: a climb's warm-up (one Wan decode
+# a chunk on tiny_steps2) costs what steps2 costs. `tiny` (every step, the tiny decoder) is what a session gets
+# by asking for the tiny decoder as its own.
+LADDER = ("full", "steps3", "steps2", "tiny_steps2")
 
 # Seeds of a rung's cost before a group measured it: the Wan decode's share of a full chunk (about 225 of
 # 715-783 ms at 14B on SP-4, vLLM-Omni's served path) and the tiny decoder's FLOPs against the Wan

@@ -48,6 +48,40 @@ def ray_cli(*args, env=None, timeout=180):
 TOKEN_ENV = {"RAY_AUTH_MODE": "token"}           # the token itself: ~/.ray/auth_token, Ray's default place
 
 
+def serve_deploy(folder: Path, **settings) -> None:
+    """`serve deploy` of serve_config.yaml with the test settings (and `settings`) layered on its app's args."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = HEAD_PROXY
+    config["applications"][0]["args"] = {**config["applications"][0]["args"], **SETTINGS, **settings}
+    config_path = folder / "serve_config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    serve = subprocess.run([str(BIN / "serve"), "deploy", str(config_path), "--address",
+                            f"http://127.0.0.1:{DASHBOARD_PORT}"],
+                           env={**os.environ, **TOKEN_ENV}, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert serve.returncode == 0, serve.stdout + serve.stderr
+
+
+def serve_rest(path: str) -> dict:
+    """Serve's REST API on the head's dashboard, with the cluster's token."""
+    request = urllib.request.Request(f"http://127.0.0.1:{DASHBOARD_PORT}{path}",
+                                     headers={"Authorization": f"Bearer {TOKEN_FILE.read_text().strip()}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def group_modes(answers: int = 4) -> list[str]:
+    """The quality ladder's mode as the running groups report it (WorldGroup.census through a deployment
+    handle, from a driver of its own on the cluster), `answers` times (Serve routes each to some group)."""
+    code = (f"import json, ray; from ray import serve; ray.init(address='127.0.0.1:{GCS_PORT}', "
+            "logging_level='ERROR', log_to_driver=False); h = serve.get_deployment_handle('WorldGroup', 'lingbot'); "
+            "print(json.dumps([h.census.remote().result(timeout_s=60)['settings']['quality_ladder'] "
+            f"for _ in range({answers})]))")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **CLUSTER_ENV, **TOKEN_ENV},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def cluster_processes(temp_dir: Path) -> list:
     """Every process of this cluster (their command lines name its temp dir, or its GCS port)."""
     marks = (str(temp_dir), f"127.0.0.1:{GCS_PORT}")
@@ -89,16 +123,7 @@ def cluster(tmp_path_factory):
             workers = [n for n in state("nodes", state="ALIVE") if not n["is_head_node"]]
             time.sleep(1)
         assert len(workers) == 2, workers
-        config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-        config["http_options"]["port"] = HEAD_PROXY
-        config["applications"][0]["args"] = {**config["applications"][0]["args"], **SETTINGS}
-        config_path = tmp_path_factory.mktemp("deploy") / "serve_config.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        serve = subprocess.run([str(BIN / "serve"), "deploy", str(config_path), "--address",
-                                f"http://127.0.0.1:{DASHBOARD_PORT}"],
-                               env={**os.environ, **TOKEN_ENV}, capture_output=True, text=True,
-                               timeout=120, cwd=ROOT)
-        assert serve.returncode == 0, serve.stdout + serve.stderr
+        serve_deploy(tmp_path_factory.mktemp("deploy"))
         deadline = time.monotonic() + 300
         ready = False
         while not ready and time.monotonic() < deadline:
@@ -201,6 +226,30 @@ def test_every_nodes_proxy_reaches_sessions_on_both_groups(cluster):
         for r in results:
             assert r.error is None and r.done["chunks"] == 2, (port, r.error)
             assert sum(c["num_frames"] for c in r.chunks) == 21
+
+
+def test_a_serve_deploy_that_changes_only_the_quality_ladder_switches_the_running_groups_in_place(cluster, tmp_path):
+    """`serve deploy` again with quality_ladder: auto and nothing else changed: Serve's lightweight update of the
+    WorldGroup's user_config. No replica or rank is replaced (every one alive after it was alive before), and
+    the running groups report the new mode (WorldGroup.reconfigure); then back to off the same way."""
+    def replicas() -> set:
+        app = serve_rest("/api/serve/applications/")["applications"]["lingbot"]
+        return {r["actor_id"] for r in app["deployments"]["WorldGroup"]["replicas"]}
+
+    def ranks() -> set:
+        return {a["actor_id"] for a in state("actors", class_name="RankWorker", state="ALIVE")}
+
+    before, ranks_before = replicas(), ranks()
+    assert set(group_modes()) == {"off"} and before and ranks_before
+    for mode in ("auto", "off"):
+        serve_deploy(tmp_path, quality_ladder=mode)
+        deadline = time.monotonic() + 60
+        while set(group_modes()) != {mode} and time.monotonic() < deadline:
+            time.sleep(1)
+        app = serve_rest("/api/serve/applications/")["applications"]["lingbot"]
+        assert app["deployments"]["WorldGroup"]["deployment_config"]["user_config"] == {"quality_ladder": mode}
+        assert set(group_modes()) == {mode} and app["status"] == "RUNNING", app["status"]
+        assert replicas() <= before and ranks() <= ranks_before         # nothing new: the same groups switched
 
 
 def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):

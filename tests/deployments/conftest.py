@@ -14,6 +14,7 @@ HTTP = f"http://127.0.0.1:{PORT}"
 TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2, min_groups=1, max_groups=1,
                      start_timeout_s=3, admission_wait_s=3, retry_after_s=7, stall_timeout_s=8,
                      pacing_lead_s=8, graceful_shutdown_timeout_s=5, decoder="wan,tae",
+                     quality_floor="tiny_steps2",   # every rung may be pinned (the decoder rungs too)
                      max_in_flight_chunks=2,        # the GPU default, so the overlap is tested here too
                      max_fps=120.0,                 # sessions that ask for 120 fps run flat out
                      max_sessions_per_key=0, max_starts_per_minute_per_key=0,   # every test comes from one address

@@ -508,23 +508,27 @@ def orbit_trajectory(frames):
 
 
 def in_process_frames(chunks, seed, prompt, flow_shift=None, trajectory_json=None, prompt_change=None,
-                      controls=None, decoder="wan"):
+                      controls=None, decoder="wan", rungs=None):
     """The same session through the in-process pipeline (SP-1): the frames the served one should show.
-    `prompt_change`: (chunk, text, transition_chunks) applied at that chunk; `controls`: per chunk."""
+    `prompt_change`: (chunk, text, transition_chunks) applied at that chunk; `controls`: per chunk; `rungs`: per
+    chunk, (denoising steps, decoder) (the tiny decoder beside the session's own)."""
     from lingbot.builder import build_pipeline
     from lingbot.camera import CameraRig, Trajectory
     from lingbot.io.images import open_image, resize_image
-    pipeline = build_pipeline("tiny", decoder=decoder)
+    pipeline = build_pipeline("tiny", decoder=decoder if rungs is None else (decoder, "tae"))
     image = resize_image(open_image(base64.b64decode(png_url().partition(",")[2])), W, H)
     traj = None
     if trajectory_json is not None:
         traj = Trajectory.from_video_frames(trajectory_json["poses"], trajectory_json["intrinsics"], W, H,
                                             max_video_frames=LINGBOT_GEOMETRY.video_frames(chunks))
-    world = pipeline.new_session(image, prompt, seed=seed, rig=CameraRig.default(W, H, traj), flow_shift=flow_shift)
+    world = pipeline.new_session(image, prompt, seed=seed, rig=CameraRig.default(W, H, traj), flow_shift=flow_shift,
+                                 switch_to=() if rungs is None else ("tae",))
     frames = []
     for k in range(chunks):
         change = prompt_change[1:] if prompt_change is not None and prompt_change[0] == k else None
-        frames.append(world.step(controls[k] if controls else None, prompt=change).frames.numpy())
+        steps, rung_decoder = (None, None) if rungs is None else rungs[k]
+        frames.append(world.step(controls[k] if controls else None, prompt=change, steps=steps,
+                                 decoder=rung_decoder).frames.numpy())
     return np.concatenate(frames)
 
 
@@ -556,6 +560,24 @@ def test_served_frames_are_the_in_process_pipelines(serve_app):
         assert np.abs(served_frames - other).mean() > 2.0, change
     still = through_h264(in_process_frames(3, trajectory_json=orbit_trajectory(1), **base))
     assert np.abs(served_frames[9:] - still[9:]).mean() > 2.0   # the camera path moved the later chunks
+
+
+def test_a_wan_session_pinned_to_a_decoder_rung_shows_the_tiny_decoders_frames_of_its_latents(serve_app):
+    """extra_params.quality tiny_steps2 on a session whose decoder is the Wan one (both loaded): its sink runs
+    every step on the tiny decoder (`tiny`: a decoder rung applies there), then 2 steps (`tiny_steps2`); the frames
+    are the in-process pipeline's for the same rungs (SP-2 with the tiny decoder on the root against SP-1, after
+    the codec on both sides), not the Wan decoder's."""
+    base = dict(seed=6, prompt="a quarry")
+    served = run(session(serve_app, 5, decoder="wan", quality="tiny_steps2", **base))
+    assert served.error is None, served.error
+    assert [(c["quality"], c["denoising_steps"]) for c in served.chunks] == [("tiny", None)] * 3 + [
+        ("tiny_steps2", 2)] * 2
+    frames = read_frames(served.video).astype(float)
+    rungs = [(None, "tae")] * 3 + [(2, "tae")] * 2
+    expected = through_h264(in_process_frames(5, rungs=rungs, **base))
+    assert frames.shape == expected.shape == (57, H, W, 3) and np.abs(frames - expected).mean() < 0.25
+    wan = through_h264(in_process_frames(5, rungs=[(None, None)] * 3 + [(2, None)] * 2, **base))
+    assert np.abs(frames - wan).mean() > 2.0
 
 
 def test_camera_trajectory_refusals_leave_live_sessions_alone(serve_app):

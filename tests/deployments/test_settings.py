@@ -338,10 +338,12 @@ def test_the_quality_ladder_settings_are_checked():
     assert ServeSettings(quality_ladder="auto", quality_floor="steps3").quality_floor == "steps3"
     with pytest.raises(ConfigError, match="quality_ladder 'on' must be off or auto"):
         ServeSettings(quality_ladder="on")
-    with pytest.raises(ConfigError, match=r"quality_floor 'full' must be one of \['steps3', 'steps2', 'tiny', "
+    with pytest.raises(ConfigError, match=r"quality_floor 'full' must be one of \['steps3', 'steps2', "
                                           r"'tiny_steps2'\]"):
         ServeSettings(quality_floor="full")
-    assert ServeSettings(quality_floor="tiny_steps2").quality_rungs == ("full", "steps3", "steps2", "tiny",
+    with pytest.raises(ConfigError, match=r"quality_floor 'tiny' must be one of"):
+        ServeSettings(quality_floor="tiny")               # a session's own tiny decoder, not a floor
+    assert ServeSettings(quality_floor="tiny_steps2").quality_rungs == ("full", "steps3", "steps2",
                                                                         "tiny_steps2")   # cpu: tae,wan loaded
-    with pytest.raises(ConfigError, match=r"quality_floor 'tiny' is a decoder rung: it needs both decoders"):
-        ServeSettings(quality_floor="tiny", device="cuda", rank_devices=1)                # cuda: wan alone
+    with pytest.raises(ConfigError, match=r"quality_floor 'tiny_steps2' is a decoder rung: it needs both decoders"):
+        ServeSettings(quality_floor="tiny_steps2", device="cuda", rank_devices=1)         # cuda: wan alone

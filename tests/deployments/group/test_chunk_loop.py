@@ -3,6 +3,7 @@ tasks, so the scheduling logic (order, delivery, replay after a resume, refusals
 The real ranks, muxer and mailbox are tested end to end in tests/deployments/test_app.py and test_faults.py."""
 import asyncio
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -287,12 +288,12 @@ def test_decoder_rungs_step_down_at_once_and_climb_back_only_once_the_ranks_repo
         chunks = [(c, warm) for s, i, c, warm in sorted(ran, key=lambda r: r[1]) if s == sid]
         assert all(c.quality == "full" and c.decoder is None for c, _ in chunks[:3])          # the sink
         assert any(c.decoder == "tae" for c, _ in chunks), sid
-        for (before, warm), (after, _) in zip(chunks, chunks[1:]):
+        for (before, warm), (after, _) in itertools.pairwise(chunks):
             if before.decoder == "tae" and after.decoder is None:          # a climb back to the Wan decoder ...
                 assert before.prewarm == "wan" and warm is True, sid       # ... only once it was warm
             if after.prewarm is not None:
                 assert after.decoder == "tae" and after.prewarm == "wan"
-        climbs = [i for i, ((b, _), (a, _)) in enumerate(zip(chunks, chunks[1:])) if b.decoder and not a.decoder]
+        climbs = [i for i, ((b, _), (a, _)) in enumerate(itertools.pairwise(chunks)) if b.decoder and not a.decoder]
         assert all([c.prewarm for c, _ in chunks[i - 2:i + 1]] == ["wan"] * 3 for i in climbs), sid
         assert {c.quality for c, _ in chunks} <= {"full", "steps3", "steps2", "tiny", "tiny_steps2"}
         climbed += len(climbs)
