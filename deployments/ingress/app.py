@@ -58,23 +58,27 @@ class ServeGroups:
         self.keepers = KeeperSupervisor() if settings.snapshots else None
         self.census = GroupCensus(settings.max_groups)
         self._facts: Optional[ModelFacts] = None
-        self._facts_lock = asyncio.Lock()
+        self._asking: Optional[asyncio.Future] = None     # the one question to a group, shared by every caller
 
     async def facts(self, wait_s: Optional[float] = None) -> ModelFacts:
-        """What the groups run; the first call waits (at most max_queue_wait_s: a group may still be starting)
-        for a group to answer."""
+        """What the groups run; until a group has answered once, each caller waits at most its own `wait_s`
+        (default max_queue_wait_s: a group may still be starting) for the one question in flight, which goes on
+        for the next caller when this one gives up (a failed one is asked again by the next)."""
         if self._facts is not None:
             return self._facts
         wait_s = self.settings.max_queue_wait_s if wait_s is None else wait_s
-        async with self._facts_lock:
-            if self._facts is None:
-                try:
-                    self._facts = await asyncio.wait_for(self.group.facts.remote(), wait_s)
-                except Exception as e:
-                    raise ProtocolError(ErrorCode.GROUP_UNAVAILABLE, f"no model group answered within {wait_s:g} s "
-                                        f"({type(e).__name__}); retry", close=CLOSE_TRY_AGAIN,
-                                        retry_after_s=self.settings.retry_after_s) from None
+        if self._asking is None or (self._asking.done() and (self._asking.cancelled() or self._asking.exception())):
+            self._asking = asyncio.ensure_future(self._ask_facts())
+        try:
+            self._facts = await asyncio.wait_for(asyncio.shield(self._asking), wait_s)
+        except Exception as e:
+            raise ProtocolError(ErrorCode.GROUP_UNAVAILABLE, f"no model group answered within {wait_s:g} s "
+                                f"({type(e).__name__}); retry", close=CLOSE_TRY_AGAIN,
+                                retry_after_s=self.settings.retry_after_s) from None
         return self._facts
+
+    async def _ask_facts(self) -> ModelFacts:
+        return await self.group.facts.remote()
 
     def lease(self, request: SessionRequest):
         return self.group.options(stream=True).session.remote(request)
