@@ -1,8 +1,9 @@
 """The quality ladder under load, off against auto, side by side in one run, on a local Serve app of the embedded
 default with the Wan decoder on top (`decoder: wan,tae`; tiny, CPU, SP-2, both groups running, 3 sessions a
 group so that the cap does not hide the load): for 1 to 6 sessions at once, each paced at 16 fps with a key
-press every 2 s, the stall ratio per session (a simulated player, perf/realtime_metrics.py), the share of chunks
-per rung and control-to-display p50. The app is redeployed with `serve.run` between the passes (from Python,
+press every 2 s, the time to the first chunk (with the ladder on, admission waits for a seat the floor holds),
+the stall ratio per session after it (a simulated player, perf/realtime_metrics.py), the share of chunks per
+rung and control-to-display p50. The app is redeployed with `serve.run` between the passes (from Python,
 that replaces the groups: docs/architecture.md, "Rungs"), and each pass waits for both groups to run.
 
     python -m perf.ladder [--sessions 1,2,3,4,5,6] [--chunks 10] [--modes off,auto]
@@ -57,7 +58,9 @@ def summary(mode: str, n: int, sessions: list[dict]) -> dict:
     total = sum(rungs.values())
     shown = [ms for m in sessions for ms in m["control_latencies_ms"]]
     stalls = [m["playback"]["stall_ratio"] for m in sessions]
-    return {"ladder": mode, "sessions": n, "stall_ratio_mean": statistics.mean(stalls),
+    firsts = sorted(m["ttfc_ms"] for m in sessions)
+    return {"ladder": mode, "sessions": n, "first_chunk_p50_ms": statistics.median(firsts),
+            "first_chunk_max_ms": firsts[-1], "stall_ratio_mean": statistics.mean(stalls),
             "stall_ratio_max": max(stalls), "stall_ratio_per_session": stalls,
             "below_full_share": 1 - rungs.get("full", 0) / total if total else 0.0, "chunks_per_rung": rungs,
             "control_to_display_p50_ms": statistics.median(shown) if shown else None}
@@ -86,12 +89,14 @@ def main(argv=None) -> list:
     serve.shutdown()
     print(f"the quality ladder off and auto (tiny, CPU, SP-2, 2 groups of 3 sessions, Wan decoder, {args.chunks} "
           f"chunks at 16 fps a session, a key every 2 s; 2 cores, 4 logical CPUs)")
-    print("| sessions | ladder | stall ratio mean | stall ratio max | chunks below full | control -> display p50 |")
-    print("|---|---|---|---|---|---|")
+    print("| sessions | ladder | first chunk p50 | first chunk max | stall ratio mean | stall ratio max | chunks below "
+          "full | control -> display p50 |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in counts:
         for r in (r for r in rows if r["sessions"] == n):
             p50 = "-" if r["control_to_display_p50_ms"] is None else f"{r['control_to_display_p50_ms']:.0f} ms"
-            print(f"| {n} | {r['ladder']} | {r['stall_ratio_mean']:.1%} | {r['stall_ratio_max']:.1%} | "
+            first = f"{r['first_chunk_p50_ms'] / 1e3:.1f} s | {r['first_chunk_max_ms'] / 1e3:.1f} s"
+            print(f"| {n} | {r['ladder']} | {first} | {r['stall_ratio_mean']:.1%} | {r['stall_ratio_max']:.1%} | "
                   f"{r['below_full_share']:.0%} | {p50} |")
     if args.output_json:
         with open(args.output_json, "w") as f:

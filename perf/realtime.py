@@ -54,6 +54,8 @@ async def run_session(args, index: int, image_url: str, width: int, height: int)
     extra = {"flow_shift": args.flow_shift} if args.flow_shift is not None else {}
     if args.decoder is not None:
         extra["decoder"] = args.decoder
+    if args.quality is not None:
+        extra["quality"] = args.quality
     if args.profile_stages:
         extra["profile_stages"] = True
     async with RealtimeClient(args.url, open_timeout=args.first_chunk_timeout) as client:
@@ -240,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--flow-shift", type=float, default=None)
     ap.add_argument("--decoder", default=None, help="the frame decoder the sessions ask for (extra_params.decoder; "
                                                     "default: the server's)")
+    ap.add_argument("--quality", default=None, help="the rung the sessions pin (extra_params.quality; default: auto)")
     ap.add_argument("--camera-pattern", choices=sorted(PATTERNS), default="forward")
     ap.add_argument("--sessions", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=1, help="measured sessions run this many at once")
