@@ -188,9 +188,11 @@ class QualityLadder:
 
     def _seat(self, session, now: float) -> Seat:
         seat = self.seats.get(session.id)
-        if seat is None:
+        if seat is None:                # a newcomer starts where the group's most degraded session is
             pinned = self.pinned(session.start)
-            seat = self.seats[session.id] = Seat(session.id, 0.0, 0.0, rung=pinned or 0, pinned=pinned)
+            start = max((s.rung for s in self.seats.values() if s.pinned is None), default=0)
+            seat = self.seats[session.id] = Seat(session.id, 0.0, 0.0, rung=start if pinned is None else pinned,
+                                                 pinned=pinned)
         seat.chunks_per_s = self.chunks_per_s(session.start)
         seat.slack_s = session.clock.deadline() - now
         return seat
@@ -216,18 +218,25 @@ class QualityLadder:
         cps = fps / self.frames_per_chunk
         return {"top": self.ladder.capacity(cps, 0, cap), "floor": self.ladder.capacity(cps, self.ladder.floor, cap)}
 
-    def rung_for(self, session, sessions, index: int) -> ChunkRung:
-        """The rung the ladder gives `session`'s chunk `index`, one past its sink (chunk_rung keeps the sink at
-        full); a climb off a decoder rung holds the last rung and warms the session's own decoder until ready."""
+    def rung_for(self, session, sessions, index: int, in_sink: bool = False) -> ChunkRung:
+        """The rung the ladder gives `session`'s chunk `index`; in its sink (`in_sink`) every denoising step runs
+        and only the rung's decoder applies (the decoder does not touch the K/V). A climb back to the session's own
+        decoder keeps the chunk on the decoder it ran on, at the chosen steps, and warms its own decoder until a
+        rank reports it ready."""
         now = time.monotonic()
         rungs = self.ladder.decide([self._seat(s, now) for s in sessions])
         own = own_decoder(session, self.loaded)
         chosen = self.ladder.rungs[rungs[session.id]]
-        plan = ChunkRung(chosen, session_decoder(chosen, own, self.loaded))
+        steps, decoder, prewarm = None if in_sink else chosen.steps, session_decoder(chosen, own, self.loaded), None
         last, seat = self.last.get(session.id), self.seats[session.id]
-        climbing = last is not None and last.decoder is not None and plan.decoder is None   # back to its own
+        climbing = last is not None and last.decoder is not None and decoder is None        # back to its own
         seat.warming = climbing and not self.warm.get(session.id)
-        return ChunkRung(last.rung, last.decoder, prewarm=own) if seat.warming else plan
+        if seat.warming:
+            decoder, prewarm = last.decoder, own
+        if not (in_sink or seat.warming):
+            return ChunkRung(chosen, decoder)
+        name = rung_name(steps, decoder)
+        return ChunkRung(chosen if name == chosen.name else Rung(name, steps, decoder), decoder, prewarm)
 
     def ran(self, session, index: int, chunk: ChunkRung, seconds: float, warm: Optional[bool] = None) -> None:
         """Chunk `index` of `session` ran at `chunk` in `seconds` (the slowest rank's engine time); `warm`: the
@@ -254,12 +263,15 @@ def sink_chunks(session, model_sink: int) -> int:
 
 def chunk_rung(ladder: Optional[QualityLadder], session, sessions, index: int, model_sink: int,
                loaded: tuple[str, ...] = ("wan",)) -> ChunkRung:
-    """What `session`'s chunk `index` runs at: the sink at every denoising step (on a pinned decoder rung's
-    decoder: the decoder does not touch the K/V); a session that pinned a rung (extra_params.quality) at its
-    rung, whether the ladder is on or off; else the ladder's choice (off: full)."""
+    """What `session`'s chunk `index` runs at: the sink at every denoising step (on the decoder of the rung the
+    session pinned or the ladder chose: the decoder does not touch the K/V); a session that pinned a rung
+    (extra_params.quality) at its rung, whether the ladder is on or off; else the ladder's choice (off: full)."""
     quality = session.start.quality
     pinned = None if quality == "auto" else rung(quality)
-    if index < sink_chunks(session, model_sink):
+    in_sink = index < sink_chunks(session, model_sink)
+    if ladder is not None and pinned is None:
+        return ladder.rung_for(session, sessions, index, in_sink)
+    if in_sink:
         decoder = None if pinned is None else session_decoder(pinned, own_decoder(session, loaded), loaded)
         return ChunkRung(rung(rung_name(None, decoder)), decoder)
     if ladder is not None:

@@ -179,3 +179,21 @@ def test_a_tiny_decoder_session_runs_the_decoder_rung_on_its_own_decoder_and_a_p
     assert [(r.rung.name, r.decoder) for r in (chunk_rung(None, pinned, [pinned], i, 3, ("wan", "tae"))
                                                for i in (0, 5))] == [("tiny", "tae"), ("tiny_steps2", "tae")]
     assert chunk_rung(None, _session("f", quality="steps2"), [], 0, 3, ("wan", "tae")).rung.name == "full"  # sink
+
+
+def test_a_newcomer_starts_where_the_groups_most_degraded_session_is_its_sink_on_that_rungs_decoder():
+    """A session joining a group whose sessions the ladder has taken down to tiny_steps2 starts there (it is the one
+    making the group crowded), its sink at every step but on the tiny decoder (`tiny`: the decoder does not touch
+    the K/V); a pinned newcomer keeps its own rung."""
+    q = QualityLadder.of(_settings(quality_floor="tiny_steps2", decoder="wan,tae"), _facts(("wan", "tae")))
+    old = _session("old", decoder="wan")
+    q.ladder.observe(0, 1.0)                                          # loaded: two at the floor are 1.15
+    chunk_rung(q, old, [old], 3, model_sink=3, loaded=q.loaded)
+    q.seats["old"].rung = 3                                           # the ladder took it to tiny_steps2
+    new, pinned = _session("new", decoder="wan"), _session("pin", decoder="wan", quality="steps3")
+    first = chunk_rung(q, new, [old, new], 0, model_sink=3, loaded=q.loaded)
+    assert (first.rung.name, first.rung.steps, first.decoder, first.prewarm) == ("tiny", None, "tae", None)
+    assert q.seats["new"].rung == 3
+    assert chunk_rung(q, pinned, [old, new, pinned], 0, model_sink=3, loaded=q.loaded).rung.name == "full"
+    assert chunk_rung(q, pinned, [old, new, pinned], 3, model_sink=3, loaded=q.loaded).rung.name == "steps3"
+    assert q.seats["pin"].rung == 1
