@@ -10,8 +10,9 @@ that replaces the groups: docs/architecture.md, "Rungs"), and each pass waits fo
                           [--output-json perf/results/ladder_tiny_cpu.json]
 
 A mode is `off`, `auto` (down to the default floor, steps2) or `auto:<floor>`: `auto:tiny_steps2` lets the ladder
-use the decoder rungs too (the tiny decoder in place of the Wan decoder, switched exactly: lingbot/runtime/
-decoding.py).
+use the decoder rung too (the tiny decoder in place of the Wan decoder, switched exactly: lingbot/runtime/
+decoding.py); `pin:<rung>` runs the ladder off with every session pinned to that rung (extra_params.quality),
+what each rung alone buys on this machine.
 
 This machine has 2 cores: Ray is told 4 logical CPUs so that both groups of SP-2 are placed; they then share
 the 2 cores, so the figures compare the two modes on the same machine, not a GPU's throughput.
@@ -23,6 +24,7 @@ import asyncio
 import json
 import statistics
 import sys
+from typing import Optional
 
 from perf.local import ensure_serve, wait_for_groups
 from perf.realtime import build_parser, default_image, run_session
@@ -34,17 +36,20 @@ W, H, FPS = 112, 64, 16.0
 
 def settings(mode: str) -> dict:
     ladder, _, floor = mode.partition(":")
+    if ladder == "pin":                            # the ladder off, every rung allowed to be pinned
+        ladder, floor = "off", "tiny_steps2"
     return dict(preset="tiny", device="cpu", sp=2, min_groups=2, max_groups=2, max_sessions_per_group=3,
                 decoder="wan,tae", quality_ladder=ladder, quality_floor=floor or "steps2",
                 graceful_shutdown_timeout_s=5, admission_wait_s=60,
                 max_sessions_per_key=0, max_starts_per_minute_per_key=0)   # every session comes from one address
 
 
-async def row(n: int, chunks: int, seed: int) -> list[dict]:
-    """n sessions at once; each one's metrics (stall ratio, chunks per rung, control-to-display)."""
+async def row(n: int, chunks: int, seed: int, quality: Optional[str] = None) -> list[dict]:
+    """n sessions at once (pinned to `quality`: a rung); each one's metrics (stall ratio, chunks per rung,
+    control-to-display)."""
     args = build_parser().parse_args(["--url", f"ws://127.0.0.1:{PORT}/v1/realtime/video", "--num-chunks",
                                       str(chunks), "--fps", str(FPS), "--control-interval", "2",
-                                      "--seed", str(seed)])
+                                      "--seed", str(seed), *(["--quality", quality] if quality else [])])
     image = default_image(W, H)
     runs = await asyncio.gather(*(run_session(args, i, image, W, H) for i in range(n)))
     return [session_metrics(r["chunks"], r["wall_s"], FPS, controls=r["controls"]) for r in runs]
@@ -85,7 +90,8 @@ def main(argv=None) -> list:
         wait_for_groups(2)
         for n in counts:
             print(f"ladder {mode}: {n} sessions at once ...", file=sys.stderr, flush=True)
-            rows.append(summary(mode, n, asyncio.run(row(n, args.chunks, seed=100 * n))))
+            pinned = mode.partition(":")[2] if mode.startswith("pin:") else None
+            rows.append(summary(mode, n, asyncio.run(row(n, args.chunks, seed=100 * n, quality=pinned))))
     serve.shutdown()
     print(f"the quality ladder off and auto (tiny, CPU, SP-2, 2 groups of 3 sessions, Wan decoder, {args.chunks} "
           f"chunks at 16 fps a session, a key every 2 s; 2 cores, 4 logical CPUs)")

@@ -9,7 +9,8 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
 
 - Costs are learned on this group, per rung (an exponential mean of the chunk times the ranks report), seeded
   from the full rung's first measure times the cost model's ratios (perf/rungs.py) until a rung is measured.
-- Hysteresis: a session changes rung at most once every `hold_chunks` of its chunks, unless it is behind.
+- Hysteresis: a session changes rung at most once every `hold_chunks` of its chunks, unless it is behind. A
+  newcomer starts at the rung of the group's most degraded session (it is the one making the group crowded).
 - Fairness: when some must step down, the session at the best rung goes first (ties: the one with the least
   slack), so the group degrades evenly; when there is room, the session at the worst rung climbs first (ties:
   the most slack), and only if the group's load after the climb stays under target - `margin`.
