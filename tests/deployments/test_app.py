@@ -362,6 +362,51 @@ def test_the_group_reports_its_ladder_mode_and_capacities(serve_app):
     assert group["capacity"] == {"configured": 2, "top": 2, "floor": 2}
 
 
+def test_the_ladder_switched_on_takes_a_session_behind_down_to_the_floor_and_admission_counts_the_floor(serve_app):
+    """The ladder switched on in the running group (WorldGroup.reconfigure, what Serve calls for a user_config
+    change; tests/cluster/test_multinode.py does it by `serve deploy`). A session asking for 120 fps (10 chunks a
+    second: always behind its deadline here) runs its sink at every step, then steps down a rung a chunk to the
+    floor, the decoder rung tiny_steps2 (the tiny decoder instead of its own Wan decoder). Meanwhile a second
+    paced session is either taken or refused with capacity_exhausted, as the floor's learned cost says (which one
+    depends on this machine's speed: decided by the pure functions in tests/deployments/group/
+    test_lease_admission.py and test_ladder.py), an unpaced one (no real-time demand) is taken, and the census
+    reports the measured capacities within the configured cap. Switched off again, the group says so."""
+    from ray import serve
+
+    from perf.soak import census
+    group = serve.get_deployment_handle("WorldGroup", "lingbot")
+
+    async def scenario():
+        async with RealtimeClient(serve_app) as fast:
+            await fast.start("p", png_url(), W, H, None, seed=1, fps=120.0)
+            first = []
+            while len(first) < 2:                            # two chunks run: the group measured its cost
+                msg = await fast.ws.recv()
+                if isinstance(msg, str) and json.loads(msg)["type"] == "video.chunk_metadata":
+                    first.append(json.loads(msg))
+            other = await session(serve_app, 2, seed=3)
+            unpaced = await session(serve_app, 1, seed=4, realtime_output_pacing=False)
+            measured = await group.census.remote()
+            await fast.send({"type": "session.stop"})
+            rest = await fast.receive_session()
+            return other, unpaced, measured, rest, first + [c for c in rest.chunks if c is not None]
+
+    group.reconfigure.remote({"quality_ladder": "auto"}).result(timeout_s=30)
+    try:
+        assert census("lingbot")["group"]["settings"] == {"quality_ladder": "auto"}
+        other, unpaced, measured, fast, chunks = run(scenario())
+    finally:
+        group.reconfigure.remote({"quality_ladder": "off"}).result(timeout_s=30)
+    assert fast.error is None and fast.done["stopped"] is True
+    rungs = [(c["quality"], c["denoising_steps"]) for c in chunks]
+    assert all(steps is None for _, steps in rungs[:3]) and ("tiny_steps2", 2) in rungs, rungs
+    assert other.error is None or (other.error["code"] == "capacity_exhausted" and other.close_code == 1013)
+    assert unpaced.error is None and unpaced.done["chunks"] == 1
+    capacity = measured["capacity"]
+    assert capacity["configured"] == 2 and 1 <= capacity["top"] <= capacity["floor"] <= 2, capacity
+    assert census("lingbot")["group"]["settings"] == {"quality_ladder": "off"}
+
+
 def test_metrics_count_what_happened(serve_app):
     """Ray exports recorded metrics on the node's endpoint every METRICS_INTERVAL_MS: wait until the counters
     are settled, run one 3-chunk session and one bad message, then the counters move by exactly that."""
