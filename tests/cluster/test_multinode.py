@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -48,11 +49,16 @@ def ray_cli(*args, env=None, timeout=180):
 TOKEN_ENV = {"RAY_AUTH_MODE": "token"}           # the token itself: ~/.ray/auth_token, Ray's default place
 
 
-def serve_deploy(folder: Path, **settings) -> None:
-    """`serve deploy` of serve_config.yaml with the test settings (and `settings`) layered on its app's args."""
+def serve_deploy(folder: Path, quality_ladder: Optional[str] = None) -> None:
+    """`serve deploy` of serve_config.yaml with the test settings layered on its app's args (and `quality_ladder`
+    as the WorldGroup's user_config, where serve_config.yaml keeps it)."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = HEAD_PROXY
-    config["applications"][0]["args"] = {**config["applications"][0]["args"], **SETTINGS, **settings}
+    app = config["applications"][0]
+    app["args"] = {**app["args"], **SETTINGS}
+    if quality_ladder is not None:
+        (group,) = [d for d in app["deployments"] if d["name"] == "WorldGroup"]
+        group["user_config"] = {"quality_ladder": quality_ladder}
     config_path = folder / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     serve = subprocess.run([str(BIN / "serve"), "deploy", str(config_path), "--address",
@@ -209,6 +215,41 @@ def test_load_brings_a_second_group_on_the_free_node(cluster):
             assert a["node_id"] == by_pg[a["placement_group_id"]], (cls, a["node_id"])
 
 
+def test_a_serve_deploy_that_changes_only_the_quality_ladder_switches_the_running_groups_in_place(cluster, tmp_path):
+    """`serve deploy` again with the WorldGroup's user_config (serve_config.yaml's `deployments:`) changed to
+    quality_ladder: auto and nothing else: Serve's lightweight update. No replica or rank is replaced (every one
+    alive after it was alive before; measured: the same value changed under `args:` rebuilt the app, a new
+    group), and the running groups report the new mode (WorldGroup.reconfigure); then back to off the same way.
+    First in this file, on the one group min_groups starts."""
+    def replicas() -> set:
+        app = serve_rest("/api/serve/applications/")["applications"]["lingbot"]
+        return {(r["replica_id"], r["state"]) for r in app["deployments"]["WorldGroup"]["replicas"]}
+
+    def ranks() -> set:
+        return {a["actor_id"] for a in state("actors", class_name="RankWorker", state="ALIVE")}
+
+    def settled() -> dict:
+        deadline = time.monotonic() + 120
+        while True:
+            app = serve_rest("/api/serve/applications/")["applications"]["lingbot"]
+            if app["status"] == "RUNNING" or time.monotonic() > deadline:
+                return app
+            time.sleep(1)
+
+    assert settled()["status"] == "RUNNING"
+    before, ranks_before = replicas(), ranks()
+    assert set(group_modes()) == {"off"} and before and ranks_before
+    for mode in ("auto", "off"):
+        serve_deploy(tmp_path, quality_ladder=mode)
+        deadline = time.monotonic() + 60
+        while set(group_modes()) != {mode} and time.monotonic() < deadline:
+            time.sleep(1)
+        app = settled()
+        assert app["deployments"]["WorldGroup"]["deployment_config"]["user_config"] == {"quality_ladder": mode}
+        assert set(group_modes()) == {mode} and app["status"] == "RUNNING", app["status"]
+        assert replicas() == before and ranks() == ranks_before         # the same groups, switched in place
+
+
 def test_every_nodes_proxy_reaches_sessions_on_both_groups(cluster):
     async def scenario():
         out = []
@@ -226,30 +267,6 @@ def test_every_nodes_proxy_reaches_sessions_on_both_groups(cluster):
         for r in results:
             assert r.error is None and r.done["chunks"] == 2, (port, r.error)
             assert sum(c["num_frames"] for c in r.chunks) == 21
-
-
-def test_a_serve_deploy_that_changes_only_the_quality_ladder_switches_the_running_groups_in_place(cluster, tmp_path):
-    """`serve deploy` again with quality_ladder: auto and nothing else changed: Serve's lightweight update of the
-    WorldGroup's user_config. No replica or rank is replaced (every one alive after it was alive before), and
-    the running groups report the new mode (WorldGroup.reconfigure); then back to off the same way."""
-    def replicas() -> set:
-        app = serve_rest("/api/serve/applications/")["applications"]["lingbot"]
-        return {r["actor_id"] for r in app["deployments"]["WorldGroup"]["replicas"]}
-
-    def ranks() -> set:
-        return {a["actor_id"] for a in state("actors", class_name="RankWorker", state="ALIVE")}
-
-    before, ranks_before = replicas(), ranks()
-    assert set(group_modes()) == {"off"} and before and ranks_before
-    for mode in ("auto", "off"):
-        serve_deploy(tmp_path, quality_ladder=mode)
-        deadline = time.monotonic() + 60
-        while set(group_modes()) != {mode} and time.monotonic() < deadline:
-            time.sleep(1)
-        app = serve_rest("/api/serve/applications/")["applications"]["lingbot"]
-        assert app["deployments"]["WorldGroup"]["deployment_config"]["user_config"] == {"quality_ladder": mode}
-        assert set(group_modes()) == {mode} and app["status"] == "RUNNING", app["status"]
-        assert replicas() <= before and ranks() <= ranks_before         # nothing new: the same groups switched
 
 
 def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):
