@@ -223,7 +223,7 @@ class ChunkLoop:
         session.commit_plan(plan)                     # the ranks advanced the session: the chunk is in flight
         self.metrics.chunks.inc(tags={"group": self.group_id, "quality": plan.controls.quality})
         if self.ladder is not None:
-            self.ladder.ran(session, plan.index, rung, max(r.engine_s for r in replies), root.warm)
+            self.ladder.ran(session, plan.index, rung, max(r.engine_s for r in replies), root.warm, root.timings)
         session.snapshots.take(reply.snapshots for reply in replies)
         previous = self.deliveries.get(session.id)
         self.deliveries[session.id] = fresh_task(self._deliver(session, plan, root, t0, previous))

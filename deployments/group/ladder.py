@@ -8,7 +8,9 @@ chunks per second: every deadline can hold while it stays under 1 (`target`, by 
 the noise of chunk times). The slack corrects it: a session behind its deadline steps down first, at once.
 
 - Costs are learned on this group, per rung (an exponential mean of the chunk times the ranks report), seeded
-  from the full rung's first measure times the cost model's ratios (perf/rungs.py) until a rung is measured.
+  from the full rung's first measure times the cost model's ratios (perf/rungs.py) until a rung is measured;
+  the ratios then follow the Wan decode's share of this group's full chunks (their stage times), which the
+  DiT-only rungs do not save.
 - Hysteresis: a session changes rung at most once every `hold_chunks` of its chunks, unless it is behind. A
   newcomer starts at the rung of the group's most degraded session (it is the one making the group crowded).
 - Fairness: when some must step down, the session at the best rung goes first (ties: the one with the least
@@ -166,9 +168,11 @@ class QualityLadder:
     (its fps over a chunk's frames; 0 when unpaced) and its slack (its next chunk's deadline at the player, from
     now), the rung of each chunk past the sink, and what each chunk cost at its rung."""
 
-    def __init__(self, ladder: Ladder, sink_chunks: int, frames_per_chunk: int, loaded: tuple[str, ...] = ("wan",)):
+    def __init__(self, ladder: Ladder, sink_chunks: int, frames_per_chunk: int, loaded: tuple[str, ...] = ("wan",),
+                 steps: int = 4):
         self.ladder, self.sink_chunks, self.frames_per_chunk = ladder, sink_chunks, frames_per_chunk
-        self.loaded = loaded
+        self.loaded, self.steps = loaded, steps
+        self.decode_share: Optional[float] = None  # the Wan decode's share of a full chunk, measured here
         self.seats: dict[str, Seat] = {}
         self.last: dict[str, ChunkRung] = {}        # each session's last chunk as it ran
         self.warm: dict[str, bool] = {}             # a climb's decoder reported warm by the ranks
@@ -185,7 +189,7 @@ class QualityLadder:
         rungs = tuple(r for r in map(rung, settings.quality_rungs) if r.decoder in runs)
         share = WAN_DECODE_SHARE if any(r.decoder for r in rungs) else 0.0
         return cls(Ladder(rungs, tuple(rung_ratio(model.steps, r, share) for r in rungs)), model.sink_chunks,
-                   model.geometry.pixel_frames(1), loaded)
+                   model.geometry.pixel_frames(1), loaded, model.steps)
 
     def _seat(self, session, now: float) -> Seat:
         seat = self.seats.get(session.id)
@@ -239,9 +243,10 @@ class QualityLadder:
         name = rung_name(steps, decoder)
         return ChunkRung(chosen if name == chosen.name else Rung(name, steps, decoder), decoder, prewarm)
 
-    def ran(self, session, index: int, chunk: ChunkRung, seconds: float, warm: Optional[bool] = None) -> None:
+    def ran(self, session, index: int, chunk: ChunkRung, seconds: float, warm: Optional[bool] = None,
+            timings: Optional[dict] = None) -> None:
         """Chunk `index` of `session` ran at `chunk` in `seconds` (the slowest rank's engine time); `warm`: the
-        ranks' answer to its prewarm (ready to switch)."""
+        ranks' answer to its prewarm (ready to switch); `timings`: its stage times (the root's)."""
         seat = self.seats.get(session.id)
         if seat is not None:
             seat.chunks += 1
@@ -250,6 +255,20 @@ class QualityLadder:
         names = [r.name for r in self.ladder.rungs]
         if chunk.rung.name in names and chunk.prewarm is None:
             self.ladder.observe(names.index(chunk.rung.name), seconds)
+        if chunk.rung.name == "full" and chunk.decoder is None and chunk.prewarm is None \
+                and own_decoder(session, self.loaded) == "wan":
+            self._learn_decode_share(timings or {})
+
+    def _learn_decode_share(self, timings: dict) -> None:
+        """The seeds of the rungs not measured yet follow the Wan decode's share of this group's full chunks (the
+        cost model's share is the 14B one: 0.3 there, 0.8 for the tiny preset on a CPU, where a step rung saves
+        little)."""
+        total, decode = sum(timings.values()), timings.get("decode")
+        if decode is None or total <= 0:
+            return
+        share = decode / total
+        self.decode_share = share if self.decode_share is None else (1 - EMA) * self.decode_share + EMA * share
+        self.ladder.ratios = tuple(rung_ratio(self.steps, r, self.decode_share) for r in self.ladder.rungs)
 
     def forget(self, session_id: str) -> None:
         for held in (self.seats, self.last, self.warm):

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from deployments.group.ladder import Ladder, QualityLadder, Seat, chunk_rung
+from deployments.group.ladder import ChunkRung, Ladder, QualityLadder, Seat, chunk_rung
 from deployments.session.events import ModelFacts
 from deployments.settings import ServeSettings
 from lingbot.config import ConfigError, get_preset
-from lingbot.runtime.rungs import RUNGS
+from lingbot.runtime.rungs import FULL, RUNGS
 from tests.deployments.group.test_scheduler import _state
 
 STEPS = RUNGS[:3]                          # full, steps3, steps2
@@ -197,3 +197,22 @@ def test_a_newcomer_starts_where_the_groups_most_degraded_session_is_its_sink_on
     assert chunk_rung(q, pinned, [old, new, pinned], 0, model_sink=3, loaded=q.loaded).rung.name == "full"
     assert chunk_rung(q, pinned, [old, new, pinned], 3, model_sink=3, loaded=q.loaded).rung.name == "steps3"
     assert q.seats["pin"].rung == 1
+
+
+def test_the_seeds_follow_the_wan_decodes_share_of_the_groups_full_chunks():
+    """Seeded with the forward counts' ratios (no decoder rung) until a full chunk of a Wan session reports its
+    stage times; a decode of 0.8 of the chunk (the tiny preset on a CPU) makes steps2 cost 0.92 of full, not 0.6,
+    so a loaded group no longer expects a step rung to make room it cannot. A tiny-decoder session's chunks, a
+    cheaper rung's and a warming chunk's do not count."""
+    q = QualityLadder.of(_settings(decoder="wan,tae"), _facts(("wan", "tae")))
+    wan, tae = _session("w", decoder="wan"), _session("t", decoder="tae")
+    assert q.ladder.ratios == (1, .8, .6) and q.decode_share is None
+    full = chunk_rung(q, wan, [wan], 0, model_sink=3, loaded=q.loaded)
+    q.ran(tae, 0, full, 0.3, timings={"probe_0": 0.1, "decode": 0.02})           # its own decoder is the tiny one
+    q.ran(wan, 1, ChunkRung(RUNGS[2]), 0.3, timings={"probe_0": 0.1, "decode": 0.9})   # a cheaper rung's chunk
+    q.ran(wan, 2, ChunkRung(FULL, prewarm="wan"), 0.3, timings={"decode": 0.9})          # a warming chunk
+    assert q.decode_share is None and q.ladder.ratios == (1, .8, .6)
+    q.ran(wan, 3, full, 0.5, timings={"probe_0": 0.1, "decode": 0.4})
+    assert q.decode_share == pytest.approx(0.8)
+    assert [round(r, 3) for r in q.ladder.ratios] == [1.0, 0.96, 0.92]
+    assert q.ladder.cost(1) == pytest.approx(q.ladder.measured[0] * 0.96)      # steps3: not measured, seeded
