@@ -108,6 +108,11 @@ def latent_ring_chunks(preset: Preset, decoders: Sequence[str] = ("wan",)) -> in
     return math.ceil(frames / preset.transformer.num_frames_per_block)
 
 
+def latent_ring_entries(preset: Preset, decoders: Sequence[str] = ("wan",)) -> tuple[int, ...]:
+    """The bytes of each entry of that ring: a chunk's latents [16, F, h, w] float32 (a condition chunk's shape)."""
+    return (condition_chunk_bytes(preset),) * latent_ring_chunks(preset, tuple(decoders))
+
+
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -130,7 +135,7 @@ def session_footprint(preset: Preset, world_size: int = 1, decoders: Sequence[st
     wan, condition = _vae_cache_bytes(preset, world_size)
     decoder = max(wan if name == "wan" else _tae_cache_bytes(preset, tae_dtype(device)) for name in decoders)
     history = CONDITION_CACHE_CHUNKS * condition_chunk_bytes(preset)
-    ring = latent_ring_chunks(preset, tuple(decoders)) * condition_chunk_bytes(preset)   # a chunk's latents
+    ring = sum(latent_ring_entries(preset, decoders))
     # the condition encoder's cache is on rank 0 only under SP (lingbot/parallel/condition.py): counted on
     # every rank, since the group admits what its fullest rank holds
     return SessionFootprint(kv, text, decoder, condition, history, ring)

@@ -48,6 +48,13 @@ class DecoderNotLoaded(ValueError):
     """A session asked for a decoder its pipeline did not load; the message names the loaded ones."""
 
 
+def loaded_decoder(decoders: dict[str, ChunkDecoder], name: str) -> str:
+    """`name` if it is one of `decoders`; else DecoderNotLoaded."""
+    if name not in decoders:
+        raise DecoderNotLoaded(f"decoder {name!r} is not loaded here; loaded: {list(decoders)}")
+    return name
+
+
 @dataclass
 class Warmup:
     """A cache of `name` being brought up to the stream: the chunks before `next_chunk` are decoded into it,
@@ -65,9 +72,8 @@ class DecoderStream:
 
     def __init__(self, decoders: dict[str, ChunkDecoder], own: str, switch_to: Sequence[str] = (),
                  latent_frames: int = 3):
-        missing = [n for n in (own, *switch_to) if n not in decoders]
-        if missing:
-            raise DecoderNotLoaded(f"decoder {missing[0]!r} is not loaded here; loaded: {list(decoders)}")
+        for name in (own, *switch_to):
+            loaded_decoder(decoders, name)
         self.decoders = decoders
         self.own = self.active = own
         self.allowed = frozenset((own, *switch_to))
@@ -179,7 +185,3 @@ class DecoderStream:
         kept = list(zip(ring["chunks"], ring["latents"]))[-self.ring_chunks:] if self.ring_chunks else []
         self.ring.clear()
         self.ring.extend((i, t if device is None else t.to(device)) for i, t in kept)
-
-    def nbytes(self) -> int:
-        """The ring's bytes (the cache: `cache.nbytes()`)."""
-        return sum(t.numel() * t.element_size() for _, t in self.ring)

@@ -27,7 +27,7 @@ from ..io.images import model_image
 from ..models.vae import CausalCache, FrameDecoder, WanVAE
 from ..transfer import to_device
 from .condition import CausalConditionEncoder, ChunkEncoder, ConditionCache
-from .decoding import ChunkDecoder, DecoderNotLoaded, DecoderStream
+from .decoding import ChunkDecoder, DecoderStream, loaded_decoder
 from .dit_runner import ChunkResult, DiTRunner, StageTimer
 
 
@@ -78,11 +78,7 @@ class WorldPipeline:
 
     def decoder_name(self, name: Optional[str] = None) -> str:
         """`name` if this pipeline loaded it (None: the default); else DecoderNotLoaded."""
-        if name is None:
-            return self.default_decoder
-        if name not in self.decoders:
-            raise DecoderNotLoaded(f"decoder {name!r} is not loaded here; loaded: {list(self.decoders)}")
-        return name
+        return self.default_decoder if name is None else loaded_decoder(self.decoders, name)
 
     def new_session(self, image: Union[np.ndarray, Tensor], prompt: Optional[str], seed: int = 0,
                     rig: Optional[CameraRig] = None, flow_shift: Optional[float] = None,
@@ -100,8 +96,6 @@ class WorldPipeline:
         h, w = self.preset.height, self.preset.width
         if tuple(image.shape) != (3, h, w):
             raise ValueError(f"image must be [3, {h}, {w}] for this preset, got {list(image.shape)}")
-        for other in switch_to:
-            self.decoder_name(other)
         return WorldSession(self, to_device(image, self.runner.device), prompt, seed, rig, flow_shift, text_embedding,
                             name, window, switch_to)
 

@@ -66,20 +66,12 @@ WAN_DECODE_SHARE = 0.3
 TINY_DECODE_RATIO = 1.63 / 40.7
 
 
-def step_rung(steps: Optional[int]) -> str:
-    """The name of the step rung of `steps` denoising forwards (None: all of them, `full`)."""
-    return rung_name(steps, None)
-
-
 def rung_name(steps: Optional[int], decoder: Optional[str]) -> str:
     """The name of the rung of `steps` denoising forwards (None: all) decoded by `decoder` (None: the session's
-    own): full, steps3, steps2, tiny, tiny_steps2."""
+    own, "tae": the tiny one): full, steps3, steps2, tiny, tiny_steps2 (and steps1, tiny_steps3... beyond RUNGS)."""
     if steps is None and decoder is None:
         return FULL.name
-    found = next((r.name for r in RUNGS if r.steps == steps and r.decoder == decoder), None)
-    if found is not None:
-        return found
-    return ("tiny" if decoder == "tae" else "") + ("" if steps is None else f"{'_' if decoder else ''}steps{steps}")
+    return "_".join([*(["tiny"] if decoder == "tae" else []), *([] if steps is None else [f"steps{steps}"])])
 
 
 def rung(name: str) -> Rung:
@@ -87,7 +79,7 @@ def rung(name: str) -> Rung:
     for r in RUNGS:
         if r.name == name:
             return r
-    raise ValueError(f"{name!r} is not a rung: {list(LADDER)}")
+    raise ValueError(f"{name!r} is not a rung: {[r.name for r in RUNGS]}")
 
 
 def rung_ratio(num_steps: int, r: Rung, decode_share: float = 0.0) -> float:
@@ -102,11 +94,3 @@ def rung_decoders(own: str, loaded: tuple[str, ...]) -> tuple[str, ...]:
     """The decoders other than its own that a session's chunks may run on: the decoder rungs' where they are
     loaded (the tiny one for a Wan session with both loaded); empty: it never switches (and keeps no ring)."""
     return tuple(dict.fromkeys(r.decoder for r in RUNGS if r.decoder not in (None, own) and r.decoder in loaded))
-
-
-def rung_steps(name: str) -> Optional[int]:
-    """The denoising forwards of the step rung `name` (None: all of them)."""
-    for r in RUNGS:
-        if r.name == name and r.decoder is None:
-            return r.steps
-    raise ValueError(f"{name!r} is not a step rung: {[r.name for r in RUNGS if r.decoder is None]}")

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..config import Preset, tae_dtype
-from .budget import condition_chunk_bytes, latent_ring_chunks, tae_cache_entries, vae_cache_entries
+from .budget import condition_chunk_bytes, latent_ring_entries, tae_cache_entries, vae_cache_entries
 from .condition import CONDITION_CACHE_CHUNKS
 from .kv_cache import KVWindow
 from .snapshot import SNAPSHOTS_IN_FLIGHT
@@ -109,7 +109,7 @@ def snapshot_footprint(preset: Preset, world_size: int = 1, rank: int = 0, inter
     text = [cfg.text_dim * preset.text.max_length * torch.empty((), dtype=preset.torch_dtype).element_size()] * 3
     restore = cfg.window_chunks - 1
     recent = cfg.window_chunks - cfg.sink_chunks - 1            # history chunks besides the sink a continuation attends
-    ring = (condition_chunk_bytes(preset),) * latent_ring_chunks(preset, tuple(decoders or (decoder,)))
+    ring = latent_ring_entries(preset, decoders or (decoder,))
     return SnapshotFootprint((slot, slot), tuple(decoded), tuple(condition), tuple(text), RNG_STATE_BYTES,
                              restore, min(interval, restore), min(interval, recent), interval, ring)
 

@@ -10,7 +10,8 @@ from lingbot.io.weights import build_random_tae
 from lingbot.models.tae import TinyFrameDecoder
 from lingbot.models.vae import FrameDecoder
 from lingbot.runtime.budget import session_footprint
-from lingbot.runtime.pipeline import DecoderNotLoaded, WorldPipeline
+from lingbot.runtime.decoding import DecoderNotLoaded
+from lingbot.runtime.pipeline import WorldPipeline
 from lingbot.runtime.snapshot import chunks_to_restore, restore_snapshots, take_snapshot
 from lingbot.runtime.snapshot_budget import snapshot_footprint
 from tests.conftest import random_image

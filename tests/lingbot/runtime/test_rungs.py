@@ -5,7 +5,7 @@ import torch
 
 from lingbot.camera import Controls
 from lingbot.runtime.condition import LatentCondition
-from lingbot.runtime.rungs import RUNGS, kept_steps, rung_steps, step_rung
+from lingbot.runtime.rungs import RUNGS, kept_steps, rung, rung_name
 from tests.conftest import random_condition
 
 
@@ -20,11 +20,15 @@ def test_a_rung_keeps_the_first_and_last_probes_and_spreads_the_rest():
     assert [r.name for r in RUNGS] == ["full", "steps3", "steps2", "tiny", "tiny_steps2"]
 
 
-def test_a_step_rung_is_named_by_its_steps_and_the_other_way_round():
-    assert [step_rung(s) for s in (None, 3, 2, 1)] == ["full", "steps3", "steps2", "steps1"]
-    assert [rung_steps(n) for n in ("full", "steps3", "steps2")] == [None, 3, 2]
-    with pytest.raises(ValueError, match=r"'tiny' is not a step rung: \['full', 'steps3', 'steps2'\]"):
-        rung_steps("tiny")                     # a decoder rung
+def test_a_rung_is_named_by_its_steps_and_decoder_and_the_other_way_round():
+    assert [rung_name(s, None) for s in (None, 3, 2, 1)] == ["full", "steps3", "steps2", "steps1"]
+    assert [rung_name(s, "tae") for s in (None, 2, 3)] == ["tiny", "tiny_steps2", "tiny_steps3"]
+    assert all(rung_name(r.steps, r.decoder) == r.name for r in RUNGS)
+    assert [rung(n).steps for n in ("full", "steps3", "steps2")] == [None, 3, 2]
+    assert (rung("tiny").steps, rung("tiny").decoder) == (None, "tae")          # a decoder rung
+    with pytest.raises(ValueError, match=r"'steps1' is not a rung: \['full', 'steps3', 'steps2', 'tiny', "
+                                         r"'tiny_steps2'\]"):
+        rung("steps1")
 
 
 def test_the_sink_runs_every_step_and_a_skipped_probe_still_draws_its_noise(tiny, tiny_runner):
