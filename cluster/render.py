@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.local import CLUSTER_ENV
+from deployments.local import cluster_env
 
 from .profiles import PROFILES, HardwareProfile, get_profile
 
@@ -55,7 +55,13 @@ def serve_config_for(base: dict, profile: HardwareProfile) -> dict:
     return config
 
 
-def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, devices: int) -> dict:
+def lingbot_args(serve_config: dict) -> dict:
+    """The lingbot app's args in a Serve config."""
+    (app,) = [a for a in serve_config["applications"] if a.get("import_path") == "deployments.app:build_app"]
+    return app.get("args") or {}
+
+
+def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, devices: int, env: dict) -> dict:
     limits = {"cpu": str(cpus), "memory": f"{memory_gi}Gi"}
     if devices:
         limits[profile.k8s_resource] = str(devices)
@@ -64,9 +70,9 @@ def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, d
         "resources": {"limits": dict(limits), "requests": dict(limits)},
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
-        # the proxy's WebSocket handshake limit and the autoscaler's metric pushes (deployments/local.py)
+        # the proxy's WebSocket handshake limit and its door, the autoscaler's metric pushes (deployments/local.py)
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
-                *({"name": k, "value": v} for k, v in CLUSTER_ENV.items()),
+                *({"name": k, "value": v} for k, v in env.items()),
                 # the clients' API keys from a Secret, not in serveConfigV2 (which the RayService, `serve config`
                 # and the dashboard show); no Secret: no keys, as without api_keys
                 {"name": "LINGBOT_API_KEYS", "valueFrom": {"secretKeyRef": {"name": API_KEYS_SECRET,
@@ -105,10 +111,12 @@ def _pod(container: dict, profile: HardwareProfile) -> dict:
 def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:
     """The RayService: a head pod without accelerators (GCS, dashboard, a proxy, the ingress) and one worker
     group of accelerator nodes, scaled by Ray's autoscaler between 1 and max_worker_nodes."""
-    head = _container("ray-head", profile, cpus=8, memory_gi=32, devices=0)
+    env = cluster_env(lingbot_args(serve_config))       # every node's proxy: the door of these settings
+    head = _container("ray-head", profile, cpus=8, memory_gi=32, devices=0, env=env)
     head["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": SERVE_PORT}, "periodSeconds": 10,
                               "failureThreshold": 360}       # the first group loads 14B and warms up: minutes
-    worker = _container("ray-worker", profile, profile.node_cpus, profile.node_memory_gi, profile.devices_per_node)
+    worker = _container("ray-worker", profile, profile.node_cpus, profile.node_memory_gi, profile.devices_per_node,
+                        env)
     worker_params = {"object-store-memory": str(int(profile.shm_gi * 0.8 * 2 ** 30))}
     if profile.ray_resource != "GPU":       # GPUs are detected from the pod's limits; other devices are named
         # KubeRay passes the value to `ray start --resources` as is: a JSON object inside a quoted string

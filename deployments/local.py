@@ -45,8 +45,18 @@ CLUSTER_ENV = {
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"     # where Ray keeps a local cluster's token
 
 
-def prepare_environment() -> None:
-    """Set the environment for a Ray about to start in this process (a started one keeps its own). RAY_AUTH_MODE
+def cluster_env(args: Optional[dict] = None) -> dict:
+    """CLUSTER_ENV and the door in Serve's proxies (deployments/ingress/front.py), bounded by the app's settings
+    `args` (the defaults when None): the most WebSockets its ingress replicas hold together."""
+    from .ingress.front import proxy_env
+    from .settings import ServeSettings
+    s = ServeSettings.from_args(args or {})
+    return {**CLUSTER_ENV, **proxy_env(s.max_ingress_sessions * s.max_ingress_replicas, s.retry_after_s)}
+
+
+def prepare_environment(args: Optional[dict] = None) -> None:
+    """Set the environment for a Ray about to start in this process (a started one keeps its own): cluster_env of
+    the app's settings `args`. RAY_AUTH_MODE
     is left to Ray, whose `ray.init()` turns token authentication on for a new local cluster (and makes the token):
     set here after Ray was imported, it would reach the processes Ray starts but not this one's Ray, which reads
     it once on import and so would make no token for them. Anything but `token` is refused."""
@@ -54,7 +64,7 @@ def prepare_environment() -> None:
     if mode != "token":
         raise RuntimeError(f"RAY_AUTH_MODE={mode}: lingbot-serve keeps Ray's token authentication on (without it "
                            "anyone who reaches this machine can run code through Ray's job API); unset it")
-    os.environ.update(CLUSTER_ENV)
+    os.environ.update(cluster_env(args))
 
 
 def exposure_warning(host: str, port: int, keys: frozenset) -> Optional[str]:
@@ -66,10 +76,10 @@ def exposure_warning(host: str, port: int, keys: frozenset) -> Optional[str]:
             "may open sessions. Set api_keys (or LINGBOT_API_KEYS), or http_options.host: 127.0.0.1.")
 
 
-def start_ray(**init_args):
-    """prepare_environment, then `ray.init(**init_args)` of a new local cluster under token authentication, its
-    token file readable by its owner only. Returns ray.init's context."""
-    prepare_environment()
+def start_ray(app_args: Optional[dict] = None, **init_args):
+    """prepare_environment(app_args), then `ray.init(**init_args)` of a new local cluster under token
+    authentication, its token file readable by its owner only. Returns ray.init's context."""
+    prepare_environment(app_args)
     import ray
     context = ray.init(**init_args)
     if TOKEN_FILE.is_file():
@@ -115,7 +125,7 @@ def main(argv=None) -> int:
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     print(f"lingbot-serve: starting local Ray and the app of {args.config} ({app.get('args', {}).get('preset')})",
           flush=True)
-    start_ray(log_to_driver=True, logging_level=logging.WARNING)
+    start_ray(app.get("args"), log_to_driver=True, logging_level=logging.WARNING)
     import ray
     from ray import serve
     logging.getLogger("ray.serve").setLevel(logging.WARNING)    # the one line below says when it is ready

@@ -23,7 +23,7 @@ class Metrics:
                                 tag_keys=("group",))
         self.chunks = m.Counter("lingbot_chunks_total", "chunks run, by the rung they ran at (quality: full, steps3, "
                                 "steps2)", tag_keys=("group", "quality"))
-        self.refusals = m.Counter("lingbot_refusals_total", "refused requests and messages", tag_keys=("code",))
+        self.refusals = refusals_counter()
         self.sessions_total = m.Counter("lingbot_sessions_total", "sessions started", tag_keys=("component",))
         self.unknown_fields = m.Counter("lingbot_unknown_start_fields_total", "fields of session starts this server "
                                         "does not know (ignored, as the peers ignore them)")
@@ -36,3 +36,9 @@ class Metrics:
         self.device_memory = m.Gauge("lingbot_rank_device_memory_bytes",
                                      "device memory used per rank (GPU: device memory; CPU: resident memory)",
                                      tag_keys=("group", "rank"))
+
+
+def refusals_counter():
+    """Refusals by code: the ingress's, and the proxies' doors' (deployments/ingress/front.py)."""
+    from ray.util import metrics as m
+    return m.Counter("lingbot_refusals_total", "refused requests and messages", tag_keys=("code",))

@@ -7,7 +7,10 @@ answer, sessions served, refused (by code) and waited, the slow-header sockets s
 ingress's memory per idle WebSocket (its USS with 60 idle connections open, under max_ingress_sessions, against
 none).
 
-    python -m perf.crowd [--crowds 300,1000] [--slow 200] [--output-json perf/results/crowd_tiny_cpu.json]
+    python -m perf.crowd [--crowds 300,1000] [--slow 200] [--doors on,off] [--output-json F]
+
+`--doors on,off` measures both in one run, each on a fresh local Ray: with the door in Serve's proxy (the default
+environment: deployments/ingress/front.py) and without it (every connection routed to the ingress replica).
 
 Traffic stays on the loopback address. The crowd comes from one address, so the per-address limits are off
 (max_connections_per_address 0, the per-key limits 0), as behind a proxy that names no clients.
@@ -182,35 +185,51 @@ async def idle_memory(count: int = 60) -> float:
     return (during - before) / count / 1024
 
 
+def serve_with_door(door: bool, s: dict) -> None:
+    """A fresh local Ray and the app of settings `s`, with the door in Serve's proxy or without it (the proxy reads
+    its callback from the environment it starts with: deployments/ingress/front.py)."""
+    from ray import serve
+
+    from deployments.app import build_app
+    ensure_serve(PORT, app_args=s, door=door)
+    serve.run(build_app(s), name="lingbot", route_prefix="/")
+    wait_for_groups(1)
+
+
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--crowds", default="300,1000")
     ap.add_argument("--slow", type=int, default=200, help="slow-header sockets during each crowd")
+    ap.add_argument("--doors", default="on,off", help="with the door in Serve's proxy, without it, or both in turn")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
+    import ray
     from ray import serve
-
-    from deployments.app import build_app
-    ensure_serve(PORT)
     s = settings()
     s["start_timeout_s"] = 60                   # the idle-memory probe holds its sockets without a start
-    serve.run(build_app(s), name="lingbot", route_prefix="/")
-    wait_for_groups(1)
-    rows = []
-    kib = asyncio.run(idle_memory())
-    for n in (int(x) for x in args.crowds.split(",")):
-        print(f"a crowd of {n} ...", file=sys.stderr, flush=True)
-        time.sleep(10)                           # the previous crowd's sessions gone
-        rows.append(asyncio.run(crowd(n, args.slow)))
-    serve.shutdown()
+    rows, kib = [], None
+    for door in args.doors.split(","):
+        if door not in ("on", "off"):
+            ap.error(f"--doors takes on and off, got {door!r}")
+        print(f"door {door}: starting Ray and the app ...", file=sys.stderr, flush=True)
+        serve_with_door(door == "on", s)
+        if kib is None:
+            kib = asyncio.run(idle_memory())
+        for n in (int(x) for x in args.crowds.split(",")):
+            print(f"door {door}: a crowd of {n} ...", file=sys.stderr, flush=True)
+            time.sleep(10)                       # the previous crowd's sessions gone
+            rows.append({"door": door, **asyncio.run(crowd(n, args.slow))})
+        serve.shutdown()
+        ray.shutdown()
     print(f"ingress memory per idle WebSocket: {kib:.1f} KiB")
-    print("| connections | answered within 2 s | answer p50 | answer p99 | slowest health answer | served | waited "
-          "| refused | slow-header sockets held |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("| door | connections | answered within 2 s | answer p50 | answer p99 | slowest health answer (/healthz, "
+          "/readyz, /v1/config) | served | waited | refused | slow-header sockets held |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---|---:|")
     for r in rows:
-        slowest = max(r["health_max_s"].values()) if r["health_max_s"] else float("nan")
-        print(f"| {r['connections']} | {r['answered_within_2s']:.0%} | {r['answer_p50_s']} s | {r['answer_p99_s']} s "
-              f"| {slowest:.2f} s | {r['served']} | {r['waited']} | {json.dumps(r['refused'])} "
+        h = r["health_max_s"]
+        slowest = ", ".join(f"{h.get(p, float('nan')):.2f}" for p in ("/healthz", "/readyz", "/v1/config"))
+        print(f"| {r['door']} | {r['connections']} | {r['answered_within_2s']:.0%} | {r['answer_p50_s']} s "
+              f"| {r['answer_p99_s']} s | {slowest} s | {r['served']} | {r['waited']} | {json.dumps(r['refused'])} "
               f"| {r['slow_header_sockets_held']} of {r['slow_header_sockets']} |")
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -6,10 +6,16 @@ from __future__ import annotations
 import time
 
 
-def ensure_serve(port: int, cpus: int = 2) -> None:
-    """Ray and Serve on this machine, started on the first call (later calls reuse them); `cpus` logical CPUs."""
+def ensure_serve(port: int, cpus: int = 2, app_args: dict | None = None, door: bool = True) -> None:
+    """Ray and Serve on this machine, started on the first call (later calls reuse them); `cpus` logical CPUs, the
+    environment of the app's settings `app_args` (the defaults when None), without the door in Serve's proxy when
+    `door` is False (deployments/ingress/front.py)."""
+    import os
+
     from deployments.local import prepare_environment
-    prepare_environment()
+    prepare_environment(app_args)
+    if not door:
+        os.environ.pop("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", None)
     import ray
     from ray import serve
     if not ray.is_initialized():

@@ -34,8 +34,18 @@ from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import peers, sglang
 from .census import GroupCensus
-from .door import TenantLimits, accepted_subprotocol, busy, client_address, host_allowed, origin_allowed, presented_key
+from .door import (
+    VLLM_ROUTE,
+    TenantLimits,
+    accepted_subprotocol,
+    busy,
+    client_address,
+    host_allowed,
+    origin_allowed,
+    presented_key,
+)
 from .fetch import ImageFetcher
+from .front import check_bound
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
 from .vllm import VllmWire
@@ -129,6 +139,7 @@ def _address(ws: WebSocket, trusted: tuple) -> str:
 class Ingress:
     def __init__(self, group, settings: dict):
         s = self.settings = ServeSettings(**settings)
+        check_bound(s.max_ingress_sessions, s.max_ingress_replicas)     # the proxies' doors pass on enough
         self.groups = ServeGroups(group, s)
         self.limits = TenantLimits(s.max_sessions_per_key, s.max_starts_per_minute_per_key)
         self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,
@@ -231,7 +242,7 @@ class Ingress:
                 "decoders": list(facts.decoders)}
 
     # ---- WebSocket ----------------------------------------------------------------------------
-    @app.websocket("/v1/realtime/video")
+    @app.websocket(VLLM_ROUTE)
     async def realtime(self, ws: WebSocket):
         await self._serve(VllmWire(ws, self.settings, self.fetcher))
 

@@ -15,6 +15,8 @@ from typing import Optional
 from ..session.codes import CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 
 WINDOW_S = 60.0
+VLLM_ROUTE = "/v1/realtime/video"                 # the first protocol's WebSocket (vllm.py)
+SGLANG_ROUTE = "/v1/realtime_video/generate"      # the second's (sglang.py)
 
 
 class TenantLimits:
@@ -56,14 +58,15 @@ class TenantLimits:
             del self.active[tenant]
 
 
-def busy(live: int, max_sessions: int, retry_after_s: float, rng: random.Random) -> Optional[ProtocolError]:
-    """The refusal of a connection that finds the ingress replica serving `max_sessions` WebSockets already (`live`
-    counts it), answered at once: server_busy with a retry_after_s of 1 to 1.5 times the setting, so that a
-    refused crowd does not come back all at once; None while there is room."""
+def busy(live: int, max_sessions: int, retry_after_s: float, rng: random.Random,
+         who: str = "this server") -> Optional[ProtocolError]:
+    """The refusal of a connection that finds `who` (the ingress replica; a proxy's door: front.py) holding
+    `max_sessions` WebSockets already (`live` counts it), answered at once: server_busy with a retry_after_s of 1
+    to 1.5 times the setting, so that a refused crowd does not come back all at once; None while there is room."""
     if live <= max_sessions:
         return None
     wait = round(retry_after_s * (1.0 + rng.random() / 2), 1)
-    return ProtocolError(ErrorCode.SERVER_BUSY, f"this server holds {max_sessions} sessions already; retry in "
+    return ProtocolError(ErrorCode.SERVER_BUSY, f"{who} holds {max_sessions} sessions already; retry in "
                          f"{wait:g} s", close=CLOSE_TRY_AGAIN, retry_after_s=wait)
 
 

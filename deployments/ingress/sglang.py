@@ -22,6 +22,8 @@ from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
+from .closing import close_quietly, error_message, pack
+from .door import SGLANG_ROUTE
 from .parsing import (
     INLINE_DECODE_BYTES,
     MAX_PROMPT_CHARS,
@@ -38,9 +40,9 @@ from .parsing import (
     too_deep,
     unknown_fields,
 )
-from .wire import WebSocketWire, close_quietly
+from .wire import WebSocketWire
 
-ROUTE = "/v1/realtime_video/generate"
+ROUTE = SGLANG_ROUTE
 SPLIT_BYTES = 64 * 2 ** 10          # a payload this big or bigger follows its header as a binary frame of its own
 MAX_SCRIPT_FRAMES = 512             # latent frames in one camera_actions script
 MAX_TRANSITIONS = 512               # transitions in one camera_actions state event
@@ -48,10 +50,6 @@ FORMATS = ("raw", "webp", "jpeg")
 # the checks both dialects share: an init that names no seed gets 42 here (SGLang's); a refused init leaves the
 # connection open for another
 START = StartRules(default_seed=42, decoder_field="init.decoder")
-
-
-def pack(message: dict) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
 
 
 def unpack(data: bytes, limit: int) -> dict:
@@ -75,12 +73,6 @@ def unpack(data: bytes, limit: int) -> dict:
         raise ProtocolError(ErrorCode.INVALID_MSGPACK,
                             f"message is not one valid MessagePack value ({type(e).__name__})") from None
     return checked_message(msg, ErrorCode.INVALID_MSGPACK, "a MessagePack map")
-
-
-def error_message(error: ProtocolError) -> bytes:
-    """{"type": "error", "content": ...} as SGLang sends it, with our stable code beside it."""
-    return pack({"type": "error", "content": error.message, "code": error.code,
-                 **{k: v for k, v in error.extra.items() if v is not None}})
 
 
 # ---- init -----------------------------------------------------------------------------------------

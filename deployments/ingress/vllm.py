@@ -16,6 +16,7 @@ from ..session.codes import CLOSE_NORMAL, CLOSE_POLICY, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import STOP
 from ..session.requests import Interaction, StartRequest
+from .closing import close_quietly
 from .parsing import (
     INLINE_DECODE_BYTES,
     MAX_EVENT_ID_CHARS,
@@ -35,7 +36,7 @@ from .parsing import (
     too_deep,
     unknown_fields,
 )
-from .wire import WebSocketWire, close_quietly
+from .wire import WebSocketWire
 
 # ---- the parser -----------------------------------------------------------------------------------
 # the checks both dialects share: a start that names no seed gets 0 here; every refusal of a start closes

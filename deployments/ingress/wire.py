@@ -9,22 +9,7 @@ from fastapi import WebSocket
 
 from ..session.codes import ProtocolError
 from ..session.ports import ClientGone
-
-CLOSE_TIMEOUT_S = 5.0                     # a clogged socket (a client that stopped reading) may never take the close
-
-
-async def close_quietly(ws: WebSocket, message, code: int, reason: str = "") -> None:
-    """Send `message` (a JSON map, bytes, or None), then close; bounded in time, never raising."""
-    async def close():
-        if isinstance(message, (bytes, bytearray)):
-            await ws.send_bytes(message)
-        elif message is not None:
-            await ws.send_json(message)
-        await ws.close(code=code, reason=reason[:120])
-    try:
-        await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
-    except Exception:
-        pass
+from .closing import close_quietly
 
 
 class WebSocketWire:

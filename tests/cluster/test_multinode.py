@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from deployments.client import RealtimeClient
-from deployments.local import CLUSTER_ENV, TOKEN_FILE
+from deployments.local import TOKEN_FILE, cluster_env
 from tests.deployments.test_app import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_p
 
 
 def ray_cli(*args, env=None, timeout=180):
-    run_env = {**os.environ, **CLUSTER_ENV, **TOKEN_ENV, **(env or {})}
+    run_env = {**os.environ, **cluster_env(), **TOKEN_ENV, **(env or {})}
     done = subprocess.run([str(BIN / "ray"), *args], env=run_env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     return done.stdout
@@ -82,7 +82,7 @@ def group_modes(answers: int = 4) -> list[str]:
             "logging_level='ERROR', log_to_driver=False); h = serve.get_deployment_handle('WorldGroup', 'lingbot'); "
             "print(json.dumps([h.census.remote().result(timeout_s=60)['settings']['quality_ladder'] "
             f"for _ in range({answers})]))")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **CLUSTER_ENV, **TOKEN_ENV},
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **cluster_env(), **TOKEN_ENV},
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

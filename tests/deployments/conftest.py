@@ -24,7 +24,7 @@ TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2
 @pytest.fixture(scope="package")
 def serve_app():
     from deployments.local import prepare_environment
-    prepare_environment()                  # before Ray starts: the proxy's handshake limits (deployments/local.py)
+    prepare_environment(TEST_SETTINGS)     # before Ray starts: the proxy's handshake limits and door (local.py)
     import ray
     from ray import serve
 

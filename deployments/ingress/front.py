@@ -1,0 +1,122 @@
+"""The door in Serve's proxy: a crowd of WebSockets refused where it arrives, before Serve routes it.
+
+Every connection Serve's proxy routes costs the proxy and the ingress replica Ray calls (the routing, the ASGI
+messages both ways): about 8 ms of CPU each on a 2-core machine, so a crowd of 1,000 kept both event loops, and
+every health check behind them, busy for seconds while almost all of it was refused anyway (server_busy). Serve
+lets a list of ASGI middlewares wrap its proxy's app (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read when the
+proxy starts); `middlewares()` is that callback. Its `ProxyDoor` counts the WebSockets of the two session routes
+it has passed on and not seen end, and refuses one more beyond `max_websockets` itself, in the dialect of its
+route: accepted, then `server_busy` (close 1013, a `retry_after_s` of 1 to 1.5 times the setting), then closed,
+with no Ray call. Everything else (HTTP, the health routes) passes untouched.
+
+Its bound is the most WebSockets the app's ingress replicas hold together (max_ingress_sessions x
+max_ingress_replicas), so it refuses only what the ingress would certainly refuse: the WebSockets one proxy has
+passed on are some of those the replicas hold. With several proxies (one per node) each counts its own, and the
+ingress's own bound (door.busy) refuses the rest. The bound reaches the proxy through the environment Ray's
+processes start with (deployments/local.py `cluster_env`, cluster/render.py), as the setting's product; the
+ingress refuses to start when its settings need more than the proxies pass on (`check_bound`).
+
+Light on purpose: the proxy imports it (no torch, no dialect, no Ray at import)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Callable
+from typing import Optional
+
+from starlette.middleware import Middleware
+from starlette.websockets import WebSocket
+
+from .closing import CLOSE_TIMEOUT_S, close_quietly, error_message
+from .door import SGLANG_ROUTE, VLLM_ROUTE, accepted_subprotocol, busy
+
+CALLBACK = "deployments.ingress.front.middlewares"       # RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+MAX_ENV = "LINGBOT_PROXY_MAX_WEBSOCKETS"
+RETRY_ENV = "LINGBOT_PROXY_RETRY_AFTER_S"
+DIALECTS = ((VLLM_ROUTE, "vllm"), (SGLANG_ROUTE, "sglang"))
+
+
+def proxy_env(max_websockets: int, retry_after_s: float) -> dict:
+    """The environment that installs the door in every proxy Ray starts (workers inherit it)."""
+    return {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK, MAX_ENV: str(int(max_websockets)),
+            RETRY_ENV: f"{float(retry_after_s):g}"}
+
+
+def configured_bound(environ=os.environ) -> Optional[int]:
+    """The proxies' bound as this process's environment sets it; None when the door is not installed."""
+    if environ.get("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH") != CALLBACK or MAX_ENV not in environ:
+        return None
+    return int(environ[MAX_ENV])
+
+
+def check_bound(max_ingress_sessions: int, max_ingress_replicas: int, environ=os.environ) -> None:
+    """ValueError when the proxies would refuse WebSockets the ingress replicas have room for (the app's settings
+    changed, the cluster's environment did not)."""
+    bound, need = configured_bound(environ), max_ingress_sessions * max_ingress_replicas
+    if bound is not None and bound < need:
+        raise ValueError(f"Serve's proxies refuse beyond {bound} WebSockets each ({MAX_ENV}), fewer than the "
+                          f"ingress replicas hold (max_ingress_sessions x max_ingress_replicas = {need}); start Ray "
+                          "with the environment of this config (deployments/local.py, cluster/render.py)")
+
+
+def dialect_of(scope) -> Optional[str]:
+    """"vllm" or "sglang" for a WebSocket to a session route (under any route prefix), else None."""
+    if scope.get("type") != "websocket":
+        return None
+    path = scope.get("path", "")
+    return next((name for route, name in DIALECTS if path.endswith(route)), None)
+
+
+class ProxyDoor:
+    """Pure ASGI middleware (see the module's docstring). `refused(code)` is told each refusal (the metric)."""
+
+    def __init__(self, app, max_websockets: int, retry_after_s: float,
+                 refused: Optional[Callable[[str], None]] = None, rng: Optional[random.Random] = None):
+        if max_websockets < 1:
+            raise ValueError(f"{MAX_ENV} must be at least 1, got {max_websockets}")
+        self.app, self.max_websockets, self.retry_after_s = app, max_websockets, retry_after_s
+        self.refused = refused or (lambda code: None)
+        self.rng = rng or random.Random()
+        self.open = 0                            # WebSockets passed on that have not ended
+
+    async def __call__(self, scope, receive, send):
+        dialect = dialect_of(scope)
+        if dialect is None:
+            return await self.app(scope, receive, send)
+        error = busy(self.open + 1, self.max_websockets, self.retry_after_s, self.rng, who="this node's door")
+        if error is not None:
+            self.refused(error.code.value)
+            return await refuse(WebSocket(scope, receive, send), dialect, error)
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
+
+
+async def refuse(ws: WebSocket, dialect: str, error) -> None:
+    """Accept (a browser reads no HTTP refusal of an upgrade), send `error` as `dialect` sends it, close; never
+    raising, never logging: a client that left meanwhile is normal."""
+    try:
+        await asyncio.wait_for(ws.accept(subprotocol=accepted_subprotocol(dict(ws.headers))), CLOSE_TIMEOUT_S)
+    except Exception:
+        return
+    if dialect == "vllm":                        # as VllmWire.error_close and SglangWire.error_close say it
+        await close_quietly(ws, error.to_message(), error.close, error.code.value)
+    else:
+        await close_quietly(ws, error_message(error), error.close, error.message)
+
+
+def _ray_refusals() -> Callable[[str], None]:
+    from ..metrics import refusals_counter
+    counter = refusals_counter()
+    return lambda code: counter.inc(tags={"code": code})
+
+
+def middlewares() -> list:
+    """Serve's proxy callback: the door, with its bound from the environment (none without MAX_ENV)."""
+    if MAX_ENV not in os.environ:
+        return []
+    return [Middleware(ProxyDoor, max_websockets=int(os.environ[MAX_ENV]),
+                       retry_after_s=float(os.environ.get(RETRY_ENV, "10")), refused=_ray_refusals())]

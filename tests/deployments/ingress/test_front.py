@@ -1,0 +1,169 @@
+"""The door in Serve's proxy (deployments/ingress/front.py), on a real uvicorn server (what Serve's proxy runs) with
+a real WebSocket client: beyond its bound, a WebSocket to a session route is accepted and refused server_busy in
+its route's dialect, byte for byte what the ingress sends, and closed 1013; what is under the bound, other paths
+and HTTP pass on untouched; a WebSocket that ends frees its place; a client gone before its refusal raises
+nothing. Then its bound: from the environment, checked against the app's settings."""
+import asyncio
+import json
+import random
+
+import msgpack
+import pytest
+import uvicorn
+import websockets
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route, WebSocketRoute
+
+from deployments.ingress.closing import error_message
+from deployments.ingress.door import SGLANG_ROUTE, VLLM_ROUTE, busy
+from deployments.ingress.front import (
+    CALLBACK,
+    MAX_ENV,
+    RETRY_ENV,
+    ProxyDoor,
+    check_bound,
+    configured_bound,
+    dialect_of,
+    middlewares,
+    proxy_env,
+)
+from deployments.local import cluster_env
+
+
+async def _held(ws):
+    """The app behind the door: accept, say "in", echo until the client closes."""
+    await ws.accept(subprotocol="lingbot" if "lingbot" in ws.scope.get("subprotocols", []) else None)
+    await ws.send_text("in")
+    try:
+        while True:
+            await ws.send_text(await ws.receive_text())
+    except Exception:
+        pass
+
+
+def _app():
+    return Starlette(routes=[WebSocketRoute(VLLM_ROUTE, _held), WebSocketRoute(SGLANG_ROUTE, _held),
+                             WebSocketRoute("/other", _held), Route("/healthz", lambda r: PlainTextResponse("ok"))])
+
+
+async def _serving(door_kwargs: dict):
+    refused = []
+    door = ProxyDoor(_app(), refused=refused.append, **door_kwargs)
+    server = uvicorn.Server(uvicorn.Config(door, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, task, door, refused, f"ws://127.0.0.1:{port}"
+
+
+def test_beyond_its_bound_a_session_websocket_is_refused_server_busy_in_its_dialect_and_a_place_frees():
+    async def scenario():
+        server, task, door, refused, base = await _serving(
+            {"max_websockets": 2, "retry_after_s": 10.0, "rng": random.Random(7)})
+        try:
+            held = [await websockets.connect(base + VLLM_ROUTE), await websockets.connect(base + SGLANG_ROUTE)]
+            assert [await ws.recv() for ws in held] == ["in", "in"]
+            assert door.open == 2
+            draws = random.Random(7)                                 # the door's draws, in the same order
+            expected = [busy(3, 2, 10.0, draws, who="this node's door") for _ in range(2)]
+
+            async with websockets.connect(base + VLLM_ROUTE, subprotocols=["lingbot"]) as ws:
+                assert ws.subprotocol == "lingbot"                   # a page's handshake completes: it reads why
+                text = await ws.recv()
+                with pytest.raises(websockets.ConnectionClosed):
+                    await ws.recv()
+                assert (ws.close_code, ws.close_reason) == (1013, "server_busy")
+            # what VllmWire sends (Starlette's send_json of error.to_message())
+            assert text == json.dumps(expected[0].to_message(), separators=(",", ":"), ensure_ascii=False)
+            message = json.loads(text)
+            assert message["code"] == "server_busy" and 10.0 <= message["retry_after_s"] <= 15.0
+            assert message["message"].startswith("this node's door holds 2 sessions already")
+
+            async with websockets.connect(base + SGLANG_ROUTE) as ws:
+                payload = await ws.recv()
+                with pytest.raises(websockets.ConnectionClosed):
+                    await ws.recv()
+                assert (ws.close_code, ws.close_reason) == (1013, expected[1].message)
+            assert payload == error_message(expected[1])             # what SglangWire sends
+            assert msgpack.unpackb(payload, raw=False)["code"] == "server_busy"
+            assert refused == ["server_busy", "server_busy"]
+
+            async with websockets.connect(base + "/other") as ws:     # not a session route: never counted
+                assert await ws.recv() == "in"
+            assert door.open == 2
+
+            await held[0].close()                                    # a session ends: its place is free
+            for _ in range(100):
+                if door.open == 1:
+                    break
+                await asyncio.sleep(0.01)
+            async with websockets.connect(base + VLLM_ROUTE) as ws:
+                assert await ws.recv() == "in"
+            await held[1].close()
+        finally:
+            server.should_exit = True
+            await task
+    asyncio.run(scenario())
+
+
+def test_a_client_gone_before_its_refusal_raises_nothing_and_http_passes():
+    """A crowd's client that gave up: the door's accept meets a disconnect, or its sends fail; nothing raises (a
+    raise would be logged by the proxy as an unexpected error)."""
+    async def scenario():
+        calls = []
+
+        async def app(scope, receive, send):
+            calls.append(scope["type"])
+
+        door = ProxyDoor(app, max_websockets=1, retry_after_s=1.0)
+        door.open = 1
+
+        async def gone():
+            return {"type": "websocket.disconnect", "code": 1006}
+
+        async def broken(message):
+            raise OSError("connection reset")
+
+        scope = {"type": "websocket", "path": VLLM_ROUTE, "headers": [], "query_string": b""}
+        await door(scope, gone, broken)
+
+        async def connect():
+            return {"type": "websocket.connect"}
+        await door({**scope, "path": SGLANG_ROUTE}, connect, broken)
+        await door({"type": "http", "path": VLLM_ROUTE, "headers": []}, gone, broken)   # HTTP: passed on
+        assert calls == ["http"] and door.open == 1
+    asyncio.run(scenario())
+
+
+def test_the_routes_it_guards():
+    assert dialect_of({"type": "websocket", "path": VLLM_ROUTE}) == "vllm"
+    assert dialect_of({"type": "websocket", "path": "/lingbot" + SGLANG_ROUTE}) == "sglang"  # under a route prefix
+    assert dialect_of({"type": "websocket", "path": "/v1/realtime"}) is None
+    assert dialect_of({"type": "http", "path": VLLM_ROUTE}) is None
+
+
+def test_its_bound_comes_from_the_app_settings_through_the_environment():
+    env = cluster_env()
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == CALLBACK
+    assert (env[MAX_ENV], env[RETRY_ENV]) == ("64", "10")            # 64 sessions x 1 replica; retry_after_s
+    assert cluster_env({"max_ingress_sessions": 100, "max_ingress_replicas": 3, "retry_after_s": 4.5})[MAX_ENV] \
+        == "300"
+    assert configured_bound(env) == 64 and configured_bound({}) is None
+    assert configured_bound({MAX_ENV: "64"}) is None                 # the door is not installed without the callback
+    check_bound(64, 1, env)
+    check_bound(1000, 4, {})                                         # no door: nothing to check
+    with pytest.raises(ValueError, match=r"refuse beyond 64 WebSockets each .* = 128"):
+        check_bound(64, 2, env)
+
+
+def test_serves_callback_installs_the_door_from_the_environment(monkeypatch):
+    monkeypatch.delenv(MAX_ENV, raising=False)
+    assert middlewares() == []
+    for key, value in proxy_env(80, 2.5).items():
+        monkeypatch.setenv(key, value)
+    [door] = middlewares()
+    assert door.cls is ProxyDoor and door.kwargs["max_websockets"] == 80 and door.kwargs["retry_after_s"] == 2.5
+    with pytest.raises(ValueError, match="at least 1"):
+        ProxyDoor(None, max_websockets=0, retry_after_s=1.0)
