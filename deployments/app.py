@@ -33,13 +33,21 @@ def group_autoscaling(s: ServeSettings, capacity: int) -> dict:
 def ingress_scaling(s: ServeSettings) -> dict:
     """The ingress deployment's replicas: one, or (max_ingress_replicas > 1) Serve's own policy on the requests
     each holds (its WebSockets, nearly all), one more replica when they pass 3/4 of max_ingress_sessions each; a
-    replica is removed only after 10 minutes below, and keeps its sessions for graceful_shutdown_timeout_s."""
+    replica is removed only after 10 minutes below, and only once its sessions ended (ingress_grace_s)."""
     if s.max_ingress_replicas == 1:
         return {"num_replicas": 1}
     return {"autoscaling_config": {"min_replicas": 1, "max_replicas": s.max_ingress_replicas,
                                    "target_ongoing_requests": max(1, s.max_ingress_sessions * 3 // 4),
                                    "upscale_delay_s": 2.0, "downscale_delay_s": 600.0,
                                    "look_back_period_s": LOOK_BACK_S, "metrics_interval_s": METRICS_INTERVAL_S}}
+
+
+def ingress_grace_s(s: ServeSettings) -> float:
+    """How long Serve lets a stopping ingress replica (scaled down, or replaced by a redeploy) keep its WebSockets:
+    a session cannot move off the replica that holds its socket (its groups can: the drain), so the grace covers
+    the longest a session may last from its connection (start_timeout_s, max_queue_wait_s, max_lifetime_s) and
+    no replica with open sockets is removed; Serve stops it as soon as its last one ends."""
+    return max(s.graceful_shutdown_timeout_s, s.start_timeout_s + s.max_queue_wait_s + s.max_lifetime_s)
 
 
 # settings a running app takes in place: they reach the groups as the WorldGroup deployment's user_config (Serve
@@ -70,7 +78,7 @@ def build_app(args: dict | None = None) -> Application:
         # server_busy), with room for the health routes that no crowd of WebSockets may starve
         max_ongoing_requests=s.max_ingress_connections,
         **ingress_scaling(s),
-        # a redeploy replaces the ingress too: the old one keeps its WebSockets (their sessions moving to the
-        # new groups) until they end, for as long as the groups' grace
-        graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
+        # a redeploy or a scale-down stops an ingress replica: it keeps its WebSockets (their sessions moving to
+        # the new groups on a redeploy) until they end
+        graceful_shutdown_timeout_s=ingress_grace_s(s),
     ).bind(group, settings)

@@ -1,8 +1,9 @@
 """Serving on this machine: `python -m deployments.local [serve_config.yaml]` (what `make serve` runs) starts a local
 Ray, deploys the config's app, and prints one line with the URL once the first model group is ready; Ctrl-C
 stops it. It also holds what every local start shares (the tests' and the benchmarks' too): the environment
-Ray's processes must start with (`prepare_environment`: the proxy's handshake limit, the autoscaler's metric
-pushes) and Ray's token authentication, which stays on.
+Ray's processes must start with (`prepare_environment`: the proxy's handshake limit and its door, bounded by the
+app's settings (deployments/ingress/front.py), the autoscaler's metric pushes) and Ray's token authentication,
+which stays on.
 
 Ray's control plane (its GCS, raylets, workers and the dashboard, whose job API runs shell commands) listens
 beyond this process; with token authentication every request must carry the cluster's token. Ray 2.60's

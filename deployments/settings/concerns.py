@@ -160,7 +160,9 @@ class CapacitySettings(SettingsConcern):
                                            "be added (max_groups running, none starting); 0: refused at once")
     retry_after_s: float = setting(10.0, "the retry_after_s a refused client is told (capacity, key limits)")
     max_ingress_sessions: int = setting(64, "WebSockets one ingress replica serves; each one more is answered at "
-                                            "once with server_busy (close 1013, retry_after_s with jitter)")
+                                            "once with server_busy (close 1013, retry_after_s with jitter), by "
+                                            "Serve's proxy itself beyond this times max_ingress_replicas (its door: "
+                                            "set in the environment Ray starts with)")
     max_waiting_sessions: int = setting(32, "sessions one ingress replica lets wait for a group at once (at most "
                                             "max_ingress_sessions); a start beyond them is refused at once with "
                                             "capacity_exhausted")

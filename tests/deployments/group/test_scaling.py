@@ -79,3 +79,12 @@ def test_the_ingress_adds_a_replica_per_three_quarters_of_its_sessions_up_to_its
         ctx = context(config, held, now)
         return min(max(policy(ctx)[0], config.min_replicas), config.max_replicas)
     assert [replicas(n, 1) for n in (10, 48, 49, 130, 400)] == [1, 1, 2, 3, 4]
+
+
+def test_a_stopping_ingress_replica_keeps_its_websockets_for_as_long_as_a_session_may_last():
+    """Scaled down or replaced, an ingress replica is stopped only once its sessions ended: its grace covers the
+    start, the longest wait and the longest life (the groups' grace where that is longer)."""
+    from deployments.app import ingress_grace_s
+    assert ingress_grace_s(ServeSettings()) == 10.0 + 600.0 + 3600.0
+    assert ingress_grace_s(ServeSettings(max_lifetime_s=60, max_queue_wait_s=30, start_timeout_s=5)) == 600.0
+    assert ingress_grace_s(ServeSettings(max_lifetime_s=7200, graceful_shutdown_timeout_s=30)) == 10.0 + 600.0 + 7200.0
