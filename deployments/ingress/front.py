@@ -102,10 +102,16 @@ async def refuse(ws: WebSocket, dialect: str, error) -> None:
         await asyncio.wait_for(ws.accept(subprotocol=accepted_subprotocol(dict(ws.headers))), CLOSE_TIMEOUT_S)
     except Exception:
         return
-    if dialect == "vllm":                        # as VllmWire.error_close and SglangWire.error_close say it
-        await close_quietly(ws, error.to_message(), error.close, error.code.value)
-    else:
-        await close_quietly(ws, error_message(error), error.close, error.message)
+    message, reason = refusal_frame(dialect, error)
+    await close_quietly(ws, message, error.close, reason)
+
+
+def refusal_frame(dialect: str, error) -> tuple:
+    """(the message sent before the close, the close's reason) of a refusal that closes, as the ingress's wire of
+    `dialect` says it (VllmWire.error_close, SglangWire.error_close: a test keeps them equal)."""
+    if dialect == "vllm":
+        return error.to_message(), error.code.value
+    return error_message(error), error.message
 
 
 def _ray_refusals() -> Callable[[str], None]:

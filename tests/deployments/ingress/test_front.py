@@ -27,6 +27,7 @@ from deployments.ingress.front import (
     dialect_of,
     middlewares,
     proxy_env,
+    refusal_frame,
 )
 from deployments.local import cluster_env
 
@@ -135,6 +136,14 @@ def test_a_client_gone_before_its_refusal_raises_nothing_and_http_passes():
         await door({"type": "http", "path": VLLM_ROUTE, "headers": []}, gone, broken)   # HTTP: passed on
         assert calls == ["http"] and door.open == 1
     asyncio.run(scenario())
+
+
+def test_its_refusal_is_what_the_ingress_wire_of_each_dialect_sends():
+    from deployments.ingress.sglang import SglangWire
+    from deployments.ingress.vllm import VllmWire
+    error = busy(65, 64, 10.0, random.Random(1), who="this node's door")
+    assert refusal_frame("vllm", error) == VllmWire(None, None).error_close(error)
+    assert refusal_frame("sglang", error) == SglangWire(None, None).error_close(error)
 
 
 def test_the_routes_it_guards():
