@@ -75,6 +75,7 @@ class ChunkLoop:
         self.last_chunk_s = 0.0                        # how long the last chunk call took
         self.model = model
         self.ladder = QualityLadder.of(s, model)       # None: every chunk at full quality (or its pinned rung)
+        self.winding: Optional[QualityLadder] = None   # a ladder turned off while sessions borrow its decoders
         self.model_sink = 0 if model is None else model.sink_chunks
         self.loaded_decoders = ("wan",) if model is None else tuple(model.decoders)
 
@@ -88,12 +89,21 @@ class ChunkLoop:
 
     def set_quality_ladder(self, mode: str) -> None:
         """Turn the quality ladder off or on (auto) from the next chunk, sessions running: off, every session not
-        pinned to a rung is at full from its next chunk (one on a decoder rung warms its own decoder at once, from
-        its ring: 13 decodes in that chunk); on, a new ladder starts every session at full and learns this
-        group's costs again."""
+        pinned to a rung is at full from its next chunk, except one on a decoder rung, which first warms its own
+        decoder a decode a chunk at every step on the tiny one (QualityLadder.wind_down: the ladder turned off is
+        kept as `winding` until no session borrows a decoder from it); on, a new ladder starts every session at
+        full (a climb under way carried over) and learns this group's costs again."""
         if mode == self.quality_ladder:
             return
-        self.ladder = QualityLadder.of(dataclasses.replace(self.settings, quality_ladder=mode), self.model)
+        ladder = QualityLadder.of(dataclasses.replace(self.settings, quality_ladder=mode), self.model)
+        if ladder is None:
+            self.winding = self.ladder
+        else:
+            if self.winding is not None:             # a climb back to a session's own decoder carries on
+                ladder.last.update(self.winding.last)
+                ladder.warm.update(self.winding.warm)
+            self.winding = None
+        self.ladder = ladder
 
     # ---- sessions -----------------------------------------------------------------------------
     def add(self, session: ScheduledSession) -> asyncio.Queue:
@@ -106,8 +116,9 @@ class ChunkLoop:
 
     def remove(self, session_id: str) -> None:
         self.scheduler.remove(session_id)
-        if self.ladder is not None:
-            self.ladder.forget(session_id)
+        for ladder in (self.ladder, self.winding):
+            if ladder is not None:
+                ladder.forget(session_id)
         self.outboxes.pop(session_id, None)
         self.deliveries.pop(session_id, None)
 
@@ -199,8 +210,8 @@ class ChunkLoop:
             plan = session.plan_next_chunk()
             plan.restarted = restarted
             # its rung travels with its controls (and its journal)
-            rung = chunk_rung(self.ladder, session, self.sessions.values(), plan.index, self.model_sink,
-                              self.loaded_decoders)
+            rung = (self.winding and self.winding.wind_down(session)) or chunk_rung(
+                self.ladder, session, self.sessions.values(), plan.index, self.model_sink, self.loaded_decoders)
             plan.controls.steps, plan.controls.decoder, plan.controls.prewarm = rung.rung.steps, rung.decoder, \
                 rung.prewarm
             t0 = time.monotonic()
@@ -222,8 +233,11 @@ class ChunkLoop:
             break
         session.commit_plan(plan)                     # the ranks advanced the session: the chunk is in flight
         self.metrics.chunks.inc(tags={"group": self.group_id, "quality": plan.controls.quality})
-        if self.ladder is not None:
-            self.ladder.ran(session, plan.index, rung, max(r.engine_s for r in replies), root.warm, root.timings)
+        for ladder in (self.ladder, self.winding):
+            if ladder is not None:
+                ladder.ran(session, plan.index, rung, max(r.engine_s for r in replies), root.warm, root.timings)
+        if self.winding is not None and not self.winding.lending(self.sessions.values()):
+            self.winding = None                       # every session runs on its own decoder again
         session.snapshots.take(reply.snapshots for reply in replies)
         previous = self.deliveries.get(session.id)
         self.deliveries[session.id] = fresh_task(self._deliver(session, plan, root, t0, previous))

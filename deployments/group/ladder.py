@@ -33,6 +33,10 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
   floor within target. So a group full at the top rung still takes sessions (they and the others step down)
   instead of them waiting for a group start, and refuses (capacity_exhausted: the ingress tries another group
   or waits) once even the floor would not hold. `capacity` says how many sessions of one rate fit at a rung.
+- Turned off on a running group, the ladder leaves its sessions at full from their next chunk, except one on a
+  decoder it borrowed (the tiny decoder of tiny_steps2): that one climbs as it would with the ladder on, at every
+  step on the borrowed decoder while its own warms a decode a chunk, and switches once a rank reports it warm
+  (`wind_down`; the chunk loop keeps the ladder it turned off until none is left borrowing).
 """
 from __future__ import annotations
 
@@ -269,6 +273,20 @@ class QualityLadder:
         share = decode / total
         self.decode_share = share if self.decode_share is None else (1 - EMA) * self.decode_share + EMA * share
         self.ladder.ratios = tuple(rung_ratio(self.steps, r, self.decode_share) for r in self.ladder.rungs)
+
+    def wind_down(self, session) -> Optional[ChunkRung]:
+        """With this ladder turned off: the chunk of `session` while its last one ran on a decoder this ladder lent
+        it (not its own, not pinned), at every denoising step on that decoder, warming its own (prewarm) until a
+        rank reported it warm; None once its chunks run on its own decoder, and for any other session (its chunk
+        is then what the ladder off gives: full, or its pinned rung)."""
+        last = self.last.get(session.id)
+        if session.start.quality != "auto" or last is None or last.decoder is None or self.warm.get(session.id):
+            return None
+        return ChunkRung(rung(rung_name(None, last.decoder)), last.decoder, own_decoder(session, self.loaded))
+
+    def lending(self, sessions) -> bool:
+        """Whether some of `sessions` still runs on a decoder this ladder lent it (wind_down)."""
+        return any(self.wind_down(s) is not None for s in sessions)
 
     def forget(self, session_id: str) -> None:
         for held in (self.seats, self.last, self.warm):

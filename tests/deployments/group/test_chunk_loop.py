@@ -340,3 +340,48 @@ def test_the_ladder_turned_off_while_sessions_run_puts_them_at_full_from_their_n
     assert {st for s, _, st in before if s != "p"} >= {2} and after
     assert {st for s, _, st in after if s != "p"} == {None}      # at full from the next chunk
     assert {st for s, i, st in after if s == "p"} == {3}          # (all of p's after the switch are past its sink)
+
+
+def test_the_ladder_turned_off_climbs_a_session_on_the_tiny_decoder_back_warm_at_every_step():
+    """Both decoders loaded, floor tiny_steps2, a loaded group: once a session runs on the tiny decoder the ladder
+    is turned off. Its next chunks run every denoising step, still on the tiny decoder, each warming the Wan
+    decoder by one decode (prewarm) until a rank says it is warm (the 3rd here), and only then on the Wan decoder
+    (no chunk decodes a whole warm-up at once); the others are at full from their next chunk; once nobody borrows
+    the tiny decoder the loop lets the old ladder go."""
+    from deployments.session.events import ModelFacts
+    facts = ModelFacts.of(get_preset("tiny"), decoders=("wan", "tae"))
+    laddered = dataclasses.replace(SETTINGS, quality_ladder="auto", quality_floor="tiny_steps2")
+
+    async def scenario():
+        log, ran = [], []
+        ranks = RankExecutor([Rank(r, log, engine_s=0.5, controls=ran, warm_after=3) for r in range(2)],
+                             SETTINGS.chunk_timeout_s)
+        loop = ChunkLoop("g", laddered, GroupState(), ranks, Muxer(), Mailbox(), Metrics(), lambda e: None,
+                         model=facts)
+        boxes = [loop.add(session(sid, 40, decoder="wan")) for sid in "ab"]
+        while not any(c.decoder == "tae" for _, _, c, _ in ran):
+            await asyncio.sleep(0.01)
+        switched = len(ran)
+        loop.set_quality_ladder("off")
+        assert loop.quality_ladder == "off" and loop.ladder is None and loop.winding is not None
+        for box in boxes:
+            while not isinstance(await box.get(), SessionDone):
+                pass
+        return ran, switched, loop.winding
+
+    ran, switched, winding = asyncio.run(scenario())
+    assert winding is None                                      # let go once both ran on their own decoder
+    after = ran[switched:]
+    assert all(c.steps is None for _, _, c, _ in after)          # every step from the switch on
+    lent = 0
+    for sid in "ab":
+        chunks = [(c, warm) for s, i, c, warm in sorted(after, key=lambda r: r[1]) if s == sid]
+        on_tiny = [c for c, _ in chunks if c.decoder == "tae"]
+        assert all(c.prewarm == "wan" for c in on_tiny), sid     # each warms the Wan decoder
+        first_own = next(i for i, (c, _) in enumerate(chunks) if c.decoder is None)
+        assert all(c.decoder == "tae" for c, _ in chunks[:first_own])
+        assert all(c.decoder is None and c.prewarm is None for c, _ in chunks[first_own:]), sid
+        if first_own:                                           # it was on the tiny decoder: warm before it left
+            assert chunks[first_own - 1][1] is True and [w for _, w in chunks[:first_own]].count(True) == 1
+            lent += 1
+    assert lent >= 1
