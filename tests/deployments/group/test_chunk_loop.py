@@ -385,3 +385,48 @@ def test_the_ladder_turned_off_climbs_a_session_on_the_tiny_decoder_back_warm_at
             assert chunks[first_own - 1][1] is True and [w for _, w in chunks[:first_own]].count(True) == 1
             lent += 1
     assert lent >= 1
+
+
+def test_the_ladder_turned_off_and_on_again_carries_a_climb_under_way():
+    """Off and at once on again while a session runs on the tiny decoder: the new ladder knows it borrowed the
+    tiny decoder, so when the group (5x faster from then on) has room to climb, the session warms the Wan decoder
+    chunk by chunk before it switches, as it would had the ladder stayed on."""
+    from deployments.session.events import ModelFacts
+    facts = ModelFacts.of(get_preset("tiny"), decoders=("wan", "tae"))
+    laddered = dataclasses.replace(SETTINGS, quality_ladder="auto", quality_floor="tiny_steps2")
+    fast = []
+
+    def engine_s(c: ChunkControls) -> float:
+        seconds = 0.05 * ((c.steps or 4) + 1) + (0.01 if c.decoder == "tae" else 0.25)
+        return seconds / 5 if fast else seconds
+
+    async def scenario():
+        log, ran = [], []
+        ranks = RankExecutor([Rank(r, log, engine_s=engine_s, controls=ran, warm_after=3) for r in range(2)],
+                             SETTINGS.chunk_timeout_s)
+        loop = ChunkLoop("g", laddered, GroupState(), ranks, Muxer(), Mailbox(), Metrics(), lambda e: None,
+                         model=facts)
+        boxes = [loop.add(session(sid, 40, decoder="wan")) for sid in "ab"]
+        while not any(c.decoder == "tae" for _, _, c, _ in ran):
+            await asyncio.sleep(0.01)
+        on_tiny = {s for s, _, c, _ in ran if c.decoder == "tae"}
+        loop.set_quality_ladder("off")
+        loop.set_quality_ladder("auto")
+        fast.append(True)
+        switched = len(ran)
+        for box in boxes:
+            while not isinstance(await box.get(), SessionDone):
+                pass
+        return ran, switched, on_tiny
+
+    ran, switched, on_tiny = asyncio.run(scenario())
+    climbs = 0
+    for sid in on_tiny:
+        chunks = [(c, warm) for s, i, c, warm in sorted(ran[switched:], key=lambda r: r[1]) if s == sid]
+        for (before, warm), (after, _) in itertools.pairwise(chunks):
+            if before.decoder == "tae" and after.decoder is None:      # back on its own decoder ...
+                assert before.prewarm == "wan" and warm is True, sid   # ... only once it was warm
+                climbs += 1
+        if chunks and chunks[0][0].decoder is None:                      # (its first chunk after the switch)
+            raise AssertionError(f"{sid} left the tiny decoder at once")
+    assert climbs >= 1
