@@ -30,6 +30,14 @@ def protocol_of(url: str, protocol: str) -> str:
     return "sglang" if "/realtime_video/" in url else "vllm"
 
 
+def served_config(url: str) -> dict:
+    """GET /v1/config of the server at WebSocket `url` (its size, fps, decoders)."""
+    import urllib.request
+    http = url.replace("ws://", "http://").replace("wss://", "https://").split("/v1/")[0]
+    with urllib.request.urlopen(f"{http}/v1/config", timeout=10) as r:
+        return json.loads(r.read())
+
+
 async def _main_frames(args, script: list) -> int:
     """--protocol sglang: frames restored on this side, written as H.264 MP4 (or .npy for the exact uint8)."""
     import numpy as np
@@ -45,11 +53,13 @@ async def _main_frames(args, script: list) -> int:
         bar = tqdm(total=args.chunks, unit="chunk", desc="receiving", file=sys.stderr)
         state: dict[str, Any] = {}
 
+        fps = args.fps or served_config(args.url)["fps"]       # the session's: what the MP4 plays at
+
         def on_chunk(result, chunk):
             if not args.output.endswith(".npy"):
                 if "writer" not in state:
                     h, w = chunk.frames.shape[1:3]
-                    state["writer"] = H264Writer(args.output, w, h, args.fps)
+                    state["writer"] = H264Writer(args.output, w, h, fps)
                 state["writer"].write(chunk.frames)
             bar.update()
             if len(result.arrivals) == 1:
@@ -84,10 +94,7 @@ async def _main(args) -> int:
     async with RealtimeClient(args.url, api_key=args.api_key) as client:
         width, height = args.width, args.height
         if width is None or height is None:
-            import urllib.request
-            http = args.url.replace("ws://", "http://").replace("wss://", "https://").split("/v1/")[0]
-            with urllib.request.urlopen(f"{http}/v1/config", timeout=10) as r:
-                served = json.loads(r.read())
+            served = served_config(args.url)
             width, height = served["width"], served["height"]
         script = [list(keys) for keys in script]
         extra = {}
@@ -140,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--intrinsics", default=None, help="with --poses: .npy [F, 4] fx, fy, cx, cy at 832x480")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fps", type=float, default=16.0)
+    p.add_argument("--fps", type=float, default=None, help="default: the server's (GET /v1/config)")
     p.add_argument("--width", type=int, default=None, help="default: the server's size (GET /v1/config)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--api-key", default=os.environ.get("LINGBOT_API_KEY"),

@@ -50,13 +50,14 @@ class FramesClient(WebSocketClient):
         await self._send(msgpack.packb(message, use_bin_type=True))
 
     async def init(self, prompt: str, first_frame, max_chunks: Optional[int] = None, seed: int = 0,
-                   fps: float = 16.0, size: Optional[str] = None, actions: Optional[list] = None,
+                   fps: Optional[float] = None, size: Optional[str] = None, actions: Optional[list] = None,
                    output_format: str = "raw", quality: Optional[int] = None, max_width: Optional[int] = None,
                    delta: bool = False, **extra) -> None:
-        """`first_frame`: image bytes or a data: URL; `actions`: one key list per latent frame."""
+        """`first_frame`: image bytes or a data: URL; `actions`: one key list per latent frame; `fps` None: the field
+        is left out and the session runs at the server's fps."""
         msg: dict[str, Any] = {"type": "init", "model": "lingbot-world", "prompt": prompt, "first_frame": first_frame,
-                               "fps": fps, "seed": seed, "realtime_output_format": output_format, **extra}
-        for key, value in (("size", size), ("max_chunks", max_chunks), ("output_compression", quality),
+                               "seed": seed, "realtime_output_format": output_format, **extra}
+        for key, value in (("fps", fps), ("size", size), ("max_chunks", max_chunks), ("output_compression", quality),
                            ("realtime_preview_max_width", max_width)):
             if value is not None:
                 msg[key] = value

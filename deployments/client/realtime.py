@@ -35,10 +35,13 @@ class RealtimeClient(WebSocketClient):
         await self._send(json.dumps(message))
 
     async def start(self, prompt: str, image_url: str, width: int, height: int, chunks: Optional[int] = None,
-                    fps: float = 16.0, seed: int = 0, script: Optional[list] = None, **extra) -> None:
+                    fps: Optional[float] = None, seed: int = 0, script: Optional[list] = None, **extra) -> None:
+        """`fps` None: the field is left out and the session runs at the server's fps."""
         msg = {"type": "session.start", "model": "lingbot-world", "prompt": prompt,
-               "image_reference": {"image_url": image_url}, "width": width, "height": height, "fps": fps,
-               "seed": seed, "extra_params": dict(extra)}
+               "image_reference": {"image_url": image_url}, "width": width, "height": height, "seed": seed,
+               "extra_params": dict(extra)}
+        if fps is not None:
+            msg["fps"] = fps
         if chunks is None:
             msg["extra_params"]["endless"] = True
         else:

@@ -5,7 +5,8 @@ messages both ways): about 8 ms of CPU each on a 2-core machine, so a crowd of 1
 every health check behind them, busy for seconds while almost all of it was refused anyway (server_busy). Serve
 lets a list of ASGI middlewares wrap its proxy's app (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read when the
 proxy starts); `middlewares()` is that callback. Its `ProxyDoor` counts the WebSockets of the two session routes
-it has passed on and not seen end, and refuses one more beyond `max_websockets` itself, in the dialect of its
+it has passed on and not seen end, per route prefix (each app its own), and refuses one more beyond
+`max_websockets` itself, in the dialect of its
 route: accepted, then `server_busy` (close 1013, a `retry_after_s` of 1 to 1.5 times the setting), then closed,
 with no Ray call. Everything else (HTTP, the health routes) passes untouched.
 
@@ -60,12 +61,13 @@ def check_bound(max_ingress_sessions: int, max_ingress_replicas: int, environ=os
                           "with the environment of this config (deployments/local.py, cluster/render.py)")
 
 
-def dialect_of(scope) -> Optional[str]:
-    """"vllm" or "sglang" for a WebSocket to a session route (under any route prefix), else None."""
+def dialect_of(scope) -> tuple[Optional[str], str]:
+    """("vllm" or "sglang", the app's route prefix) for a WebSocket to a session route (under any route prefix),
+    else (None, "")."""
     if scope.get("type") != "websocket":
-        return None
+        return None, ""
     path = scope.get("path", "")
-    return next((name for route, name in DIALECTS if path.endswith(route)), None)
+    return next(((name, path[:-len(route)]) for route, name in DIALECTS if path.endswith(route)), (None, ""))
 
 
 class ProxyDoor:
@@ -78,21 +80,24 @@ class ProxyDoor:
         self.app, self.max_websockets, self.retry_after_s = app, max_websockets, retry_after_s
         self.refused = refused or (lambda code: None)
         self.rng = rng or random.Random()
-        self.open = 0                            # WebSockets passed on that have not ended
+        self.open: dict[str, int] = {}          # route prefix (an app) -> its WebSockets passed on, not ended
 
     async def __call__(self, scope, receive, send):
-        dialect = dialect_of(scope)
+        dialect, prefix = dialect_of(scope)
         if dialect is None:
             return await self.app(scope, receive, send)
-        error = busy(self.open + 1, self.max_websockets, self.retry_after_s, self.rng, who="this node's door")
+        held = self.open.get(prefix, 0)
+        error = busy(held + 1, self.max_websockets, self.retry_after_s, self.rng, who="this node's door")
         if error is not None:
             self.refused(error.code.value)
             return await refuse(WebSocket(scope, receive, send), dialect, error)
-        self.open += 1
+        self.open[prefix] = held + 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.open -= 1
+            self.open[prefix] -= 1
+            if not self.open[prefix]:
+                del self.open[prefix]
 
 
 async def refuse(ws: WebSocket, dialect: str, error) -> None:

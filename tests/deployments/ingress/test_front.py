@@ -44,8 +44,8 @@ async def _held(ws):
 
 
 def _app():
-    return Starlette(routes=[WebSocketRoute(VLLM_ROUTE, _held), WebSocketRoute(SGLANG_ROUTE, _held),
-                             WebSocketRoute("/other", _held), Route("/healthz", lambda r: PlainTextResponse("ok"))])
+    sockets = [WebSocketRoute(path, _held) for path in (VLLM_ROUTE, SGLANG_ROUTE, "/app2" + VLLM_ROUTE, "/other")]
+    return Starlette(routes=[*sockets, Route("/healthz", lambda r: PlainTextResponse("ok"))])
 
 
 async def _serving(door_kwargs: dict):
@@ -66,7 +66,7 @@ def test_beyond_its_bound_a_session_websocket_is_refused_server_busy_in_its_dial
         try:
             held = [await websockets.connect(base + VLLM_ROUTE), await websockets.connect(base + SGLANG_ROUTE)]
             assert [await ws.recv() for ws in held] == ["in", "in"]
-            assert door.open == 2
+            assert door.open == {"": 2}
             draws = random.Random(7)                                 # the door's draws, in the same order
             expected = [busy(3, 2, 10.0, draws, who="this node's door") for _ in range(2)]
 
@@ -93,11 +93,18 @@ def test_beyond_its_bound_a_session_websocket_is_refused_server_busy_in_its_dial
 
             async with websockets.connect(base + "/other") as ws:     # not a session route: never counted
                 assert await ws.recv() == "in"
-            assert door.open == 2
+            async with websockets.connect(base + "/app2" + VLLM_ROUTE) as ws:   # another app's: counted apart
+                assert await ws.recv() == "in"
+                assert door.open == {"": 2, "/app2": 1}
+            for _ in range(100):
+                if door.open == {"": 2}:
+                    break
+                await asyncio.sleep(0.01)
+            assert door.open == {"": 2}
 
             await held[0].close()                                    # a session ends: its place is free
             for _ in range(100):
-                if door.open == 1:
+                if door.open.get("") == 1:
                     break
                 await asyncio.sleep(0.01)
             async with websockets.connect(base + VLLM_ROUTE) as ws:
@@ -119,7 +126,7 @@ def test_a_client_gone_before_its_refusal_raises_nothing_and_http_passes():
             calls.append(scope["type"])
 
         door = ProxyDoor(app, max_websockets=1, retry_after_s=1.0)
-        door.open = 1
+        door.open[""] = 1
 
         async def gone():
             return {"type": "websocket.disconnect", "code": 1006}
@@ -134,7 +141,7 @@ def test_a_client_gone_before_its_refusal_raises_nothing_and_http_passes():
             return {"type": "websocket.connect"}
         await door({**scope, "path": SGLANG_ROUTE}, connect, broken)
         await door({"type": "http", "path": VLLM_ROUTE, "headers": []}, gone, broken)   # HTTP: passed on
-        assert calls == ["http"] and door.open == 1
+        assert calls == ["http"] and door.open == {"": 1}
     asyncio.run(scenario())
 
 
@@ -147,10 +154,10 @@ def test_its_refusal_is_what_the_ingress_wire_of_each_dialect_sends():
 
 
 def test_the_routes_it_guards():
-    assert dialect_of({"type": "websocket", "path": VLLM_ROUTE}) == "vllm"
-    assert dialect_of({"type": "websocket", "path": "/lingbot" + SGLANG_ROUTE}) == "sglang"  # under a route prefix
-    assert dialect_of({"type": "websocket", "path": "/v1/realtime"}) is None
-    assert dialect_of({"type": "http", "path": VLLM_ROUTE}) is None
+    assert dialect_of({"type": "websocket", "path": VLLM_ROUTE}) == ("vllm", "")
+    assert dialect_of({"type": "websocket", "path": "/lingbot" + SGLANG_ROUTE}) == ("sglang", "/lingbot")
+    assert dialect_of({"type": "websocket", "path": "/v1/realtime"}) == (None, "")
+    assert dialect_of({"type": "http", "path": VLLM_ROUTE}) == (None, "")
 
 
 def test_its_bound_comes_from_the_app_settings_through_the_environment():
