@@ -52,7 +52,8 @@ def cluster_env(args: Optional[dict] = None) -> dict:
     from .ingress.front import proxy_env
     from .settings import ServeSettings
     s = ServeSettings.from_args(args or {})
-    return {**CLUSTER_ENV, **proxy_env(s.max_ingress_sessions * s.max_ingress_replicas, s.retry_after_s)}
+    return {**CLUSTER_ENV, **proxy_env(s.max_ingress_sessions * s.max_ingress_replicas, s.retry_after_s,
+                                       s.stall_timeout_s)}
 
 
 def prepare_environment(args: Optional[dict] = None) -> None:

@@ -17,6 +17,14 @@ ingress's own bound (door.busy) refuses the rest. The bound reaches the proxy th
 processes start with (deployments/local.py `cluster_env`, cluster/render.py), as the setting's product; the
 ingress refuses to start when its settings need more than the proxies pass on (`check_bound`).
 
+It also keeps `stall_timeout_s` for the WebSockets it passes on. Behind Serve's proxy the ingress's sends never
+block (the proxy takes every message, and Ray's stream from the replica buffers what the proxy has not sent), so
+the ingress cannot see a client that stopped reading; the proxy's own send does block (uvicorn waits while the
+socket's buffer is full). `StallGuard` bounds that wait: a send still blocked after stall_timeout_s cuts the
+connection (the transport aborted; the app hears the client gone), so the session ends and the video stops
+piling up in the proxy (without it, a client that never read an endless raw-frames session grew the proxy's
+memory for as long as it stayed connected).
+
 Light on purpose: the proxy imports it (no torch, no dialect, no Ray at import)."""
 from __future__ import annotations
 
@@ -35,13 +43,15 @@ from .door import SGLANG_ROUTE, VLLM_ROUTE, accepted_subprotocol, busy
 CALLBACK = "deployments.ingress.front.middlewares"       # RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
 MAX_ENV = "LINGBOT_PROXY_MAX_WEBSOCKETS"
 RETRY_ENV = "LINGBOT_PROXY_RETRY_AFTER_S"
+STALL_ENV = "LINGBOT_PROXY_STALL_TIMEOUT_S"
+GONE = {"type": "websocket.disconnect", "code": 1006}      # what the app hears of a connection the guard cut
 DIALECTS = ((VLLM_ROUTE, "vllm"), (SGLANG_ROUTE, "sglang"))
 
 
-def proxy_env(max_websockets: int, retry_after_s: float) -> dict:
+def proxy_env(max_websockets: int, retry_after_s: float, stall_timeout_s: float) -> dict:
     """The environment that installs the door in every proxy Ray starts (workers inherit it)."""
     return {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK, MAX_ENV: str(int(max_websockets)),
-            RETRY_ENV: f"{float(retry_after_s):g}"}
+            RETRY_ENV: f"{float(retry_after_s):g}", STALL_ENV: f"{float(stall_timeout_s):g}"}
 
 
 def configured_bound(environ=os.environ) -> Optional[int]:
@@ -73,11 +83,12 @@ def dialect_of(scope) -> tuple[Optional[str], str]:
 class ProxyDoor:
     """Pure ASGI middleware (see the module's docstring). `refused(code)` is told each refusal (the metric)."""
 
-    def __init__(self, app, max_websockets: int, retry_after_s: float,
+    def __init__(self, app, max_websockets: int, retry_after_s: float, stall_timeout_s: Optional[float] = None,
                  refused: Optional[Callable[[str], None]] = None, rng: Optional[random.Random] = None):
         if max_websockets < 1:
             raise ValueError(f"{MAX_ENV} must be at least 1, got {max_websockets}")
         self.app, self.max_websockets, self.retry_after_s = app, max_websockets, retry_after_s
+        self.stall_timeout_s = stall_timeout_s         # None: sends are not bounded here
         self.refused = refused or (lambda code: None)
         self.rng = rng or random.Random()
         self.open: dict[str, int] = {}          # route prefix (an app) -> its WebSockets passed on, not ended
@@ -93,11 +104,52 @@ class ProxyDoor:
             return await refuse(WebSocket(scope, receive, send), dialect, error)
         self.open[prefix] = held + 1
         try:
-            await self.app(scope, receive, send)
+            if self.stall_timeout_s is None:
+                await self.app(scope, receive, send)
+            else:
+                guard = StallGuard(receive, send, self.stall_timeout_s, lambda: self.refused("stall_timeout"))
+                await self.app(scope, guard.receive, guard.send)
         finally:
             self.open[prefix] -= 1
             if not self.open[prefix]:
                 del self.open[prefix]
+
+
+class StallGuard:
+    """One passed-on WebSocket's send bounded in time (see the module's docstring). A send still blocked after
+    `timeout_s` (the client stopped reading: its socket's buffers are full) cuts the connection: uvicorn's
+    transport aborted (the `receive` it hands the app is its protocol's own method), which also tells the app
+    the client is gone; where the server is another, the app's next receive says so itself. `stalled()` is told
+    once; later sends are dropped (nobody reads them)."""
+
+    def __init__(self, receive, send, timeout_s: float, stalled: Callable[[], None]):
+        self._receive, self._send, self.timeout_s, self.stalled = receive, send, timeout_s, stalled
+        self.cut = asyncio.Event()
+
+    async def send(self, message) -> None:
+        if self.cut.is_set():
+            await asyncio.sleep(0)                   # dropped, but a turn for the others (a sender in a loop)
+            return
+        try:
+            await asyncio.wait_for(self._send(message), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.cut.set()
+            self.stalled()
+            transport = getattr(getattr(self._receive, "__self__", None), "transport", None)
+            if transport is not None:
+                transport.abort()
+
+    async def receive(self):
+        if self.cut.is_set():
+            return GONE
+        message = asyncio.ensure_future(self._receive())
+        cut = asyncio.ensure_future(self.cut.wait())
+        await asyncio.wait((message, cut), return_when=asyncio.FIRST_COMPLETED)
+        if message.done():
+            cut.cancel()
+            return message.result()
+        message.cancel()
+        return GONE
 
 
 async def refuse(ws: WebSocket, dialect: str, error) -> None:
@@ -129,5 +181,7 @@ def middlewares() -> list:
     """Serve's proxy callback: the door, with its bound from the environment (none without MAX_ENV)."""
     if MAX_ENV not in os.environ:
         return []
+    stall = os.environ.get(STALL_ENV)
     return [Middleware(ProxyDoor, max_websockets=int(os.environ[MAX_ENV]),
-                       retry_after_s=float(os.environ.get(RETRY_ENV, "10")), refused=_ray_refusals())]
+                       retry_after_s=float(os.environ.get(RETRY_ENV, "10")),
+                       stall_timeout_s=None if stall is None else float(stall), refused=_ray_refusals())]

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import pytest
 import websockets
 from PIL import Image
 
@@ -491,25 +492,39 @@ def live_sessions() -> int:
         return json.loads(r.read())["live_sessions"]
 
 
-def test_a_client_that_stops_reading_is_freed(serve_app):
-    """A client that stops reading (small receive buffer, small message queue, no pong): the session ends and
-    its connection closes, so reading again meets the end of the stream, not an endless one. Behind Serve's
-    proxy the ingress's sends do not block (the proxy takes the messages), so what frees it here is the
-    proxy's WebSocket keepalive (a ping every 20 s, 20 s to answer): about 40 s, not stall_timeout_s. (The
-    test waits while the ingress counts the session live, not a fixed time.)"""
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_client_that_stops_reading_is_freed(serve_app, protocol):
+    """A client that stops reading (small receive buffer, small message queue, no pong) an endless session at
+    120 fps, over each protocol (the second's raw frames, about 250 KB a chunk): the session ends and its
+    connection closes, so reading again meets the end of the stream, not an endless one. Behind Serve's proxy
+    the ingress's sends never block (the proxy takes the messages, Ray's stream buffers the rest); the proxy's
+    door cuts the connection once one of its sends has been blocked for stall_timeout_s (8 s here), and the
+    ingress hears the client gone: the second protocol's session goes in about 10 s. Before the door it was not
+    let go at all (its video piled up in the proxy). The first protocol's chunks are small (about 8 KB), so the
+    kernel's socket buffers take them for about 30 s before a send blocks: it goes after about 40 s, by the
+    door or the proxy's keepalive (a ping every 20 s, 20 s to answer), whichever comes first. (The test waits
+    while the ingress counts the session live, not a fixed time.)"""
     import socket
 
+    import msgpack
     import websockets
+
+    from tests.deployments.test_sglang_app import frames_url, png
 
     async def scenario():
         before = await asyncio.to_thread(live_sessions)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", int(serve_app.split(":")[2].split("/")[0])))
-        ws = await websockets.connect(serve_app, sock=sock, compression=None, max_queue=2, ping_interval=None)
-        await ws.send(json.dumps(start_msg(num_frames=None, fps=120, extra_params={"endless": True})))
+        url = serve_app if protocol == "vllm" else frames_url(serve_app)
+        ws = await websockets.connect(url, sock=sock, compression=None, max_queue=2, ping_interval=None)
+        if protocol == "vllm":
+            await ws.send(json.dumps(start_msg(num_frames=None, fps=120, extra_params={"endless": True})))
+        else:
+            await ws.send(msgpack.packb({"type": "init", "prompt": "a forest path", "first_frame": png(), "fps": 120,
+                                         "realtime_output_format": "raw", "decoder": "tae"}, use_bin_type=True))
         seen_live, freed, t0 = False, False, time.monotonic()
-        while time.monotonic() - t0 < 120:          # not reading: the keepalive gives up after ~40 s
+        while time.monotonic() - t0 < 120:
             live = await asyncio.to_thread(live_sessions)
             seen_live = seen_live or live > before
             freed = seen_live and live <= before    # the ingress let the session go

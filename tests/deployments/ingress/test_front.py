@@ -21,6 +21,7 @@ from deployments.ingress.front import (
     CALLBACK,
     MAX_ENV,
     RETRY_ENV,
+    STALL_ENV,
     ProxyDoor,
     check_bound,
     configured_bound,
@@ -163,7 +164,7 @@ def test_the_routes_it_guards():
 def test_its_bound_comes_from_the_app_settings_through_the_environment():
     env = cluster_env()
     assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == CALLBACK
-    assert (env[MAX_ENV], env[RETRY_ENV]) == ("64", "10")            # 64 sessions x 1 replica; retry_after_s
+    assert (env[MAX_ENV], env[RETRY_ENV], env[STALL_ENV]) == ("64", "10", "60")  # 64 x 1 replica; the settings
     assert cluster_env({"max_ingress_sessions": 100, "max_ingress_replicas": 3, "retry_after_s": 4.5})[MAX_ENV] \
         == "300"
     assert configured_bound(env) == 64 and configured_bound({}) is None
@@ -177,9 +178,65 @@ def test_its_bound_comes_from_the_app_settings_through_the_environment():
 def test_serves_callback_installs_the_door_from_the_environment(monkeypatch):
     monkeypatch.delenv(MAX_ENV, raising=False)
     assert middlewares() == []
-    for key, value in proxy_env(80, 2.5).items():
+    for key, value in proxy_env(80, 2.5, 12).items():
         monkeypatch.setenv(key, value)
     [door] = middlewares()
     assert door.cls is ProxyDoor and door.kwargs["max_websockets"] == 80 and door.kwargs["retry_after_s"] == 2.5
+    assert door.kwargs["stall_timeout_s"] == 12.0
     with pytest.raises(ValueError, match="at least 1"):
         ProxyDoor(None, max_websockets=0, retry_after_s=1.0)
+
+
+def test_a_client_that_stops_reading_is_cut_after_the_stall_timeout_and_the_app_hears_it_gone():
+    """Behind the door an app streams 64 KiB messages to a client that never reads (a small receive buffer, a
+    client queue of one message, no keepalive on either side: nothing else could end it): once one send has been
+    blocked for the stall timeout, the connection is cut, the app's receive says the client is gone (so the app
+    stops producing), the stall is counted once, and the door's place is free."""
+    import socket
+
+    async def scenario():
+        heard, refused = [], []
+
+        async def stream(ws):
+            await ws.accept()
+            gone = asyncio.Event()
+
+            async def listen():
+                heard.append(await ws.receive())
+                gone.set()
+            listener = asyncio.ensure_future(listen())
+            sent = 0
+            while not gone.is_set():
+                await ws.send_bytes(bytes(65536))
+                sent += 1
+            await listener
+            heard.append(sent)
+
+        app = Starlette(routes=[WebSocketRoute(VLLM_ROUTE, stream)])
+        door = ProxyDoor(app, max_websockets=4, retry_after_s=1.0, stall_timeout_s=1.0, refused=refused.append)
+        config = uvicorn.Config(door, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                ws_ping_interval=None, ws_ping_timeout=None)
+        server = uvicorn.Server(config)
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            ws = await websockets.connect(f"ws://127.0.0.1:{port}{VLLM_ROUTE}", sock=sock, max_queue=1,
+                                          ping_interval=None, compression=None)
+            for _ in range(600):                                 # never reading; the app ends once cut
+                if len(heard) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            ws.transport.abort()                                 # (a close would wait for its handshake)
+            return heard, refused, door.open
+        finally:
+            server.should_exit = True
+            await task
+
+    heard, refused, open_ = asyncio.run(scenario())
+    assert heard[0]["type"] == "websocket.disconnect" and heard[1] > 0, heard
+    assert refused == ["stall_timeout"] and open_ == {}
