@@ -144,12 +144,13 @@ class StallGuard:
             return GONE
         message = asyncio.ensure_future(self._receive())
         cut = asyncio.ensure_future(self.cut.wait())
-        await asyncio.wait((message, cut), return_when=asyncio.FIRST_COMPLETED)
-        if message.done():
+        try:
+            await asyncio.wait((message, cut), return_when=asyncio.FIRST_COMPLETED)
+        finally:                                     # (cancelled too: Serve's proxy cancels its reader at the end)
             cut.cancel()
-            return message.result()
-        message.cancel()
-        return GONE
+            if not message.done():
+                message.cancel()
+        return message.result() if message.done() and not message.cancelled() else GONE
 
 
 async def refuse(ws: WebSocket, dialect: str, error) -> None:

@@ -240,3 +240,32 @@ def test_a_client_that_stops_reading_is_cut_after_the_stall_timeout_and_the_app_
     heard, refused, open_ = asyncio.run(scenario())
     assert heard[0]["type"] == "websocket.disconnect" and heard[1] > 0, heard
     assert refused == ["stall_timeout"] and open_ == {}
+
+
+def test_a_reader_cancelled_while_it_waits_leaves_no_task_behind():
+    """Serve's proxy cancels its reader of a connection at the end: the guard's waits go with it."""
+    from deployments.ingress.front import StallGuard
+
+    async def scenario():
+        never = asyncio.Event()
+
+        async def receive():
+            await never.wait()
+
+        async def send(message):
+            pass
+
+        guard = StallGuard(receive, send, 1.0, lambda: None)
+        before = len(asyncio.all_tasks())
+        reader = asyncio.ensure_future(guard.receive())
+        await asyncio.sleep(0.01)
+        reader.cancel()
+        try:
+            await reader
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.01)
+        return before, len(asyncio.all_tasks())
+
+    before, after = asyncio.run(scenario())
+    assert after == before
