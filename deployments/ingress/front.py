@@ -6,9 +6,9 @@ every health check behind them, busy for seconds while almost all of it was refu
 lets a list of ASGI middlewares wrap its proxy's app (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read when the
 proxy starts); `middlewares()` is that callback. Its `ProxyDoor` counts the WebSockets of the two session routes
 it has passed on and not seen end, per route prefix (each app its own), and refuses one more beyond
-`max_websockets` itself, in the dialect of its
-route: accepted, then `server_busy` (close 1013, a `retry_after_s` of 1 to 1.5 times the setting), then closed,
-with no Ray call. Everything else (HTTP, the health routes) passes untouched.
+`max_websockets` itself, in the dialect of its route: accepted, then `server_busy` (close 1013, a
+`retry_after_s` of 1 to 1.5 times the setting), then closed, with no Ray call. Everything else (HTTP, the health
+routes) passes untouched.
 
 Its bound is the most WebSockets the app's ingress replicas hold together (max_ingress_sessions x
 max_ingress_replicas), so it refuses only what the ingress would certainly refuse: the WebSockets one proxy has
@@ -22,8 +22,8 @@ block (the proxy takes every message, and Ray's stream from the replica buffers 
 the ingress cannot see a client that stopped reading; the proxy's own send does block (uvicorn waits while the
 socket's buffer is full). `StallGuard` bounds that wait: a send still blocked after stall_timeout_s cuts the
 connection (the transport aborted; the app hears the client gone), so the session ends and the video stops
-piling up in the proxy (without it, a client that never read an endless raw-frames session grew the proxy's
-memory for as long as it stayed connected).
+piling up in the proxy (without it, a client that never read an endless raw-frames session was not let go
+within 90 s, its video held in the proxy).
 
 Light on purpose: the proxy imports it (no torch, no dialect, no Ray at import)."""
 from __future__ import annotations
