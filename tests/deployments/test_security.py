@@ -3,6 +3,7 @@ answer, and a decompression bomb on either protocol refused without the ingress'
 own test, tests/deployments/ingress/test_parsing.py, has the refusal's details)."""
 import asyncio
 import base64
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -207,6 +208,16 @@ def test_a_crowd_beyond_the_ingress_sessions_is_answered_server_busy_while_healt
         finally:
             await asyncio.gather(*(ws.close() for ws, _ in held))
 
+    from tests.deployments.conftest import METRICS_INTERVAL_MS, METRICS_PORT
+    from tests.deployments.test_app import metric, scrape
+
+    def counted_busy() -> float:
+        return metric(scrape(METRICS_PORT), "lingbot_refusals_total", code="server_busy")
+    counted, previous = None, None
+    while counted is None:                                  # two exports in a row agree: nothing in flight
+        time.sleep(METRICS_INTERVAL_MS / 1000 + 0.5)
+        now = counted_busy()
+        counted, previous = (now if now == previous else None), now
     answers, health = run(scenario())
     assert [status for status, _ in health] == [200, 200]
     busy = [a for a in answers if a.get("code") == "server_busy"]
@@ -234,6 +245,11 @@ def test_a_crowd_beyond_the_ingress_sessions_is_answered_server_busy_while_healt
     later, interim = run(after())
     print(f"after the crowd: served after {len(interim)} server_busy answers")
     assert later is not None and later["type"] == "session.pong", (later, interim[-1:])
+    # every refusal counted, the door's in the proxy's process too (Ray exports both processes' series)
+    expected, deadline = counted + len(busy) + len(interim), time.monotonic() + 30
+    while counted_busy() < expected and time.monotonic() < deadline:
+        time.sleep(1)
+    assert counted_busy() == expected
 
 
 def _serve_logs() -> dict:
