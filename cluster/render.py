@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.local import cluster_env
+from deployments.local import cluster_env, lingbot_app
 
 from .profiles import PROFILES, HardwareProfile, get_profile
 
@@ -46,19 +46,10 @@ def load_serve_config(path: Path = SERVE_CONFIG) -> dict:
 def serve_config_for(base: dict, profile: HardwareProfile) -> dict:
     """`base` (a Serve config) with the profile's args on the lingbot app, and a proxy on every node."""
     config = copy.deepcopy(base)
-    apps = [a for a in config["applications"] if a.get("import_path") == "deployments.app:build_app"]
-    if len(apps) != 1:
-        raise ValueError("the serve config must hold exactly one app with import_path deployments.app:build_app")
-    apps[0].setdefault("args", {}).update(profile.serve_args())
+    lingbot_app(config).setdefault("args", {}).update(profile.serve_args())
     config["proxy_location"] = "EveryNode"
     config["http_options"] = {**config.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
     return config
-
-
-def lingbot_args(serve_config: dict) -> dict:
-    """The lingbot app's args in a Serve config."""
-    (app,) = [a for a in serve_config["applications"] if a.get("import_path") == "deployments.app:build_app"]
-    return app.get("args") or {}
 
 
 def _container(name: str, profile: HardwareProfile, cpus: int, memory_gi: int, devices: int, env: dict) -> dict:
@@ -111,7 +102,7 @@ def _pod(container: dict, profile: HardwareProfile) -> dict:
 def rayservice(serve_config: dict, profile: HardwareProfile) -> dict:
     """The RayService: a head pod without accelerators (GCS, dashboard, a proxy, the ingress) and one worker
     group of accelerator nodes, scaled by Ray's autoscaler between 1 and max_worker_nodes."""
-    env = cluster_env(lingbot_args(serve_config))       # every node's proxy: the door of these settings
+    env = cluster_env(lingbot_app(serve_config).get("args"))     # every node's proxy: the door of these settings
     head = _container("ray-head", profile, cpus=8, memory_gi=32, devices=0, env=env)
     head["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": SERVE_PORT}, "periodSeconds": 10,
                               "failureThreshold": 360}       # the first group loads 14B and warms up: minutes

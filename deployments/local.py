@@ -46,6 +46,14 @@ CLUSTER_ENV = {
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"     # where Ray keeps a local cluster's token
 
 
+def lingbot_app(config: dict) -> dict:
+    """The lingbot app of a Serve config (the one application built by deployments.app:build_app)."""
+    apps = [a for a in config["applications"] if a.get("import_path") == "deployments.app:build_app"]
+    if len(apps) != 1:
+        raise ValueError("the serve config must hold exactly one app with import_path deployments.app:build_app")
+    return apps[0]
+
+
 def cluster_env(args: Optional[dict] = None) -> dict:
     """CLUSTER_ENV and the door in Serve's proxies (deployments/ingress/front.py), bounded by the app's settings
     `args` (the defaults when None): the most WebSockets its ingress replicas hold together."""
@@ -114,7 +122,7 @@ def main(argv=None) -> int:
     import yaml
     with open(args.config) as f:
         config = yaml.safe_load(f)
-    (app,) = [a for a in config["applications"] if a.get("import_path") == "deployments.app:build_app"]
+    app = lingbot_app(config)
     http = config.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"

@@ -35,6 +35,7 @@ from ..settings import ServeSettings
 from . import peers, sglang
 from .census import GroupCensus
 from .door import (
+    SGLANG_ROUTE,
     VLLM_ROUTE,
     TenantLimits,
     accepted_subprotocol,
@@ -246,7 +247,7 @@ class Ingress:
     async def realtime(self, ws: WebSocket):
         await self._serve(VllmWire(ws, self.settings, self.fetcher))
 
-    @app.websocket(sglang.ROUTE)
+    @app.websocket(SGLANG_ROUTE)
     async def realtime_sglang(self, ws: WebSocket):
         await self._serve(sglang.SglangWire(ws, self.settings, self.fetcher))
 

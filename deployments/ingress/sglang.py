@@ -23,7 +23,6 @@ from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
 from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly, error_message, pack
-from .door import SGLANG_ROUTE
 from .parsing import (
     INLINE_DECODE_BYTES,
     MAX_PROMPT_CHARS,
@@ -42,7 +41,6 @@ from .parsing import (
 )
 from .wire import WebSocketWire
 
-ROUTE = SGLANG_ROUTE
 SPLIT_BYTES = 64 * 2 ** 10          # a payload this big or bigger follows its header as a binary frame of its own
 MAX_SCRIPT_FRAMES = 512             # latent frames in one camera_actions script
 MAX_TRANSITIONS = 512               # transitions in one camera_actions state event
