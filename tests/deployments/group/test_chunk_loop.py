@@ -342,25 +342,31 @@ def test_the_ladder_turned_off_while_sessions_run_puts_them_at_full_from_their_n
     assert {st for s, i, st in after if s == "p"} == {3}          # (all of p's after the switch are past its sink)
 
 
+async def _on_the_tiny_decoder(engine_s, ran: list):
+    """A loop with both decoders loaded and the floor at tiny_steps2, two Wan sessions of 40 chunks whose chunks
+    cost `engine_s` (the ranks warm a prewarmed decoder at their 3rd chunk and log each chunk's controls to
+    `ran`), returned once a chunk has run on the tiny decoder: (the loop, the sessions' outboxes)."""
+    from deployments.session.events import ModelFacts
+    facts = ModelFacts.of(get_preset("tiny"), decoders=("wan", "tae"))
+    laddered = dataclasses.replace(SETTINGS, quality_ladder="auto", quality_floor="tiny_steps2")
+    ranks = RankExecutor([Rank(r, [], engine_s=engine_s, controls=ran, warm_after=3) for r in range(2)],
+                         SETTINGS.chunk_timeout_s)
+    loop = ChunkLoop("g", laddered, GroupState(), ranks, Muxer(), Mailbox(), Metrics(), lambda e: None, model=facts)
+    boxes = [loop.add(session(sid, 40, decoder="wan")) for sid in "ab"]
+    while not any(c.decoder == "tae" for _, _, c, _ in ran):
+        await asyncio.sleep(0.01)
+    return loop, boxes
+
+
 def test_the_ladder_turned_off_climbs_a_session_on_the_tiny_decoder_back_warm_at_every_step():
     """Both decoders loaded, floor tiny_steps2, a loaded group: once a session runs on the tiny decoder the ladder
     is turned off. Its next chunks run every denoising step, still on the tiny decoder, each warming the Wan
     decoder by one decode (prewarm) until a rank says it is warm (the 3rd here), and only then on the Wan decoder
     (no chunk decodes a whole warm-up at once); the others are at full from their next chunk; once nobody borrows
     the tiny decoder the loop lets the old ladder go."""
-    from deployments.session.events import ModelFacts
-    facts = ModelFacts.of(get_preset("tiny"), decoders=("wan", "tae"))
-    laddered = dataclasses.replace(SETTINGS, quality_ladder="auto", quality_floor="tiny_steps2")
-
     async def scenario():
-        log, ran = [], []
-        ranks = RankExecutor([Rank(r, log, engine_s=0.5, controls=ran, warm_after=3) for r in range(2)],
-                             SETTINGS.chunk_timeout_s)
-        loop = ChunkLoop("g", laddered, GroupState(), ranks, Muxer(), Mailbox(), Metrics(), lambda e: None,
-                         model=facts)
-        boxes = [loop.add(session(sid, 40, decoder="wan")) for sid in "ab"]
-        while not any(c.decoder == "tae" for _, _, c, _ in ran):
-            await asyncio.sleep(0.01)
+        ran = []
+        loop, boxes = await _on_the_tiny_decoder(0.5, ran)
         switched = len(ran)
         loop.set_quality_ladder("off")
         assert loop.quality_ladder == "off" and loop.ladder is None and loop.winding is not None
@@ -391,9 +397,6 @@ def test_the_ladder_turned_off_and_on_again_carries_a_climb_under_way():
     """Off and at once on again while a session runs on the tiny decoder: the new ladder knows it borrowed the
     tiny decoder, so when the group (5x faster from then on) has room to climb, the session warms the Wan decoder
     chunk by chunk before it switches, as it would had the ladder stayed on."""
-    from deployments.session.events import ModelFacts
-    facts = ModelFacts.of(get_preset("tiny"), decoders=("wan", "tae"))
-    laddered = dataclasses.replace(SETTINGS, quality_ladder="auto", quality_floor="tiny_steps2")
     fast = []
 
     def engine_s(c: ChunkControls) -> float:
@@ -401,14 +404,8 @@ def test_the_ladder_turned_off_and_on_again_carries_a_climb_under_way():
         return seconds / 5 if fast else seconds
 
     async def scenario():
-        log, ran = [], []
-        ranks = RankExecutor([Rank(r, log, engine_s=engine_s, controls=ran, warm_after=3) for r in range(2)],
-                             SETTINGS.chunk_timeout_s)
-        loop = ChunkLoop("g", laddered, GroupState(), ranks, Muxer(), Mailbox(), Metrics(), lambda e: None,
-                         model=facts)
-        boxes = [loop.add(session(sid, 40, decoder="wan")) for sid in "ab"]
-        while not any(c.decoder == "tae" for _, _, c, _ in ran):
-            await asyncio.sleep(0.01)
+        ran = []
+        loop, boxes = await _on_the_tiny_decoder(engine_s, ran)
         on_tiny = {s for s, _, c, _ in ran if c.decoder == "tae"}
         loop.set_quality_ladder("off")
         loop.set_quality_ladder("auto")
