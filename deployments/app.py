@@ -9,7 +9,7 @@ from lingbot.config import ConfigError
 
 from .group.replica import WorldGroup
 from .ingress.app import Ingress
-from .settings import ServeSettings
+from .settings import LIVE_SETTINGS, ServeSettings, env_overrides
 
 # Serve's autoscaling window: its largest demand counts (max). Serve decides only once every handle's and
 # replica's series fills the window, so its length is the reaction time to a burst (measured: 12 s -> ~12 s,
@@ -50,13 +50,11 @@ def ingress_grace_s(s: ServeSettings) -> float:
     return max(s.graceful_shutdown_timeout_s, s.start_timeout_s + s.max_queue_wait_s + s.max_lifetime_s)
 
 
-# settings a running app takes in place: they reach the groups as the WorldGroup deployment's user_config (Serve
-# applies a change to it without replacing a replica: WorldGroup.reconfigure), not in the deployments' arguments
-LIVE_SETTINGS = ("quality_ladder",)
-
-
-def build_app(args: dict | None = None) -> Application:
+def build_app(args: dict | None = None, user_config: dict | None = None) -> Application:
+    """The app of serve_config.yaml's `args`; `user_config` is the WorldGroup's from the file's `deployments:` where
+    the caller reads the file itself (deployments.local: `serve run` and `serve deploy` merge it in themselves)."""
     s = ServeSettings.from_args(args)
+    pinned = {key: getattr(s, key) for key in env_overrides() if key in LIVE_SETTINGS}
     settings = {key: value for key, value in s.to_dict().items() if key not in LIVE_SETTINGS}
     capacity = s.sessions_per_group()
     if capacity < 1:
@@ -70,8 +68,8 @@ def build_app(args: dict | None = None) -> Application:
         autoscaling_config=group_autoscaling(s, capacity),
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
         health_check_period_s=10.0,
-        user_config={key: getattr(s, key) for key in LIVE_SETTINGS},
-    ).bind(settings)
+        user_config={**{key: getattr(s, key) for key in LIVE_SETTINGS}, **(user_config or {})},
+    ).bind(settings, pinned)
     return serve.deployment(
         Ingress, name="Ingress", ray_actor_options={"num_cpus": s.ingress_cpus},
         # Serve routes every connection to it at once (the door refuses beyond max_ingress_sessions with

@@ -54,6 +54,13 @@ def lingbot_app(config: dict) -> dict:
     return apps[0]
 
 
+def group_user_config(app: dict) -> Optional[dict]:
+    """The WorldGroup's user_config under the app's `deployments:` (what `serve run` and `serve deploy` apply), or
+    None where the file gives none."""
+    groups = [d for d in app.get("deployments") or [] if d.get("name") == "WorldGroup"]
+    return groups[0].get("user_config") if groups else None
+
+
 def cluster_env(args: Optional[dict] = None) -> dict:
     """CLUSTER_ENV and the door in Serve's proxies (deployments/ingress/front.py), bounded by the app's settings
     `args` (the defaults when None): the most WebSockets its ingress replicas hold together."""
@@ -144,7 +151,8 @@ def main(argv=None) -> int:
     print(f"lingbot-serve: Ray's dashboard and control plane take the token in {TOKEN_FILE} (the ray and serve "
           "CLIs: RAY_AUTH_MODE=token)", flush=True)
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
-    serve.run(build_app(app.get("args")), name=app.get("name", "lingbot"), route_prefix=app.get("route_prefix", "/"),
+    serve.run(build_app(app.get("args"), group_user_config(app)), name=app.get("name", "lingbot"),
+              route_prefix=app.get("route_prefix", "/"),
               logging_config={"enable_access_log": False})
     seconds = wait_ready(url, args.ready_timeout_s, since=started)
     print(f"\nlingbot-serve is ready ({seconds:.0f} s): open {url}/ in a browser; WebSocket clients: "

@@ -22,8 +22,6 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from lingbot.config import ConfigError
-
 from ..detach import fresh_task
 from ..memory import held_refs
 from ..metrics import Metrics
@@ -33,7 +31,7 @@ from ..session.events import (
     SessionFailed,
     SessionRequest,
 )
-from ..settings import ServeSettings
+from ..settings import ServeSettings, live_settings
 from .chunk_loop import ChunkLoop
 from .drain import DrainTimes, StopWatcher, drain
 from .executor import RankExecutor
@@ -79,8 +77,11 @@ def agreed_facts(infos: list[RankInfo]) -> ModelFacts:
 
 
 class WorldGroup:
-    def __init__(self, settings: dict):
+    def __init__(self, settings: dict, pinned: Optional[dict] = None):
+        """`settings`: every setting but the live ones (user_config, reconfigure); `pinned`: the live settings the
+        environment set where the app was built, which win over any user_config (app.live_settings)."""
         s = self.settings = ServeSettings(**settings)
+        self.pinned = dict(pinned or {})
         self.id = replica_unique_id()
         pg = get_current_placement_group()
 
@@ -135,10 +136,10 @@ class WorldGroup:
         """Serve's user_config of the WorldGroup deployment, applied in place to every running group (Serve calls
         it on a config change that touches only user_config, and on every new replica): `quality_ladder` off or
         auto, from each session's next chunk (docs/architecture.md, "Rungs")."""
-        unknown = set(config) - {"quality_ladder"}
-        if unknown:
-            raise ConfigError(f"WorldGroup user_config takes quality_ladder only, not {sorted(unknown)}")
-        mode = config.get("quality_ladder", self.settings.quality_ladder)
+        live, overridden = live_settings(config, self.pinned)
+        for line in overridden:
+            log.warning("group %s: %s", self.id, line)
+        mode = live.get("quality_ladder", self.settings.quality_ladder)
         self.chunks.set_quality_ladder(mode)          # checked as the setting is (ConfigError)
         log.info("group %s: quality_ladder %s", self.id, mode)
 

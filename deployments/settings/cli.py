@@ -26,7 +26,7 @@ def format_table(rows: list[dict]) -> str:
         lines += [f"[{concern}] {' '.join(cls.__doc__.split())}",
                   _row(widths, "setting", " value", "default", "meaning")]
         for r in rows:
-            if r["group"] == concern:
+            if r["concern"] == concern:
                 changed = "*" if r["value"] != r["default"] else " "
                 lines.append(_row(widths, r["name"], changed + _show(r["value"]), _show(r["default"]), r["help"]))
         lines.append("")

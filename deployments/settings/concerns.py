@@ -1,12 +1,13 @@
-"""The serving settings' concerns: one frozen dataclass per concern (model, placement, capacity, pace,
-continuity, drain, encoding, door, limits, health), each field with its default, its meaning and its flat key,
-each concern validating its own fields. ServeSettings (serve.py) declares every flat key as a typed field and
-builds these from them; `CONCERNS` lists them in the order the settings command shows them."""
+"""Every serving setting, declared once: its flat key (the field's name: serve_config.yaml's args key, and
+LINGBOT_<KEY> in the environment), type, default, meaning and bounds, in one small frozen dataclass per concern
+(model, placement, capacity, pace, continuity, drain, encoding, door, limits, health) with the checks of that
+concern. The concerns are sections of ServeSettings (serve.py), which inherits every field and is the one object
+read everywhere (`settings.drain_lead_s`); a concern is never built or read on its own. `CONCERNS` lists them in
+the order the settings command shows them, `KEYS` maps each flat key to its concern."""
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlsplit
@@ -16,47 +17,42 @@ from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 from lingbot.runtime.rungs import LADDER
 
+ENV_PREFIX = "LINGBOT_"
 
-def setting(default: Any, help: str, key: Optional[str] = None, secret: bool = False):
-    """A settings field: its default, what it means, and its flat key where that is not its name; a secret is left
-    out of the settings' repr (describe() masks it)."""
-    return field(default=default, repr=not secret, metadata={"help": help, "key": key})
+
+def setting(default: Any, help: str, *, at_least: Optional[float] = None, above: Optional[float] = None,
+            why: str = "", secret: bool = False):
+    """A setting: its default, what it means, its bounds (at_least: value >= bound, above: value > bound; a null
+    value is not bounded; `why` ends the refusal's message) and whether it is a secret (left out of the repr,
+    masked by describe())."""
+    return field(default=default, repr=not secret,
+                 metadata={"help": help, "at_least": at_least, "above": above, "why": why, "secret": secret})
+
+
+def env_name(key: str) -> str:
+    """The environment variable that overrides setting `key` (LINGBOT_DRAIN_LEAD_S for drain_lead_s)."""
+    return ENV_PREFIX + key.upper()
+
+
+def check_bounds(f: dataclasses.Field, value: Any) -> None:
+    """ConfigError naming the setting where `value` is outside its declared bounds."""
+    if value is None:
+        return
+    low, strict = (f.metadata["above"], True) if f.metadata["above"] is not None else (f.metadata["at_least"], False)
+    if low is not None and (value < low or (strict and value == low)):
+        raise ConfigError(f"{f.name} must be {'>' if strict else '>='} {low:g}{f.metadata['why']}, got {value}")
 
 
 HEALTH_ROOM = 16        # requests an ingress takes beyond its sessions: refusals at the door, health and config
 
+
 @dataclass(frozen=True)
 class SettingsConcern:
-    """One concern's settings. Errors name the flat key (what serve_config.yaml and LINGBOT_<KEY> set)."""
+    """One concern's settings, a section of ServeSettings. `check` validates what the declared bounds cannot
+    (choices, relations between fields); it runs on the whole ServeSettings, after every bound holds."""
 
-    @classmethod
-    def flat_keys(cls) -> dict[str, str]:
-        """Each field's flat key, by field name ({"lead_s": "drain_lead_s", ...} for the drain)."""
-        return {f.name: f.metadata.get("key") or f.name for f in dataclasses.fields(cls)}
-
-    @classmethod
-    def key_of(cls, name: str) -> str:
-        """The flat key of field `name`."""
-        return cls.flat_keys()[name]
-
-    @classmethod
-    def from_flat(cls, values: Mapping[str, Any]) -> SettingsConcern:
-        """The concern of these flat values (every flat key of the concern's fields), validated."""
-        return cls(**{name: values[key] for name, key in cls.flat_keys().items()})
-
-    def to_flat(self) -> dict[str, Any]:
-        """The concern's values by flat key."""
-        return {key: getattr(self, name) for name, key in self.flat_keys().items()}
-
-    def _at_least(self, bound: float, *names: str, strict: bool = False, why: str = ""):
-        for name in names:
-            value = getattr(self, name)
-            if value < bound or (strict and value == bound):
-                raise ConfigError(f"{self.key_of(name)} must be {'>' if strict else '>='} {bound:g}{why}, "
-                                  f"got {value}")
-
-    def _positive(self, *names: str):
-        self._at_least(0, *names, strict=True)
+    def check(self) -> None:
+        """Nothing beyond the bounds."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,8 @@ class ModelSettings(SettingsConcern):
     dtype: Optional[str] = setting(None, f"the DiT's (and text encoder's) dtype instead of the preset's, one of "
                                          f"{sorted(DTYPES)}; null: the preset's (bfloat16 for the real checkpoints, "
                                          f"float32 for tiny). The VAE keeps the preset's vae_dtype (float32)")
-    sp: int = setting(2, "ranks per group (sequence-parallel degree); must divide the preset's attention heads")
+    sp: int = setting(2, "ranks per group (sequence-parallel degree); must divide the preset's attention heads",
+                      at_least=1)
     pixel_mode: str = setting(DEFAULT_PIXEL_MODE, f"how a chunk's decoded pixels reach rank 0: {list(PIXEL_MODES)}")
     skip_fixed_point: bool = setting(True, "reuse the condition encoder's latents once its state reaches a fixed point "
                                              "(detected bitwise); false: always run the encoder (the reference path)")
@@ -84,7 +81,7 @@ class ModelSettings(SettingsConcern):
     tae_path: Optional[str] = setting(None, "the tiny decoder's weights (taew2_1 .pth or .safetensors); null: seeded "
                                             "random weights, allowed with the tiny preset only")
 
-    def __post_init__(self):
+    def check(self) -> None:
         if self.preset not in PRESETS:
             raise ConfigError(f"preset {self.preset!r} is not one of {sorted(PRESETS)}")
         if self.device not in ("cpu", "cuda", "npu"):
@@ -92,8 +89,6 @@ class ModelSettings(SettingsConcern):
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}; null keeps the preset's "
                               f"({PRESETS[self.preset].dtype})")
-        if self.sp < 1:
-            raise ConfigError(f"sp must be >= 1, got {self.sp}")
         heads = PRESETS[self.preset].transformer.num_attention_heads
         if heads % self.sp:
             raise ConfigError(f"sp {self.sp} does not divide the {heads} attention heads of {self.preset}")
@@ -125,17 +120,15 @@ class ModelSettings(SettingsConcern):
 @dataclass(frozen=True)
 class PlacementSettings(SettingsConcern):
     """Ray resources per bundle of a group ([replica] + sp x [rank] + [muxer]) and of the ingress."""
-    replica_cpus: float = setting(0.05, "CPUs of a group's replica (the Serve actor that schedules its sessions)")
-    rank_cpus: float = setting(0.3, "CPUs per rank")
+    replica_cpus: float = setting(0.05, "CPUs of a group's replica (the Serve actor that schedules its sessions)",
+                                  at_least=0)
+    rank_cpus: float = setting(0.3, "CPUs per rank", at_least=0)
     rank_devices: float = setting(0.0, "accelerators per rank (GPUs for cuda, NPUs for npu; 1 on accelerators, "
-                                       "0 on cpu)")
-    muxer_cpus: float = setting(0.1, "CPUs of a group's muxer (encodes and packages the sessions' video)")
+                                       "0 on cpu)", at_least=0)
+    muxer_cpus: float = setting(0.1, "CPUs of a group's muxer (encodes and packages the sessions' video)", at_least=0)
     muxer_gpus: float = setting(0.0, "GPUs of the muxer: > 0 lets it see a GPU, so encoder auto can use NVENC "
-                                     "(cuda only)")
-    ingress_cpus: float = setting(0.05, "CPUs per ingress replica (the WebSocket door)")
-
-    def __post_init__(self):
-        self._at_least(0, "replica_cpus", "rank_cpus", "rank_devices", "muxer_cpus", "muxer_gpus", "ingress_cpus")
+                                     "(cuda only)", at_least=0)
+    ingress_cpus: float = setting(0.05, "CPUs per ingress replica (the WebSocket door)", at_least=0)
 
 
 @dataclass(frozen=True)
@@ -143,49 +136,43 @@ class CapacitySettings(SettingsConcern):
     """Capacity and autoscaling: sessions per group = min(max_sessions_per_group, what fits per rank: on
     accelerators in the memory measured after warm-up unless memory_budget_gib overrides it, on CPU in
     memory_budget_gib, 1 GiB by default); Serve scales groups between min_groups and max_groups by sessions."""
-    max_sessions_per_group: int = setting(2, "sessions one group serves at once, at most")
+    max_sessions_per_group: int = setting(2, "sessions one group serves at once, at most", at_least=1)
     memory_budget_gib: Optional[float] = setting(None, "per-rank memory budget for sessions (GiB); null: "
-                                                       "measured after warm-up on accelerators, 1 GiB on cpu")
+                                                       "measured after warm-up on accelerators, 1 GiB on cpu",
+                                                 above=0)
     min_groups: int = setting(1, "groups Serve keeps running (autoscaling, counted in sessions)")
     max_groups: int = setting(2, "groups Serve may run")
     graceful_shutdown_timeout_s: float = setting(600.0, "how long Serve lets a stopping replica's sessions go "
-                                                        "on before it kills it")
+                                                        "on before it kills it", at_least=0)
     spare_groups: Optional[int] = setting(None, "groups kept running with every slot free beyond what the "
                                                 "sessions need (a burst or a resume finds one ready); null: 1 on "
-                                                "accelerators, 0 on cpu")
+                                                "accelerators, 0 on cpu", at_least=0)
     max_queue_wait_s: float = setting(600.0, "how long a new session waits in the queue while groups may still "
                                              "be added (below max_groups, or one starting) before "
-                                             "capacity_exhausted")
+                                             "capacity_exhausted", above=0)
     admission_wait_s: float = setting(0.0, "how long a new session waits for a slot to free when no group can "
-                                           "be added (max_groups running, none starting); 0: refused at once")
-    retry_after_s: float = setting(10.0, "the retry_after_s a refused client is told (capacity, key limits)")
+                                           "be added (max_groups running, none starting); 0: refused at once",
+                                     at_least=0)
+    retry_after_s: float = setting(10.0, "the retry_after_s a refused client is told (capacity, key limits)",
+                                  at_least=0)
     max_ingress_sessions: int = setting(64, "WebSockets one ingress replica serves; each one more is answered at "
                                             "once with server_busy (close 1013, retry_after_s with jitter), by "
                                             "Serve's proxy itself beyond this times max_ingress_replicas (its door: "
-                                            "set in the environment Ray starts with)")
+                                            "set in the environment Ray starts with)", at_least=1)
     max_waiting_sessions: int = setting(32, "sessions one ingress replica lets wait for a group at once (at most "
                                             "max_ingress_sessions); a start beyond them is refused at once with "
                                             "capacity_exhausted")
     max_ingress_replicas: int = setting(1, "ingress replicas Serve may run: above 1 it adds one when the WebSockets "
                                            "held pass 3/4 of max_ingress_sessions per replica (a crowd adds doors, "
-                                           "not refusals); each keeps its own waiting room, limits and keeper")
+                                           "not refusals); each keeps its own waiting room, limits and keeper",
+                                       at_least=1)
     max_ingress_connections: int = setting(1024, "requests Serve routes to one ingress replica at once (its "
                                                  "max_ongoing_requests): the sessions, the refusals being answered "
                                                  "and the HTTP routes; at least max_ingress_sessions + 16")
 
-    def __post_init__(self):
+    def check(self) -> None:
         if not 1 <= self.min_groups <= self.max_groups:
             raise ConfigError(f"need 1 <= min_groups ({self.min_groups}) <= max_groups ({self.max_groups})")
-        if self.max_sessions_per_group < 1:
-            raise ConfigError("max_sessions_per_group must be >= 1")
-        if self.memory_budget_gib is not None:
-            self._positive("memory_budget_gib")
-        self._positive("max_queue_wait_s")
-        self._at_least(0, "graceful_shutdown_timeout_s", "retry_after_s", "admission_wait_s")
-        if self.spare_groups is not None:
-            self._at_least(0, "spare_groups")
-        self._at_least(1, "max_ingress_sessions")
-        self._at_least(1, "max_ingress_replicas")
         if not 1 <= self.max_waiting_sessions <= self.max_ingress_sessions:
             raise ConfigError(f"max_waiting_sessions ({self.max_waiting_sessions}) must be between 1 and "
                               f"max_ingress_sessions ({self.max_ingress_sessions}): only sessions it serves wait")
@@ -198,22 +185,21 @@ class CapacitySettings(SettingsConcern):
 @dataclass(frozen=True)
 class PacingSettings(SettingsConcern):
     """Pacing and delivery: how far each session runs ahead of real time, and how many chunks it has in flight."""
-    fps: float = setting(16.0, "frames per second of the sessions' video (real time)")
+    fps: float = setting(16.0, "frames per second of the sessions' video (real time)", above=0)
     max_fps: Optional[float] = setting(None, "the highest fps a session may ask for; null: fps (capacity is "
                                              "counted at fps: a faster session needs more chunks a second and, "
                                              "always late, would be run first, stalling its group's others)")
-    mode: str = setting("adaptive", "fixed: always pacing_lead_s ahead; adaptive: a lead learned per session, "
-                                    "at most pacing_lead_s", key="pacing")
-    lead_s: float = setting(1.5, "how far a session may run ahead of real time (adaptive: at most)",
-                            key="pacing_lead_s")
-    margin_s: float = setting(0.1, "adaptive: slack kept above the needed lead", key="pacing_margin_s")
-    quantile: float = setting(0.9, "adaptive: the share of recent chunks the lead must cover",
-                              key="pacing_quantile")
+    pacing: str = setting("adaptive", "fixed: always pacing_lead_s ahead; adaptive: a lead learned per session, "
+                                      "at most pacing_lead_s")
+    pacing_lead_s: float = setting(1.5, "how far a session may run ahead of real time (adaptive: at most)",
+                                   above=0)
+    pacing_margin_s: float = setting(0.1, "adaptive: slack kept above the needed lead", at_least=0)
+    pacing_quantile: float = setting(0.9, "adaptive: the share of recent chunks the lead must cover")
     restart_stale_chunks: bool = setting(False, "a control arriving in a chunk's probes restarts the chunk with "
                                                 "the control")
     max_in_flight_chunks: Optional[int] = setting(None, "chunks per session generated but not yet delivered (the "
                                                         "ranks start the next while the last is encoded and sent); "
-                                                        "null: 2 on accelerators, 1 on cpu")
+                                                        "null: 2 on accelerators, 1 on cpu", at_least=1)
     quality_ladder: str = setting("off", "off: every chunk at full quality; auto: each session's chunks on the "
                                          "step rung its group's load allows (deployments/group/ladder.py); "
                                          "a redeploy that changes only this switches running groups in place")
@@ -225,17 +211,13 @@ class PacingSettings(SettingsConcern):
         """The rungs a session may run at or pin (extra_params.quality): full down to quality_floor."""
         return LADDER[:LADDER.index(self.quality_floor) + 1]
 
-    def __post_init__(self):
-        if self.mode not in ("fixed", "adaptive"):
-            raise ConfigError(f"pacing {self.mode!r} must be fixed or adaptive")
-        if not 0 < self.quantile <= 1 or self.margin_s < 0:
-            raise ConfigError(f"pacing_quantile must be in (0, 1] and pacing_margin_s >= 0, got "
-                              f"{self.quantile} and {self.margin_s}")
-        self._positive("fps", "lead_s")
+    def check(self) -> None:
+        if self.pacing not in ("fixed", "adaptive"):
+            raise ConfigError(f"pacing {self.pacing!r} must be fixed or adaptive")
+        if not 0 < self.pacing_quantile <= 1:
+            raise ConfigError(f"pacing_quantile must be in (0, 1], got {self.pacing_quantile}")
         if self.max_fps is not None and not self.fps <= self.max_fps <= 120:
             raise ConfigError(f"max_fps must be between fps ({self.fps:g}) and 120, got {self.max_fps:g}")
-        if self.max_in_flight_chunks is not None and self.max_in_flight_chunks < 1:
-            raise ConfigError(f"max_in_flight_chunks must be >= 1, got {self.max_in_flight_chunks}")
         if self.quality_ladder not in ("off", "auto"):
             raise ConfigError(f"quality_ladder {self.quality_ladder!r} must be off or auto")
         if self.quality_floor not in LADDER[1:]:
@@ -246,52 +228,40 @@ class PacingSettings(SettingsConcern):
 class ContinuitySettings(SettingsConcern):
     """Continuity: a session whose group fails (resume) or stops (drain) goes on on another one."""
     resume_sessions: bool = setting(True, "a session whose group fails goes on on another (or the rebuilt) one")
-    resume_wait_s: float = setting(120.0, "how long a failed session waits for a group to resume on")
+    resume_wait_s: float = setting(120.0, "how long a failed session waits for a group to resume on", above=0)
     max_resumes: int = setting(3, "resumes after failures per session (a session that breaks every group is "
-                                  "ended; drain moves are not counted)")
+                                  "ended; drain moves are not counted)", at_least=0)
     snapshots: bool = setting(True, "each chunk's state to the object store, so a resume restores it instead "
                                     "of replaying the session")
     snapshot_interval_chunks: int = setting(1, "snapshot every k-th chunk (each copies the K/V slots no earlier one "
                                                "did): a resume replays at most k - 1 delivered chunks after the "
-                                               "newest snapshot; 1: every chunk")
+                                               "newest snapshot; 1: every chunk", at_least=1)
     snapshot_host_budget_gib: Optional[float] = setting(
         None, "host memory a group's snapshots may use (its ranks' pinned copies and what the keeper holds for its "
               "sessions, `lingbot snapshot-budget`); sessions beyond it run without snapshots (a resume replays "
               "them) and a warning says so; null: 30% of the node's memory (Ray's default object store), shared "
-              "among the node's groups by their part of its accelerators")
-
-    def __post_init__(self):
-        self._positive("resume_wait_s")
-        self._at_least(0, "max_resumes")
-        self._at_least(1, "snapshot_interval_chunks")
-        if self.snapshot_host_budget_gib is not None:
-            self._at_least(0, "snapshot_host_budget_gib")
+              "among the node's groups by their part of its accelerators", at_least=0)
 
 
 @dataclass(frozen=True)
 class DrainSettings(SettingsConcern):
     """Drain: a group Serve is stopping (scale-down, redeploy) moves its sessions to another group."""
-    poll_s: float = setting(2.0, "how often a group asks Serve whether it is being stopped, to move its sessions "
-                                 "(scale-down, redeploy); 0: never (they end with it)", key="drain_poll_s")
-    lead_s: float = setting(3.0, "a stopping group first runs each session this far ahead of its playback (for "
-                                 "at most drain_fill_max_s), so the move plays out of the buffer; 0: no fill",
-                            key="drain_lead_s")
-    margin_s: float = setting(30.0, "a stopping group moves its sessions at the latest this long before Serve "
-                                    "kills it (graceful_shutdown_timeout_s)", key="drain_margin_s")
-    flush_timeout_s: float = setting(10.0, "a draining group waits this long for the snapshots of its sessions' "
-                                           "last chunks", key="drain_flush_timeout_s")
-    fill_max_s: float = setting(10.0, "a draining group runs its sessions ahead (drain_lead_s) for at most this "
-                                      "long", key="drain_fill_max_s")
-    wait_new_s: float = setting(30.0, "how long a stopping group waits for a new group before going to the old "
-                                      "ones", key="drain_wait_new_s")
-    new_group_slack_s: float = setting(10.0, "a group started this long before the first stop was seen still "
-                                             "counts as new", key="drain_new_group_slack_s")
-
-    def __post_init__(self):
-        self._at_least(0, "lead_s")
-        self._at_least(0, "poll_s", why=" (0 turns draining off)")
-        self._positive("margin_s", "flush_timeout_s", "fill_max_s", "wait_new_s")
-        self._at_least(0, "new_group_slack_s")
+    drain_poll_s: float = setting(2.0, "how often a group asks Serve whether it is being stopped, to move its "
+                                       "sessions (scale-down, redeploy); 0: never (they end with it)", at_least=0,
+                                  why=" (0 turns draining off)")
+    drain_lead_s: float = setting(3.0, "a stopping group first runs each session this far ahead of its playback "
+                                       "(for at most drain_fill_max_s), so the move plays out of the buffer; 0: no "
+                                       "fill", at_least=0)
+    drain_margin_s: float = setting(30.0, "a stopping group moves its sessions at the latest this long before Serve "
+                                          "kills it (graceful_shutdown_timeout_s)", above=0)
+    drain_flush_timeout_s: float = setting(10.0, "a draining group waits this long for the snapshots of its "
+                                                 "sessions' last chunks", above=0)
+    drain_fill_max_s: float = setting(10.0, "a draining group runs its sessions ahead (drain_lead_s) for at most "
+                                            "this long", above=0)
+    drain_wait_new_s: float = setting(30.0, "how long a stopping group waits for a new group before going to the "
+                                            "old ones", above=0)
+    drain_new_group_slack_s: float = setting(10.0, "a group started this long before the first stop was seen still "
+                                                   "counts as new", at_least=0)
 
 
 @dataclass(frozen=True)
@@ -299,18 +269,16 @@ class EncoderSettings(SettingsConcern):
     """The muxer's H.264 encoder."""
     encoder: str = setting("auto", f"one of {list(H264_ENCODERS)} (auto: NVENC where the muxer sees a GPU, "
                                    "else x264)")
-    preset: str = setting("veryfast", "the encoder's preset (x264: ultrafast..veryslow; NVENC: p1..p7)",
-                          key="encoder_preset")
-    threads: int = setting(0, "encoder threads; 0: the encoder's choice", key="encoder_threads")
+    encoder_preset: str = setting("veryfast", "the encoder's preset (x264: ultrafast..veryslow; NVENC: p1..p7)")
+    encoder_threads: int = setting(0, "encoder threads; 0: the encoder's choice", at_least=0)
 
-    def __post_init__(self):
+    def check(self) -> None:
         if self.encoder not in H264_ENCODERS:
             raise ConfigError(f"encoder {self.encoder!r} is not one of {list(H264_ENCODERS)}")
-        self._at_least(0, "threads")
 
     @property
-    def h264(self) -> H264Settings:
-        return H264Settings(self.encoder, self.preset, threads=self.threads)
+    def h264_settings(self) -> H264Settings:
+        return H264Settings(self.encoder, self.encoder_preset, threads=self.encoder_threads)
 
 
 def parse_allowlist(text: str) -> tuple[str, ...]:
@@ -333,11 +301,11 @@ class DoorSettings(SettingsConcern):
     api_keys: str = setting("", "comma-separated API keys; when set, clients must present one (see README)",
                             secret=True)
     max_sessions_per_key: int = setting(8, "sessions one key (or client address, without keys) may hold at "
-                                           "once; 0: no limit")
+                                           "once; 0: no limit", at_least=0)
     max_starts_per_minute_per_key: int = setting(60, "session starts per key (or client address) per minute; "
-                                                     "0: no limit")
+                                                     "0: no limit", at_least=0)
     max_connections_per_address: int = setting(16, "WebSocket connections one client address may hold open at "
-                                                   "once, started or not; 0: no limit")
+                                                   "once, started or not; 0: no limit", at_least=0)
     trusted_proxies: str = setting("", "comma-separated addresses or networks (CIDR) of proxies in front of the "
                                        "server whose X-Forwarded-For names the client; empty: the client's address "
                                        "is the connection's (behind a proxy every client would share the proxy's)")
@@ -348,12 +316,12 @@ class DoorSettings(SettingsConcern):
                                               "against DNS rebinding")
     image_url_allowlist: str = setting("", "comma-separated URL prefixes (scheme://host[:port]/path/) image_url "
                                            "and first_frame may be fetched from; empty: none (inline images only)")
-    image_fetch_timeout_s: float = setting(10.0, "time limit of one image fetch, start to end")
-    image_fetch_max_bytes: int = setting(20 * 2 ** 20, "size limit of one fetched image")
+    image_fetch_timeout_s: float = setting(10.0, "time limit of one image fetch, start to end", above=0)
+    image_fetch_max_bytes: int = setting(20 * 2 ** 20, "size limit of one fetched image", above=0)
     max_header_bytes: int = setting(16 * 2 ** 10, "a WebSocket handshake whose headers (names and values) are "
-                                                  "larger is refused (headers_too_large)")
+                                                  "larger is refused (headers_too_large)", above=0)
 
-    def __post_init__(self):
+    def check(self) -> None:
         try:
             parse_allowlist(self.image_url_allowlist)
         except ValueError as e:
@@ -363,8 +331,6 @@ class DoorSettings(SettingsConcern):
         except ValueError:
             raise ConfigError(f"trusted_proxies {self.trusted_proxies!r} must be addresses or networks "
                               "(10.0.0.0/8, ::1), comma-separated") from None
-        self._at_least(0, "max_sessions_per_key", "max_starts_per_minute_per_key", "max_connections_per_address")
-        self._positive("image_fetch_timeout_s", "image_fetch_max_bytes", "max_header_bytes")
 
     @property
     def allowed_host_set(self) -> frozenset:
@@ -387,22 +353,22 @@ class DoorSettings(SettingsConcern):
 @dataclass(frozen=True)
 class SessionLimits(SettingsConcern):
     """One session's limits: timeouts, message sizes, length."""
-    start_timeout_s: float = setting(10.0, "session.start must arrive this soon after connecting")
+    start_timeout_s: float = setting(10.0, "session.start must arrive this soon after connecting", above=0)
     stall_timeout_s: float = setting(60.0, "a send to the client blocked this long (not reading, or gone) ends "
-                                           "the session")
-    idle_timeout_s: float = setting(300.0, "no interaction for this long ends the session")
-    max_lifetime_s: float = setting(3600.0, "a session ends after this long")
-    max_start_bytes: int = setting(4 * 2 ** 20, "size limit of the session.start message (with its image)")
-    max_control_bytes: int = setting(128 * 2 ** 10, "size limit of any later client message")
-    max_queued_controls: int = setting(64, "client messages queued per session (flow control)")
+                                           "the session", above=0)
+    idle_timeout_s: float = setting(300.0, "no interaction for this long ends the session", above=0)
+    max_lifetime_s: float = setting(3600.0, "a session ends after this long", above=0)
+    max_start_bytes: int = setting(4 * 2 ** 20, "size limit of the session.start message (with its image)",
+                                   at_least=1)
+    max_control_bytes: int = setting(128 * 2 ** 10, "size limit of any later client message", at_least=1)
+    max_queued_controls: int = setting(64, "client messages queued per session (flow control)", at_least=1)
     max_messages_per_s: float = setting(50.0, "client messages a session may send per second, in bursts of twice "
-                                              "that; past it a message is dropped (one rate_limited a second)")
-    default_chunks: int = setting(8, "chunks of a session whose session.start gives no num_frames")
+                                              "that; past it a message is dropped (one rate_limited a second)",
+                                      above=0)
+    default_chunks: int = setting(8, "chunks of a session whose session.start gives no num_frames", at_least=1)
     max_chunks: int = setting(100000, "chunks one session may ask for, at most")
 
-    def __post_init__(self):
-        self._positive("start_timeout_s", "stall_timeout_s", "idle_timeout_s", "max_lifetime_s", "max_messages_per_s")
-        self._at_least(1, "max_start_bytes", "max_control_bytes", "max_queued_controls", "default_chunks")
+    def check(self) -> None:
         if self.default_chunks > self.max_chunks:
             raise ConfigError(f"default_chunks ({self.default_chunks}) must be <= max_chunks ({self.max_chunks})")
 
@@ -412,22 +378,19 @@ class HealthSettings(SettingsConcern):
     """Group health: when a group counts as failed, and how often it reports metrics."""
     group_start_timeout_s: float = setting(1800.0, "rank actors up, joined, loaded and warmed up within this (sized "
                                                    "for 8 ranks cold-loading ~45 GiB each from a shared volume, "
-                                                   "then compiling; tiny on CPU takes well under a minute)")
-    collective_timeout_s: float = setting(120.0, "timeout of the ranks' collectives (NCCL, HCCL, gloo)")
+                                                   "then compiling; tiny on CPU takes well under a minute)", above=0)
+    collective_timeout_s: float = setting(120.0, "timeout of the ranks' collectives (NCCL, HCCL, gloo)", above=0)
     chunk_timeout_s: float = setting(600.0, "a chunk not back from every rank by then fails the group (a hung "
-                                            "collective may raise nothing at the call site)")
-    metrics_interval_s: float = setting(5.0, "how often a group exports its metrics")
-
-    def __post_init__(self):
-        self._positive("group_start_timeout_s", "collective_timeout_s", "chunk_timeout_s", "metrics_interval_s")
+                                            "collective may raise nothing at the call site)", above=0)
+    metrics_interval_s: float = setting(5.0, "how often a group exports its metrics", above=0)
 
 
-# the concerns, by their attribute on ServeSettings, in the order describe() and the command list them
+# the concerns by name, in the order describe() and the settings command list them
 CONCERNS: dict[str, type[SettingsConcern]] = {
     "model": ModelSettings, "placement": PlacementSettings, "capacity": CapacitySettings, "pace": PacingSettings,
     "continuity": ContinuitySettings, "drain": DrainSettings, "encoding": EncoderSettings, "door": DoorSettings,
     "limits": SessionLimits, "health": HealthSettings,
 }
-# flat key -> (concern attribute, field)
+# flat key -> (its concern's name, its field), in the concerns' order
 KEYS: dict[str, tuple[str, dataclasses.Field]] = {
-    f.metadata.get("key") or f.name: (concern, f) for concern, cls in CONCERNS.items() for f in dataclasses.fields(cls)}
+    f.name: (concern, f) for concern, cls in CONCERNS.items() for f in dataclasses.fields(cls)}

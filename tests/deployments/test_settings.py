@@ -11,21 +11,7 @@ import pytest
 import yaml
 
 from deployments import settings as settings_module
-from deployments.settings import (
-    CONCERNS,
-    KEYS,
-    CapacitySettings,
-    ContinuitySettings,
-    DoorSettings,
-    DrainSettings,
-    EncoderSettings,
-    HealthSettings,
-    ModelSettings,
-    PacingSettings,
-    PlacementSettings,
-    ServeSettings,
-    SessionLimits,
-)
+from deployments.settings import CONCERNS, KEYS, ServeSettings, env_overrides
 from lingbot.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,15 +121,15 @@ def test_the_dtype_override_is_the_preset_the_budget_counts(monkeypatch):
     from lingbot.runtime.budget import session_footprint
     monkeypatch.delenv("LINGBOT_DTYPE", raising=False)
     plain, bf16 = ServeSettings.from_args({}), ServeSettings.from_args({"dtype": "bf16"})
-    assert plain.model.model_preset.dtype == "float32" and bf16.dtype == "bf16"
-    assert (bf16.model.model_preset.dtype, bf16.model.model_preset.vae_dtype) == ("bfloat16", "float32")
-    fp32_bytes = session_footprint(plain.model.model_preset, 2).total
-    assert session_footprint(bf16.model.model_preset, 2).total < fp32_bytes
+    assert plain.model_preset.dtype == "float32" and bf16.dtype == "bf16"
+    assert (bf16.model_preset.dtype, bf16.model_preset.vae_dtype) == ("bfloat16", "float32")
+    fp32_bytes = session_footprint(plain.model_preset, 2).total
+    assert session_footprint(bf16.model_preset, 2).total < fp32_bytes
     budget = {"memory_budget_gib": 8 * fp32_bytes / 2 ** 30, "max_sessions_per_group": 1000}
     assert ServeSettings.from_args({**budget, "dtype": "bfloat16"}).sessions_per_group() > \
         ServeSettings.from_args(budget).sessions_per_group()
     monkeypatch.setenv("LINGBOT_DTYPE", "bfloat16")
-    assert ServeSettings.from_args({}).model.model_preset.dtype == "bfloat16"
+    assert ServeSettings.from_args({}).model_preset.dtype == "bfloat16"
 
 
 def test_drain_settings_are_validated():
@@ -159,117 +145,105 @@ def test_the_flat_keys_stay_and_round_trip(monkeypatch):
     s = ServeSettings.from_args({})
     assert s.to_dict() == {**FLAT_DEFAULTS, **NEW_DEFAULTS} == ServeSettings().to_dict()
     assert ServeSettings(**s.to_dict()) == s and ServeSettings.from_args(s.to_dict()) == s
-    for key, value in s.to_dict().items():                       # settings.<key> is its concern's field
-        group, name = next((g, f.name) for g, cls in CONCERNS.items() for f in dataclasses.fields(cls)
-                           if cls.key_of(f.name) == key)
-        assert getattr(s, key) == getattr(getattr(s, group), name) == value, key
     custom = ServeSettings.from_args({"sp": 4, "pacing": "fixed", "pacing_lead_s": 2, "drain_margin_s": 45,
                                       "encoder_preset": "fast", "api_keys": "k"})
-    assert (custom.model.sp, custom.pace.mode, custom.pace.lead_s) == (4, "fixed", 2.0)
-    assert (custom.drain.margin_s, custom.encoding.preset, custom.door.api_keys) == (45.0, "fast", "k")
+    assert (custom.sp, custom.pacing, custom.pacing_lead_s, custom.drain_margin_s) == (4, "fixed", 2.0, 45.0)
+    assert custom.h264_settings.preset == "fast" and custom.api_key_set == {"k"}
     assert ServeSettings(**custom.to_dict()) == custom and custom.to_dict()["pacing_lead_s"] == 2.0
     assert pickle.loads(pickle.dumps(custom)) == custom and hash(custom) == hash(ServeSettings(**custom.to_dict()))
     assert dataclasses.replace(custom, sp=2).sp == 2 and dataclasses.replace(custom, sp=2).drain_margin_s == 45.0
-    assert ServeSettings(drain=DrainSettings(lead_s=1.0), drain_poll_s=5.0).drain == DrainSettings(5.0, 1.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         custom.sp = 2
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        custom.drain.lead_s = 2
     with pytest.raises(TypeError, match="unexpected keyword argument 'spp'"):
         ServeSettings(spp=2)
     monkeypatch.setenv("LINGBOT_DRAIN_MARGIN_S", "40")          # a new key is overridden like every other
-    assert ServeSettings.from_args({"drain_margin_s": 45}).drain.margin_s == 40.0
+    assert ServeSettings.from_args({"drain_margin_s": 45}).drain_margin_s == 40.0
+    assert env_overrides() == {"drain_margin_s": "40"}
 
 
-def test_every_flat_key_is_a_typed_field_declared_as_its_concern_declares_it():
-    """What a type checker sees: each flat key a field of ServeSettings with its concern's type and default, in
-    the concerns' order; the concerns themselves are built from the fields and carry no state of their own."""
-    declared = {f.name: f for f in dataclasses.fields(ServeSettings) if f.init}
+def test_each_setting_is_declared_once_and_read_in_one_form():
+    """Each flat key is one field, declared by its concern (default, meaning, bounds) and inherited by
+    ServeSettings in the concerns' order; the concerns are sections, never attributes of the settings (one form is
+    read: settings.<key>)."""
+    declared = {f.name: f for f in dataclasses.fields(ServeSettings)}
     assert list(declared) == list(KEYS) and len(KEYS) == len(FLAT_DEFAULTS) + len(NEW_DEFAULTS)
-    for key, (_, f) in KEYS.items():
-        assert (declared[key].type, declared[key].default, getattr(ServeSettings, key)) == (f.type, f.default,
-                                                                                            f.default), key
-    assert ServeSettings.__annotations__["spare_groups"] == "Optional[int]"
-    assert {f.name for f in dataclasses.fields(ServeSettings) if not f.init} == set(CONCERNS)
-
-
-def test_old_names_warn_and_read_the_same():
-    """The resolved by-device settings are read as resolved_<key>; the properties' old names and the concerns'
-    old table name still work, with a DeprecationWarning."""
-    gpu = ServeSettings(device="cuda", rank_devices=1, max_in_flight_chunks=3)
-    with pytest.warns(DeprecationWarning, match="headroom_groups is deprecated: read ServeSettings.resolved_spare"):
-        assert gpu.headroom_groups == gpu.resolved_spare_groups == 1
-    with pytest.warns(DeprecationWarning, match="in_flight_chunks is deprecated: read ServeSettings.resolved_max"):
-        assert gpu.in_flight_chunks == gpu.resolved_max_in_flight_chunks == 3
-    with pytest.warns(DeprecationWarning, match="GROUPS is deprecated: use CONCERNS"):
-        assert settings_module.GROUPS is CONCERNS
-
-
-def test_each_group_is_a_frozen_dataclass_of_its_concern():
+    for key, (concern, f) in KEYS.items():
+        assert declared[key] is f and f in dataclasses.fields(CONCERNS[concern]), key
+        assert issubclass(ServeSettings, CONCERNS[concern]) and f.metadata["help"].strip(), key
+    assert ServeSettings.__annotations__ == {} and KEYS["spare_groups"][1].type == "Optional[int]"
+    assert not any(hasattr(ServeSettings(), concern) for concern in CONCERNS)
     s = ServeSettings.from_args({})
-    for group, cls in CONCERNS.items():
-        assert type(getattr(s, group)) is cls and cls.__dataclass_params__.frozen, group
-    assert isinstance(s.drain, DrainSettings) and s.drain.lead_s == s.drain_lead_s == 3.0
-    assert (s.drain.margin_s, s.drain.flush_timeout_s, s.drain.fill_max_s, s.drain.wait_new_s,
-            s.drain.new_group_slack_s) == (30.0, 10.0, 10.0, 30.0, 10.0)
-    assert s.h264_settings == s.encoding.h264 and s.h264_settings.preset == "veryfast"
+    assert (s.drain_margin_s, s.drain_flush_timeout_s, s.drain_fill_max_s, s.drain_wait_new_s,
+            s.drain_new_group_slack_s) == (30.0, 10.0, 10.0, 30.0, 10.0)
+    assert s.h264_settings.preset == "veryfast"
     door = ServeSettings(api_keys="a, b", allowed_origins="https://x.example/, ,https://y.example",
-                         allowed_hosts="World.Example.com., localhost").door
+                         allowed_hosts="World.Example.com., localhost")
     assert door.api_key_set == {"a", "b"} and door.allowed_origin_set == {"https://x.example", "https://y.example"}
     assert door.allowed_host_set == {"world.example.com", "localhost"}
 
 
+def test_names_never_released_are_gone():
+    """The shims of names no release had (the by-device properties' old names, the concerns' old table name) are
+    gone, not deprecated."""
+    s = ServeSettings(device="cuda", rank_devices=1, max_in_flight_chunks=3)
+    assert (s.resolved_spare_groups, s.resolved_max_in_flight_chunks) == (1, 3)
+    for old in ("headroom_groups", "in_flight_chunks"):
+        assert not hasattr(s, old), old
+    assert not hasattr(settings_module, "GROUPS")
+
+
 @pytest.mark.parametrize("make, message", [
-    (lambda: ModelSettings(sp=0), "sp must be >= 1, got 0"),
-    (lambda: ModelSettings(device="tpu"), "device 'tpu' must be cpu, cuda or npu"),
-    (lambda: ModelSettings(pixel_mode="x"), "pixel_mode 'x' is not one of"),
-    (lambda: ModelSettings(cuda_graphs=True), "cuda_graphs needs device cuda, not cpu"),
-    (lambda: ModelSettings(decoder="tae,vae"), r"decoder 'tae,vae' must name decoders of \['wan', 'tae'\]"),
-    (lambda: ModelSettings(decoder="wan,wan"), "each once"),
-    (lambda: ModelSettings(preset="lingbot-world-v2-14b", model_path="/m", decoder="tae"),
+    (lambda: ServeSettings(sp=0), "sp must be >= 1, got 0"),
+    (lambda: ServeSettings(device="tpu"), "device 'tpu' must be cpu, cuda or npu"),
+    (lambda: ServeSettings(pixel_mode="x"), "pixel_mode 'x' is not one of"),
+    (lambda: ServeSettings(cuda_graphs=True), "cuda_graphs needs device cuda, not cpu"),
+    (lambda: ServeSettings(decoder="tae,vae"), r"decoder 'tae,vae' must name decoders of \['wan', 'tae'\]"),
+    (lambda: ServeSettings(decoder="wan,wan"), "each once"),
+    (lambda: ServeSettings(preset="lingbot-world-v2-14b", model_path="/m", decoder="tae"),
      "decoder tae with a checkpoint needs tae_path"),
-    (lambda: ModelSettings(dtype="int8"), r"dtype 'int8' is not one of \[.*'bfloat16'.*\]; null keeps the "
+    (lambda: ServeSettings(dtype="int8"), r"dtype 'int8' is not one of \[.*'bfloat16'.*\]; null keeps the "
                                           r"preset's \(float32\)"),
-    (lambda: PlacementSettings(rank_cpus=-1), "rank_cpus must be >= 0, got -1"),
-    (lambda: CapacitySettings(min_groups=3), r"need 1 <= min_groups \(3\) <= max_groups \(2\)"),
-    (lambda: CapacitySettings(max_sessions_per_group=0), "max_sessions_per_group must be >= 1"),
-    (lambda: CapacitySettings(admission_wait_s=-1), "admission_wait_s must be >= 0, got -1"),
-    (lambda: CapacitySettings(max_queue_wait_s=0), "max_queue_wait_s must be > 0, got 0"),
-    (lambda: CapacitySettings(spare_groups=-1), "spare_groups must be >= 0, got -1"),
-    (lambda: CapacitySettings(memory_budget_gib=0), "memory_budget_gib must be > 0, got 0"),
-    (lambda: PacingSettings(mode="eager"), "pacing 'eager' must be fixed or adaptive"),
-    (lambda: PacingSettings(quantile=1.5), r"pacing_quantile must be in \(0, 1\] and pacing_margin_s >= 0"),
-    (lambda: PacingSettings(lead_s=0), "pacing_lead_s must be > 0, got 0"),
-    (lambda: PacingSettings(fps=-1), "fps must be > 0, got -1"),
-    (lambda: PacingSettings(max_fps=12), r"max_fps must be between fps \(16\) and 120, got 12"),
-    (lambda: PacingSettings(max_fps=121), r"max_fps must be between fps \(16\) and 120, got 121"),
-    (lambda: PacingSettings(max_in_flight_chunks=0), "max_in_flight_chunks must be >= 1, got 0"),
-    (lambda: ContinuitySettings(resume_wait_s=0), "resume_wait_s must be > 0, got 0"),
-    (lambda: DrainSettings(poll_s=-1), r"drain_poll_s must be >= 0 \(0 turns draining off\), got -1"),
-    (lambda: DrainSettings(lead_s=-0.5), r"drain_lead_s must be >= 0, got -0\.5"),
-    (lambda: DrainSettings(margin_s=0), "drain_margin_s must be > 0, got 0"),
-    (lambda: DrainSettings(flush_timeout_s=0), "drain_flush_timeout_s must be > 0, got 0"),
-    (lambda: DrainSettings(fill_max_s=-1), "drain_fill_max_s must be > 0, got -1"),
-    (lambda: DrainSettings(wait_new_s=0), "drain_wait_new_s must be > 0, got 0"),
-    (lambda: DrainSettings(new_group_slack_s=-1), "drain_new_group_slack_s must be >= 0, got -1"),
-    (lambda: EncoderSettings(encoder="vp9"), "encoder 'vp9' is not one of"),
-    (lambda: EncoderSettings(threads=-1), "encoder_threads must be >= 0, got -1"),
-    (lambda: DoorSettings(image_url_allowlist="ftp://x/"), "image_url_allowlist entry 'ftp://x/' must be"),
-    (lambda: DoorSettings(max_sessions_per_key=-1), "max_sessions_per_key must be >= 0, got -1"),
-    (lambda: DoorSettings(image_fetch_max_bytes=0), "image_fetch_max_bytes must be > 0, got 0"),
-    (lambda: SessionLimits(stall_timeout_s=0), "stall_timeout_s must be > 0, got 0"),
-    (lambda: SessionLimits(max_queued_controls=0), "max_queued_controls must be >= 1, got 0"),
-    (lambda: SessionLimits(max_messages_per_s=0), "max_messages_per_s must be > 0, got 0"),
-    (lambda: SessionLimits(default_chunks=9, max_chunks=8), r"default_chunks \(9\) must be <= max_chunks \(8\)"),
-    (lambda: HealthSettings(chunk_timeout_s=0), "chunk_timeout_s must be > 0, got 0"),
-    # across groups: ServeSettings checks the device against the placement's accelerators
+    (lambda: ServeSettings(rank_cpus=-1), "rank_cpus must be >= 0, got -1"),
+    (lambda: ServeSettings(min_groups=3), r"need 1 <= min_groups \(3\) <= max_groups \(2\)"),
+    (lambda: ServeSettings(max_sessions_per_group=0), "max_sessions_per_group must be >= 1"),
+    (lambda: ServeSettings(admission_wait_s=-1), "admission_wait_s must be >= 0, got -1"),
+    (lambda: ServeSettings(max_queue_wait_s=0), "max_queue_wait_s must be > 0, got 0"),
+    (lambda: ServeSettings(spare_groups=-1), "spare_groups must be >= 0, got -1"),
+    (lambda: ServeSettings(memory_budget_gib=0), "memory_budget_gib must be > 0, got 0"),
+    (lambda: ServeSettings(pacing="eager"), "pacing 'eager' must be fixed or adaptive"),
+    (lambda: ServeSettings(pacing_quantile=1.5), r"pacing_quantile must be in \(0, 1\], got 1.5"),
+    (lambda: ServeSettings(pacing_margin_s=-1), "pacing_margin_s must be >= 0, got -1"),
+    (lambda: ServeSettings(pacing_lead_s=0), "pacing_lead_s must be > 0, got 0"),
+    (lambda: ServeSettings(fps=-1), "fps must be > 0, got -1"),
+    (lambda: ServeSettings(max_fps=12), r"max_fps must be between fps \(16\) and 120, got 12"),
+    (lambda: ServeSettings(max_fps=121), r"max_fps must be between fps \(16\) and 120, got 121"),
+    (lambda: ServeSettings(max_in_flight_chunks=0), "max_in_flight_chunks must be >= 1, got 0"),
+    (lambda: ServeSettings(resume_wait_s=0), "resume_wait_s must be > 0, got 0"),
+    (lambda: ServeSettings(drain_poll_s=-1), r"drain_poll_s must be >= 0 \(0 turns draining off\), got -1"),
+    (lambda: ServeSettings(drain_lead_s=-0.5), r"drain_lead_s must be >= 0, got -0\.5"),
+    (lambda: ServeSettings(drain_margin_s=0), "drain_margin_s must be > 0, got 0"),
+    (lambda: ServeSettings(drain_flush_timeout_s=0), "drain_flush_timeout_s must be > 0, got 0"),
+    (lambda: ServeSettings(drain_fill_max_s=-1), "drain_fill_max_s must be > 0, got -1"),
+    (lambda: ServeSettings(drain_wait_new_s=0), "drain_wait_new_s must be > 0, got 0"),
+    (lambda: ServeSettings(drain_new_group_slack_s=-1), "drain_new_group_slack_s must be >= 0, got -1"),
+    (lambda: ServeSettings(encoder="vp9"), "encoder 'vp9' is not one of"),
+    (lambda: ServeSettings(encoder_threads=-1), "encoder_threads must be >= 0, got -1"),
+    (lambda: ServeSettings(image_url_allowlist="ftp://x/"), "image_url_allowlist entry 'ftp://x/' must be"),
+    (lambda: ServeSettings(max_sessions_per_key=-1), "max_sessions_per_key must be >= 0, got -1"),
+    (lambda: ServeSettings(image_fetch_max_bytes=0), "image_fetch_max_bytes must be > 0, got 0"),
+    (lambda: ServeSettings(stall_timeout_s=0), "stall_timeout_s must be > 0, got 0"),
+    (lambda: ServeSettings(max_queued_controls=0), "max_queued_controls must be >= 1, got 0"),
+    (lambda: ServeSettings(max_messages_per_s=0), "max_messages_per_s must be > 0, got 0"),
+    (lambda: ServeSettings(default_chunks=9, max_chunks=8), r"default_chunks \(9\) must be <= max_chunks \(8\)"),
+    (lambda: ServeSettings(chunk_timeout_s=0), "chunk_timeout_s must be > 0, got 0"),
+    # across concerns: the device against the placement's accelerators
     (lambda: ServeSettings(muxer_gpus=1), "muxer_gpus is for NVENC on CUDA nodes; set it to 0 for device cpu"),
     (lambda: ServeSettings(device="cuda"), "device cuda needs rank_devices > 0"),
     # the flat keys reach the same checks
     (lambda: ServeSettings.from_args({"drain_wait_new_s": 0}), "drain_wait_new_s must be > 0, got 0.0"),
     (lambda: ServeSettings.from_args({"pacing": "eager"}), "pacing 'eager' must be fixed or adaptive"),
 ])
-def test_each_group_validates_its_own_fields(make, message):
+def test_each_setting_is_checked_with_a_message_that_names_it(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
 
@@ -280,15 +254,13 @@ def test_describe_covers_every_setting_with_its_meaning():
     assert [r["name"] for r in rows] == list(s.to_dict())
     defaults = ServeSettings().to_dict()
     for r in rows:
-        assert r["group"] in CONCERNS and r["help"].strip(), r
+        assert r["concern"] in CONCERNS and r["help"].strip() and r["env"] == "LINGBOT_" + r["name"].upper(), r
         assert r["value"] == getattr(s, r["name"]) and r["default"] == defaults[r["name"]], r
-        group, name = r["attribute"].split(".")
-        assert group == r["group"] and getattr(getattr(s, group), name) == r["value"], r
     by_name = {r["name"]: r for r in rows}
     assert by_name["drain_margin_s"] == {
-        "group": "drain", "name": "drain_margin_s", "attribute": "drain.margin_s", "value": 45.0, "default": 30.0,
-        "help": "a stopping group moves its sessions at the latest this long before Serve kills it "
-                "(graceful_shutdown_timeout_s)"}
+        "concern": "drain", "name": "drain_margin_s", "env": "LINGBOT_DRAIN_MARGIN_S", "value": 45.0,
+        "default": 30.0, "help": "a stopping group moves its sessions at the latest this long before Serve kills "
+                                 "it (graceful_shutdown_timeout_s)"}
 
 
 def test_settings_command_prints_every_setting(tmp_path, capsys, monkeypatch):
@@ -301,8 +273,8 @@ def test_settings_command_prints_every_setting(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert set(ServeSettings().to_dict()) <= set(lines)
-    for group in CONCERNS:
-        assert f"[{group}]" in out
+    for concern in CONCERNS:
+        assert f"[{concern}]" in out
     assert lines["drain_margin_s"].split()[1:3] == ["*45.0", "30.0"]     # * where the config changed it
     assert lines["sp"].split()[1:3] == ["*1", "2"] and lines["fps"].split()[1:3] == ["16.0", "16.0"]
     path.write_text(yaml.safe_dump({"applications": [{"args": {"sp": 3}}]}))
@@ -328,7 +300,7 @@ def test_api_keys_are_masked_wherever_settings_are_printed(capsys, monkeypatch):
         out = capsys.readouterr().out
         assert "k-secret" not in out and "<2 keys, masked>" in out
     assert [r["value"] for r in ServeSettings().describe() if r["name"] == "api_keys"] == [""]
-    assert "k-secret" not in repr(s) and "k-secret" not in repr(s.door)
+    assert "k-secret" not in repr(s)
 
 
 def test_the_quality_ladder_settings_are_checked():
@@ -347,3 +319,34 @@ def test_the_quality_ladder_settings_are_checked():
                                                                         "tiny_steps2")   # cpu: tae,wan loaded
     with pytest.raises(ConfigError, match=r"quality_floor 'tiny_steps2' is a decoder rung: it needs both decoders"):
         ServeSettings(quality_floor="tiny_steps2", device="cuda", rank_devices=1)         # cuda: wan alone
+
+
+def test_the_environment_wins_over_the_files_user_config_too(monkeypatch):
+    """One precedence for every setting: LINGBOT_QUALITY_LADDER=auto with serve_config.yaml's WorldGroup
+    user_config `quality_ladder: "off"` serves with the ladder on, and says which value it overrode; without the
+    variable the file's value holds; a key the group does not take live is refused, naming the ones it does."""
+    from deployments.local import group_user_config, lingbot_app
+    from deployments.settings import live_settings
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    user_config = group_user_config(lingbot_app(config))
+    assert user_config == {"quality_ladder": "off"}
+    assert live_settings(user_config, {}) == ({"quality_ladder": "off"}, [])
+    assert live_settings(user_config, {"quality_ladder": "auto"}) == ({"quality_ladder": "auto"}, [
+        "quality_ladder 'auto' from LINGBOT_QUALITY_LADDER overrides the user_config's 'off'"])
+    assert live_settings({"quality_ladder": "auto"}, {"quality_ladder": "auto"}) == ({"quality_ladder": "auto"}, [])
+    assert live_settings({}, {"quality_ladder": "auto"}) == ({"quality_ladder": "auto"}, [])
+    with pytest.raises(ConfigError, match=r"WorldGroup user_config takes quality_ladder only, not \['sp'\]"):
+        live_settings({"sp": 4}, {})
+    assert group_user_config({"args": {}}) is None
+    # what the app pins: the variable, read where the app is built, as the WorldGroup's second argument
+    from deployments.app import build_app
+    monkeypatch.setenv("LINGBOT_QUALITY_LADDER", "auto")
+
+    def world_group(app):                       # the Ingress is bound to (WorldGroup, settings)
+        return app._bound_deployment.init_args[0]._bound_deployment
+
+    group = world_group(build_app({}, user_config))
+    assert group.name == "WorldGroup" and group.init_args[1] == {"quality_ladder": "auto"}
+    assert group.user_config == {"quality_ladder": "off"}     # the file's, overridden in the group (reconfigure)
+    monkeypatch.delenv("LINGBOT_QUALITY_LADDER")
+    assert world_group(build_app({}, user_config)).init_args[1] == {}
