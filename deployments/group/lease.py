@@ -5,6 +5,7 @@ then the session's events from the chunk loop, and frees the session everywhere 
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 from ..detach import outside_the_request
@@ -91,7 +92,13 @@ class Leases:
                                    max_in_flight=self.settings.resolved_max_in_flight_chunks)
         try:
             first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
-            mime = await self.muxer.open.remote(sid, start.fps, start.output, first, before)
+            try:                                       # milliseconds; bounded as every call to a group's actor
+                mime = await asyncio.wait_for(self.muxer.open.remote(sid, start.fps, start.output, first, before),
+                                              self.settings.chunk_timeout_s)
+            except asyncio.TimeoutError:
+                yield SessionFailed(ErrorCode.GROUP_UNAVAILABLE, "the group's muxer did not open the session within "
+                                    f"{self.settings.chunk_timeout_s:g} s")
+                return
             restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
                 else [None] * len(self.ranks)
             opened = await self.ranks.open(sid, start, self._snapshot_plan(sid, request.keeper), restore)

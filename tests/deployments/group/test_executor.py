@@ -12,7 +12,7 @@ from deployments.group.messages import OpenSession, RunChunk, SnapshotPlan
 from deployments.group.rank import RankWorker
 from deployments.session.events import ChunkControls, RankRestore, SnapshotOwner
 from tests.deployments.group.rank_calls import opening
-from tests.deployments.group.test_chunk_loop import Remote
+from tests.deployments.group.standins import Remote
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 RANK_METHODS = {name for name, _ in inspect.getmembers(RankWorker, inspect.isfunction) if not name.startswith("_")}

@@ -11,7 +11,7 @@ from deployments.group.phase import GroupState
 from deployments.session.codes import ErrorCode
 from deployments.session.events import ModelFacts
 from lingbot.config import get_preset
-from tests.deployments.group.test_chunk_loop import SETTINGS, Mailbox, Metrics, Muxer, Rank, session, start
+from tests.deployments.group.standins import SETTINGS, Mailbox, Metrics, Muxer, Rank, Remote, session, start
 
 FACTS = ModelFacts.of(get_preset("tiny"))
 
@@ -53,3 +53,30 @@ def test_with_the_ladder_a_group_below_its_cap_admits_while_the_floor_holds():
         assert off._refusal(start(10)).message == "group is full"
 
     asyncio.run(scenario())
+
+
+def test_a_muxer_that_never_opens_the_session_fails_it_within_the_chunk_timeout():
+    """Opening a session's encoder takes milliseconds; a muxer that does not answer is a broken group: the lease
+    answers group_unavailable within chunk_timeout_s (the ingress tries another group), never waits forever, and
+    holds no seat afterwards."""
+    from deployments.session.events import SessionFailed, SessionRequest
+
+    async def hang(*args):
+        await asyncio.sleep(3600)
+
+    async def noop(*args):
+        pass
+
+    settings = dataclasses.replace(SETTINGS, chunk_timeout_s=0.2)
+    group = leases(settings)
+    group.muxer.open, group.muxer.close, group.mailbox.close = Remote(hang), Remote(noop), Remote(noop)
+    for rank in group.ranks.ranks:                       # told to forget the session when the lease ends
+        rank.stop = rank.close_session = Remote(noop)
+
+    async def scenario():
+        events = [e async for e in group.run(SessionRequest("s", start(3)))]
+        return events, group.reserved
+
+    events, reserved = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert events == [SessionFailed(ErrorCode.GROUP_UNAVAILABLE,
+                                    "the group's muxer did not open the session within 0.2 s")] and reserved == 0
