@@ -11,6 +11,7 @@ from deployments.session.events import SnapshotRef
 from deployments.session.requests import StartRequest
 from deployments.settings import ServeSettings
 from lingbot.config import get_preset
+from tests.deployments.ingress import inputs
 
 GEOMETRY = get_preset("tiny").geometry
 SETTINGS = ServeSettings(pacing="fixed", pacing_lead_s=100.0, chunk_timeout_s=5.0, max_queued_controls=2)
@@ -113,3 +114,13 @@ def start(chunks: int, **kw) -> StartRequest:
 
 def session(sid: str, chunks: int, **start_kw) -> ScheduledSession:
     return ScheduledSession(sid, start(chunks, **start_kw), GEOMETRY, SETTINGS.max_queued_controls, max_in_flight=1)
+
+
+def scheduled(sid: str, chunks=None, fps=16.0, now=0.0, script=()) -> ScheduledSession:
+    """A session as the scheduler holds it, from a first-protocol start of `chunks` chunks (None: endless) at
+    `fps`, made at `now`, with a key `script` (one tuple of keys per chunk)."""
+    req = inputs.start(num_frames=inputs.frames_for_chunks(chunks) if chunks else None, fps=fps)
+    req.action_script = list(script)
+    if chunks is None:
+        req.chunks = None
+    return ScheduledSession(sid, req, now=now)

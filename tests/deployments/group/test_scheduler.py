@@ -9,20 +9,15 @@ from deployments.group.tombstones import Tombstones
 from deployments.session.events import ChunkControls
 from deployments.session.requests import Interaction
 from lingbot.camera import CameraEvent
-from tests.deployments.ingress.test_vllm import frames_for_chunks, start
+from tests.deployments.group.standins import scheduled
+from tests.deployments.ingress.inputs import start
 
-
-def _state(sid, chunks=None, fps=16.0, now=0.0, script=()):
-    req = start(num_frames=frames_for_chunks(chunks) if chunks else None, fps=fps)
-    req.action_script = list(script)
-    if chunks is None:
-        req.chunks = None
-    return ScheduledSession(sid, req, now=now)
+_state = scheduled      # the name tests/deployments/group/test_ladder.py imports it by, until it imports standins
 
 
 def test_edf_and_pacing():
     sched = Scheduler(pacing_lead_s=0.5)
-    a, b = _state("a", now=0.0), _state("b", now=0.5)
+    a, b = scheduled("a", now=0.0), scheduled("b", now=0.5)
     sched.add(a), sched.add(b)
     assert sched.pick(now=1.0)[0] is a                    # both due at once: the earlier created first
     a.next_chunk += 1
@@ -51,7 +46,7 @@ def test_an_unpaced_session_runs_whenever_no_paced_one_is_due():
     session whose chunk is due first still goes first, and one ahead of its lead idles."""
     import dataclasses
     sched = Scheduler(pacing_lead_s=0.5)
-    paced, unpaced = _state("p", now=0.0), _state("u", now=0.0)
+    paced, unpaced = scheduled("p", now=0.0), scheduled("u", now=0.0)
     unpaced.start = dataclasses.replace(unpaced.start, paced=False)
     sched.add(paced), sched.add(unpaced)
     assert unpaced.clock.pacer.lead_s == math.inf and paced.clock.pacer.lead_s == 0.5
@@ -72,7 +67,7 @@ def test_an_unpaced_session_runs_whenever_no_paced_one_is_due():
 
 
 def test_stall_accounting():
-    s = _state("a", now=0.0)
+    s = scheduled("a", now=0.0)
     s.clock.generated(9)
     s.clock.delivered(9, now=1.0)              # plays until 1.5625
     s.clock.generated(12)
@@ -82,7 +77,7 @@ def test_stall_accounting():
 
 
 def test_event_lifecycle():
-    s = _state("a", chunks=6, script=[("w", "w", "w")] * 6)
+    s = scheduled("a", chunks=6, script=[("w", "w", "w")] * 6)
     s.planner.queue(Interaction("k1", keys=["l"] * 5))
     s.planner.queue(Interaction("c1", camera=CameraEvent("target", (0, 0, 1), (0, 0, 0, 1), 2)))
     plan = s.plan_next_chunk()
@@ -110,7 +105,7 @@ def test_event_lifecycle():
 
 
 def test_control_queue_is_bounded():
-    s = _state("a")
+    s = scheduled("a")
     s.planner.max_queued = 2
     assert s.planner.queue(Interaction("1", keys=["w"])) and s.planner.queue(Interaction("2", keys=["w"]))
     assert not s.planner.queue(Interaction("3", keys=["w"]))
@@ -143,7 +138,7 @@ def test_in_flight_chunks_pace_and_bound_a_session():
 
 
 def test_a_fractional_prompt_transition_is_truncated():
-    s = _state("a", chunks=4)
+    s = scheduled("a", chunks=4)
     s.planner.queue(Interaction("p", prompt="night", transition_chunks=2.7))
     assert s.plan_next_chunk().controls.prompt_transition_chunks == 2
 
@@ -194,7 +189,7 @@ def test_a_chunks_need_runs_from_eligible_to_delivered():
 
 def test_scheduler_uses_each_sessions_lead():
     sched = Scheduler(pacing_lead_s=1.0)
-    a, b = _state("a", now=0.0), _state("b", now=0.0)
+    a, b = scheduled("a", now=0.0), scheduled("b", now=0.0)
     sched.add(a), sched.add(b)
     for s in (a, b):
         s.next_chunk += 1
@@ -209,7 +204,7 @@ def test_scheduler_uses_each_sessions_lead():
 
 def test_a_queued_control_goes_before_earlier_deadlines_but_not_before_a_late_session():
     sched = Scheduler(pacing_lead_s=2.0)
-    a, b, c = (_state(sid, now=0.0) for sid in "abc")
+    a, b, c = (scheduled(sid, now=0.0) for sid in "abc")
     for s, delivered_at in ((a, 0.0), (b, 0.1), (c, 0.2)):
         sched.add(s)
         s.next_chunk += 1
@@ -230,7 +225,7 @@ def _keys(s):
 
 
 def test_held_keys_hold_across_chunks_and_a_short_press_shows_for_one_latent_frame():
-    s = _state("a", chunks=10, script=[("i", "i", "i")] * 10)
+    s = scheduled("a", chunks=10, script=[("i", "i", "i")] * 10)
     assert _keys(s) == ("i", "i", "i")                        # the start script until key state arrives
     s.planner.queue(Interaction("1", hold=["w"]))
     assert _keys(s) == ("w", "w", "w")
@@ -251,7 +246,7 @@ def test_held_keys_hold_across_chunks_and_a_short_press_shows_for_one_latent_fra
 
 
 def test_a_key_script_replaces_held_keys_and_the_other_way_round():
-    s = _state("a", chunks=10)
+    s = scheduled("a", chunks=10)
     s.planner.queue(Interaction("1", hold=["w"]))
     assert _keys(s) == ("w", "w", "w")
     s.planner.queue(Interaction("2", keys=["l", "l", "l", "l"]))
@@ -283,7 +278,7 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
         if k == 4:
             s.planner.queue(Interaction("h", hold=["l", ""]))
 
-    whole = _state("a", chunks=6)
+    whole = scheduled("a", chunks=6)
     controls, plans = [], []
     for k in range(6):
         feed(whole, k)
@@ -291,7 +286,7 @@ def test_a_resumed_session_plans_the_chunks_it_would_have_planned():
         whole.commit_plan(plan)
         controls.append(plan.controls)
         plans.append(plan)
-    resumed = _state("a", chunks=6)
+    resumed = scheduled("a", chunks=6)
     resumed.resume_from(Resume(tuple(controls[:3]), plans[2].interactions, 9 + 12 * 2))
     assert [p for p in resumed.planner.events] == ["k", "c"] and resumed.planner.events["k"].keys == ["k"]
     for k in range(3):
@@ -312,7 +307,7 @@ def test_a_replay_fills_the_gaps_between_the_chunks_others_need():
     the replay runs while the others are ahead of their playback."""
     from collections import deque
     sched = Scheduler(pacing_lead_s=0.2)
-    replaying, live = _state("r", chunks=10, now=0.0), _state("l", chunks=10, now=0.0)
+    replaying, live = scheduled("r", chunks=10, now=0.0), scheduled("l", chunks=10, now=0.0)
     replaying.replay.chunks = deque([ChunkControls()] * 3)
     sched.add(replaying)
     sched.add(live)
@@ -330,7 +325,7 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     stall. Without a playback end the first chunk is due at once."""
     from deployments.session.events import Resume
     sched = Scheduler(pacing_lead_s=0.5)
-    moved = _state("m", chunks=10, now=100.0)
+    moved = scheduled("m", chunks=10, now=100.0)
     moved.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, (), playback_end=1002.0), 4,
                       now=100.0, wall=1000.0)
     sched.add(moved)
@@ -341,13 +336,13 @@ def test_a_resumed_session_keeps_its_viewers_playback_clock():
     moved.clock.delivered(12, now=102.25)                                  # the player waited 0.25 s for it
     assert moved.clock.stalls == 1 and moved.clock.stall_seconds == pytest.approx(0.25)
     assert moved.clock.deadline() == pytest.approx(102.25 + 12 / 16)
-    replaying = _state("r", chunks=10, now=100.0)                    # a replay catches up at once, whatever
+    replaying = scheduled("r", chunks=10, now=100.0)                    # a replay catches up at once, whatever
     replaying.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 1, (), playback_end=1002.0), 2,
                           now=100.0, wall=1000.0)                    # its clock: chunks 2, 3 to replay
     assert len(replaying.replay.chunks) == 2
     sched.add(replaying)
     assert sched.pick(now=100.5) == (replaying, 0.0)                 # 1.5 s before its lead; moved's next: 103 s
-    fresh = _state("f", chunks=10, now=100.0)
+    fresh = scheduled("f", chunks=10, now=100.0)
     fresh.resume_from(Resume((ChunkControls(),) * 4, None, 9 + 12 * 3, 3, ()), 4)
     assert fresh.clock.deadline() == 100.0                                 # unknown: at once
 

@@ -1,60 +1,18 @@
 """Fetching a first frame over http(s): only from the operator's allow-list, by a plain path, no redirects,
 bounded in size and in time overall. A real HTTP server on localhost serves the images."""
-import io
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from deployments.ingress.fetch import ImageFetcher
 from deployments.ingress.parsing import decode_image
 from deployments.session.codes import ProtocolError
 from deployments.settings import ServeSettings, parse_allowlist
 from lingbot.config import ConfigError
-
-
-def png(w=40, h=30) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.full((h, w, 3), 200, np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-class Images(BaseHTTPRequestHandler):
-    def do_GET(self):
-        if self.path == "/ok/a.png":
-            body, code = png(), 200
-        elif self.path == "/ok/big.png":
-            body, code = b"\x89PNG" + b"0" * 5000, 200
-        elif self.path == "/ok/slow.png":              # one byte every 0.2 s: each read is quick, the whole is not
-            self.send_response(200)
-            self.send_header("Content-Length", "100")
-            self.end_headers()
-            try:
-                for _ in range(100):
-                    self.wfile.write(b"0")
-                    self.wfile.flush()
-                    time.sleep(0.2)
-            except OSError:
-                pass
-            return
-        elif self.path == "/ok/moved.png":
-            self.send_response(302)
-            self.send_header("Location", "/private/secret.png")
-            self.end_headers()
-            return
-        else:
-            body, code = b"no", 404
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+from tests.deployments.ingress.image_server import Images
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ peak memory does not move), formats other than PNG, JPEG and WebP refused, and d
 once (a start that finds every slot taken is refused with images_busy, close 1013). And messages bounded in
 what they make the decoders build: arrays and maps in all, entries per array, keys per map (too_complex)."""
 import base64
-import functools
 import io
 import json
 import os
@@ -20,18 +19,11 @@ from deployments.ingress.sglang import parse_init
 from deployments.ingress.vllm import parse_start
 from deployments.session.codes import ProtocolError
 from lingbot.config import get_preset
+from tests.deployments.ingress.inputs import webp_bomb
 
 ROOT = Path(__file__).resolve().parents[3]
 PRESET = get_preset("tiny")
 SIZE, GEOMETRY = (PRESET.width, PRESET.height), PRESET.geometry
-
-
-@functools.cache
-def webp_bomb() -> bytes:
-    """One colour, lossless, 6300x6300: 40 M pixels (160 MB decoded, 480 MB as float) in a few dozen bytes."""
-    buf = io.BytesIO()
-    Image.new("RGB", (6300, 6300), (10, 200, 30)).save(buf, "WEBP", lossless=True, method=0, quality=0)
-    return buf.getvalue()
 
 
 def encoded(fmt: str, width=40, height=30) -> bytes:

@@ -1,25 +1,17 @@
 """The second protocol (SGLang's MessagePack realtime video) without a server: init and event parsing, every
 refusal's code, the server's frame messages, and a fuzz of malformed input that must only ever be refused."""
-import io
 import random
 
 import msgpack
 import numpy as np
 import pytest
-from PIL import Image
 
 from deployments.ingress import sglang
 from deployments.session.codes import CLOSE_TOO_BIG, ProtocolError
 from lingbot.io.frames import FrameBatcher, FrameFormat
-from tests.deployments.ingress.test_vllm import GEOMETRY, data_url
+from tests.deployments.ingress.inputs import GEOMETRY, data_url, mutations, png_bytes
 
 SIZE = (112, 64)
-
-
-def png_bytes(w=30, h=20):
-    buf = io.BytesIO()
-    Image.fromarray(np.full((h, w, 3), 99, np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def init(**kw):
@@ -231,35 +223,10 @@ def test_frame_messages_split_at_64_kib_and_carry_the_header_fields():
     assert second["delta_reference"] == "previous-frame" and second["raw_size"] == frames.nbytes
 
 
-def _mutations(rng: random.Random):
-    """Malformed client messages: random bytes, cut and flipped valid ones, wrong types in every field."""
-    good_init = {"type": "init", "prompt": "p", "first_frame": png_bytes(), "size": "112x64", "max_chunks": 2,
-                 "condition_inputs": {"camera_actions": [["w"]]}, "realtime_output_format": "raw"}
-    good_events = [{"type": "event", "kind": "prompt", "payload": "x", "event_id": 1},
-                   {"type": "event", "kind": "camera_actions", "payload": {"mode": "state",
-                                                                          "transitions": [{"actions": ["w"]}]}},
-                   {"type": "event", "kind": "composite_input",
-                    "payload": {"input_types": ["prompt"], "prompt": "y"}}]
-    odd = [None, True, -1, 2 ** 64 - 1, 1.5, float("nan"), float("inf"), "", "w" * 300, b"\x00\xff", [], [[]],
-           {}, {"mode": "state"}, [["w"] * 40], msgpack.ExtType(5, b"x")]
-    for _ in range(120):
-        yield bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
-    for base in [good_init] + good_events:
-        packed = msgpack.packb(base, use_bin_type=True)
-        for _ in range(25):
-            cut = bytearray(packed[:rng.randint(0, len(packed))])
-            if cut and rng.random() < 0.5:
-                cut[rng.randrange(len(cut))] ^= 1 << rng.randrange(8)
-            yield bytes(cut)
-        for key in list(base) + ["payload", "event_id", "kind"]:
-            for value in rng.sample(odd, 4):
-                yield msgpack.packb({**base, key: value}, use_bin_type=True)
-
-
 def test_fuzz_malformed_messages_are_only_ever_refused():
     """A few hundred generated messages: each is parsed or refused with a ProtocolError, nothing else escapes."""
     rng = random.Random(12)
-    cases = list(_mutations(rng))
+    cases = list(mutations(rng))
     assert len(cases) >= 300
     outcomes = {"parsed": 0, "refused": 0}
     for data in cases:

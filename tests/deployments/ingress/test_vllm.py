@@ -9,23 +9,8 @@ from PIL import Image
 from deployments.ingress.door import authorized
 from deployments.ingress.vllm import parse_interaction, parse_json, parse_start
 from deployments.session.codes import ProtocolError
-from lingbot.config import LINGBOT_GEOMETRY, get_preset
-
-GEOMETRY = get_preset("tiny").geometry
-frames_for_chunks = GEOMETRY.video_frames
-
-
-def data_url(w=30, h=20):
-    buf = io.BytesIO()
-    Image.fromarray(np.full((h, w, 3), 128, np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def start(**kw):
-    msg = {"type": "session.start", "prompt": "p", "image_reference": {"image_url": data_url()}, "width": 112,
-           "height": 64, "num_frames": 33, "seed": 1}
-    msg.update(kw)
-    return parse_start(msg, (112, 64), GEOMETRY, default_chunks=8, max_chunks=100, default_fps=16.0)
+from lingbot.config import LINGBOT_GEOMETRY
+from tests.deployments.ingress.inputs import GEOMETRY, data_url, frames_for_chunks, start
 
 
 def test_num_frames_formula():
