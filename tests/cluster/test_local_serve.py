@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from deployments.client import RealtimeClient
-from tests.deployments.test_app import H, W, png_url
+from tests.deployments.clients import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 18890

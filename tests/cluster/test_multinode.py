@@ -27,7 +27,7 @@ import yaml
 
 from deployments.client import RealtimeClient
 from deployments.local import TOKEN_FILE, cluster_env
-from tests.deployments.test_app import H, W, png_url
+from tests.deployments.clients import H, W, png_url
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -77,7 +77,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
 
     from deployments.client import FramesClient
     from deployments.ingress.door import subprotocol_key
-    from tests.deployments.test_sglang_app import frames_url
+    from tests.deployments.clients import frames_url
 
     async def scenario():
         async with async_playwright() as p:

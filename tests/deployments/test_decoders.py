@@ -8,9 +8,9 @@ import urllib.request
 import numpy as np
 
 from lingbot.io.video import read_frames
+from tests.deployments.clients import H, W, expect_error, frames_session, frames_url, run, session, start_msg
 from tests.deployments.conftest import HTTP
-from tests.deployments.test_app import H, W, expect_error, in_process_frames, run, session, start_msg, through_h264
-from tests.deployments.test_sglang_app import frames_session, frames_url
+from tests.deployments.expected_frames import in_process_frames, through_h264
 
 
 def test_the_config_lists_the_loaded_decoders(serve_app):

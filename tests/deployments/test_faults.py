@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from deployments.client import FramesClient, RealtimeClient
+from tests.deployments.clients import H, W, png, png_url, run
 from tests.deployments.conftest import PORT, TEST_SETTINGS
-from tests.deployments.test_app import H, W, png_url, run
 
 KEY3 = "test-key-3"
 FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120,
@@ -55,7 +55,6 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
     import numpy as np
 
     from lingbot.io.video import read_frames
-    from tests.deployments.test_sglang_app import png
     [pid] = rank_pids_of_app()
     frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
     assert wait_for_group() < 120
@@ -108,7 +107,6 @@ def test_soak_with_chaos_short(faults_app):
     import time
 
     from perf.soak import INPUTS, Sampler, chaos, live_sessions, run_session, soak
-    from tests.deployments.test_sglang_app import png
     assert wait_for_group() < 120
     frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
     image = png()
@@ -142,7 +140,6 @@ def test_without_its_snapshots_a_session_is_replayed_from_its_journal(faults_app
     import numpy as np
     from ray._private import state
 
-    from tests.deployments.test_sglang_app import png
     assert wait_for_group() < 120
     actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
     ingress = {a["Address"]["Port"] for a in actors if a["ActorClassName"] == "ServeReplica:faults:Ingress"}
@@ -227,7 +224,6 @@ def test_a_redeploy_moves_a_session_to_the_new_group_with_identical_frames(fault
     from ray import serve
 
     from deployments.app import build_app
-    from tests.deployments.test_sglang_app import png
     assert wait_for_group() < 120
     frames_url = URL.replace("/v1/realtime/video", "/v1/realtime_video/generate")
     actions = [["w"], ["j"], ["d"], [], ["l"]] * 24

@@ -7,9 +7,8 @@ import asyncio
 import pytest
 
 from deployments.client import FramesClient, RealtimeClient
+from tests.deployments.clients import H, W, png, png_url, run
 from tests.deployments.conftest import PORT, TEST_SETTINGS
-from tests.deployments.test_app import H, W, png_url, run
-from tests.deployments.test_sglang_app import png
 
 KEY = "test-key-1"
 KEY2 = "test-key-2"                       # the door-limit test's tenant
@@ -292,7 +291,7 @@ def test_image_urls_are_fetched_from_the_allowlist_only(strict_app):
     import threading
     from http.server import ThreadingHTTPServer
 
-    from tests.deployments.ingress.test_fetch import Images
+    from tests.deployments.ingress.image_server import Images
     server = ThreadingHTTPServer(("127.0.0.1", IMAGES_PORT), Images)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{IMAGES_PORT}"
@@ -355,7 +354,7 @@ def test_restarted_chunks_show_the_frames_of_their_controls(strict_app):
 
     from lingbot.camera import Controls
     from lingbot.io.video import read_frames
-    from tests.deployments.test_app import in_process_frames, through_h264
+    from tests.deployments.expected_frames import in_process_frames, through_h264
 
     chunks = 6                                         # every landing point of the steer below, within the lifetime
 

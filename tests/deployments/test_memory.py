@@ -138,7 +138,7 @@ def test_finished_sessions_leave_nothing_behind(serve_app):
     import json
 
     from deployments.client import RealtimeClient
-    from tests.deployments.test_app import H, W, png_url, run, session
+    from tests.deployments.clients import H, W, png_url, run, session
 
     async def gone_after_one_chunk():
         async with RealtimeClient(serve_app) as client:

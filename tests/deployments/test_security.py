@@ -13,10 +13,10 @@ import psutil
 
 from deployments.client import FramesClient, RealtimeClient
 from deployments.ingress.headers import CONTENT_SECURITY_POLICY
+from tests.deployments.clients import H, W, frames_url, png_url, run
 from tests.deployments.conftest import HTTP
-from tests.deployments.ingress.test_parsing import webp_bomb
-from tests.deployments.test_app import H, W, png_url, run
-from tests.deployments.test_sglang_app import frames_url
+from tests.deployments.ingress.inputs import webp_bomb
+from tests.deployments.observe import metric, scrape
 
 HEADERS = {"content-security-policy": CONTENT_SECURITY_POLICY, "x-content-type-options": "nosniff",
            "x-frame-options": "DENY", "referrer-policy": "no-referrer"}
@@ -209,7 +209,6 @@ def test_a_crowd_beyond_the_ingress_sessions_is_answered_server_busy_while_healt
             await asyncio.gather(*(ws.close() for ws, _ in held))
 
     from tests.deployments.conftest import METRICS_INTERVAL_MS, METRICS_PORT
-    from tests.deployments.test_app import metric, scrape
 
     def counted_busy() -> float:
         return metric(scrape(METRICS_PORT), "lingbot_refusals_total", code="server_busy")

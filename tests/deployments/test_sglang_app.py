@@ -1,7 +1,6 @@
 """The second protocol end to end (SGLang's MessagePack realtime video, /v1/realtime_video/generate) on the same
 Serve app, groups and sessions as the first: real WebSocket clients, frames restored on the client side."""
 import asyncio
-import base64
 import random
 
 import msgpack
@@ -11,28 +10,11 @@ import websockets
 from deployments.client import FramesClient
 from lingbot.camera import Controls
 from lingbot.io.video import FragmentedMp4Encoder, H264Settings, read_frames
-from tests.deployments.ingress.test_sglang import _mutations
-from tests.deployments.test_app import H, W, in_process_frames, png_url, run, session
+from tests.deployments.clients import H, W, frames_session, frames_url, png, run, session
+from tests.deployments.expected_frames import in_process_frames
+from tests.deployments.ingress.inputs import mutations
 
 FRAME_BYTES = W * H * 3
-
-
-def frames_url(serve_app: str) -> str:
-    return serve_app.replace("/v1/realtime/video", "/v1/realtime_video/generate")
-
-
-def png() -> bytes:
-    return base64.b64decode(png_url().partition(",")[2])
-
-
-async def frames_session(url, chunks, seed=0, prompt="a forest path", on_chunk=None, **init):
-    async with FramesClient(url) as client:
-        await client.init(prompt, png(), chunks, seed, **init)
-
-        async def hook(result, chunk):
-            if on_chunk is not None:
-                await on_chunk(client, result, chunk)
-        return await client.receive_session(hook)
 
 
 def test_a_session_of_n_chunks_delivers_12n_minus_3_raw_frames(serve_app):
@@ -171,7 +153,7 @@ def test_bad_input_gets_its_error_and_nobody_else_notices(serve_app):
     streams on while a second session takes a few hundred malformed messages and still completes."""
     url = frames_url(serve_app)
     rng = random.Random(3)
-    junk = [m for m in _mutations(rng)][::2]
+    junk = [m for m in mutations(rng)][::2]
 
     async def scenario():
         live = asyncio.create_task(session(serve_app, 6, seed=12))
