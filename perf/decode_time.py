@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -28,13 +27,9 @@ from lingbot.config import Preset, get_preset, parse_dtype, tae_dtype
 from lingbot.io.weights import build_random_tae, build_random_vae
 from lingbot.models.tae import TinyDecoder
 from lingbot.models.vae import CausalCache, WanVAE
+from perf.timing import time_chunks
 
 SIZES = {"tiny": "tiny", "480x832": "lingbot-world-v2-14b"}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(preset: Preset, decoder: str, device: torch.device):
@@ -64,15 +59,10 @@ def time_steps(model, latent_hw: tuple[int, int], steps: int, device: torch.devi
     model.decode(latents[:, :, :1], cache)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for i in range(1, steps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        model.decode(latents[:, :, i:i + 1], cache)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    frames = iter(latents[:, :, 1:].split(1, dim=2))                # [1, 16, 1, h, w] each
+    times = time_chunks(lambda: model.decode(next(frames), cache), steps, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return times, peak
+    return times.seconds, peak
 
 
 def main(argv=None) -> None:

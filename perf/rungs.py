@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from functools import partial
 
 import torch
 
@@ -27,6 +27,7 @@ from lingbot.config import get_preset
 from lingbot.runtime.rungs import RUNGS, kept_steps
 from perf.cost_model import preset_chunk_flops
 from perf.decode_time import steady_step_flops
+from perf.timing import KEYS, first_frame, time_in_turn, timed, whole_session
 
 DIT_STAGES = ("prepare", "probe_0", "probe_1", "probe_2", "probe_3", "commit")
 CHUNK_STAGES = (*DIT_STAGES, "decode", "pixels")
@@ -44,22 +45,20 @@ def modelled(preset_name: str = "lingbot-world-v2-14b", chunk: int = 24) -> dict
 
 
 def _session(pipe, seed: int = 3):
-    image = torch.rand(3, pipe.preset.height, pipe.preset.width, generator=torch.Generator().manual_seed(seed)) * 2 - 1
-    return pipe.new_session(image, "a harbour at dusk", seed=seed, decoder="wan", switch_to=["tae"])
+    return whole_session(pipe, seed=seed, image=first_frame(pipe.preset, seed), prompt="a harbour at dusk",
+                         decoder="wan", switch_to=["tae"])
 
 
 def measure(pipe, chunks: int) -> dict[str, float]:
-    """Median chunk time per rung (seconds), chunks past the sink."""
-    sessions = {r.name: _session(pipe) for r in RUNGS}
-    times = {name: [] for name in sessions}
-    for k in range(chunks):
-        for r in RUNGS:
-            session = sessions[r.name]
-            sink = k < session.dit.kv.sink_chunks
-            chunk = session.step(Controls(keys=("w", "", "d")), steps=None if sink else r.steps, decoder=r.decoder)
-            if not sink:
-                times[r.name].append(sum(chunk.timings.get(s, 0.0) for s in CHUNK_STAGES))
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median chunk time per rung (seconds), chunks past the sink (which runs every step on every rung)."""
+    sink = pipe.runner.config.sink_chunks
+
+    def chunk_at(rung):
+        session = _session(pipe)
+        return lambda: session.step(KEYS, steps=rung.steps if session.chunk_index >= sink else None,
+                                    decoder=rung.decoder)
+    times = time_in_turn({r.name: chunk_at(r) for r in RUNGS}, chunks, pipe.runner.device)
+    return {name: t.stage_median(*CHUNK_STAGES, start=sink) for name, t in times.items()}
 
 
 def measure_climb(pipe, chunks: int) -> dict[str, float]:
@@ -73,9 +72,7 @@ def measure_climb(pipe, chunks: int) -> dict[str, float]:
     for k in range(last):
         at_once.step(Controls(), decoder="tae")
         if k >= last - n - 1:
-            t0 = time.perf_counter()
-            spread.decoding.prewarm("wan", k)
-            extra.append(time.perf_counter() - t0)
+            extra.append(timed(pipe.runner.device, partial(spread.decoding.prewarm, "wan", k))[0])
         spread.step(Controls(), decoder="tae")
     assert spread.decoding.prewarm("wan", last), "the spread warm-up did not catch up"
     out = {}

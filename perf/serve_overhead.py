@@ -79,7 +79,7 @@ def main(argv=None) -> None:
         local = run_local(measure, args.sp, "tiny", args.chunks, timeout_s=600)[0]
     else:
         local = measure(Comm(), "tiny", args.chunks)
-    step = local[1]
+    step = local["step_s"]
     print(f"tiny, SP-{args.sp}, {args.chunks} chunks, pacing off, this machine ({os.cpu_count()} cores)")
     print(f"  served: TTFC {ttfc * 1e3:.0f} ms; chunk inter-arrival (chunks >= 6) median "
           f"{np.median(steady) * 1e3:.0f} ms, mean {np.mean(steady) * 1e3:.0f}, "

@@ -1,11 +1,11 @@
 """What the stages of the device check share: the settings (tolerances, the figures the report compares
-with, the a priori figures the estimates start from), the backend flags serving runs under, the timing and
-device-memory helpers, and `Check`, the state one run carries from stage to stage (the pipeline, its
-inputs, the figures measured so far, the DiT regions in place, the DiT outputs of each mode)."""
+with, the a priori figures the estimates start from), the backend flags serving runs under, the device-memory
+helpers (the timing ones are perf/timing.py's, as every benchmark's), and `Check`, the state one run carries
+from stage to stage (the pipeline, its inputs, the figures measured so far, the DiT regions in place, the DiT
+outputs of each mode)."""
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Optional
@@ -87,19 +87,6 @@ def flags_set(flags: dict):
         yield
     finally:
         set_flags(before)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
-def _timed(device: torch.device, fn: Callable) -> tuple[float, object]:
-    _sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return time.perf_counter() - t0, out
 
 
 def _allocated(device: torch.device) -> Optional[int]:

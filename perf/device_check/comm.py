@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from lingbot.parallel.comm import Comm, free_port
+from perf.timing import timed
 
-from .check import Check, NotApplicable, _sync
+from .check import Check, NotApplicable
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
@@ -81,10 +82,8 @@ def world_of_one(device: torch.device) -> dict:
     try:
         for name, (call, expected) in _collectives(comm, device).items():
             try:
-                t0 = time.perf_counter()
-                got = call()
-                _sync(device)
-                ms = (time.perf_counter() - t0) * 1e3
+                seconds, got = timed(device, call)
+                ms = seconds * 1e3
                 right = expected is None or torch.equal(got.cpu(), expected.cpu())
                 out["collectives"][name] = {"result": "ok" if right else "wrong result", "ms": ms}
             except Exception as e:

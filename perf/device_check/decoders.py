@@ -25,8 +25,9 @@ from lingbot.models.vae import CausalCache
 from lingbot.runtime.budget import tae_cache_entries
 from lingbot.runtime.condition import CausalConditionEncoder
 from perf.decode_time import steady_step_flops, time_steps
+from perf.timing import sync
 
-from .check import IEEE_FLOAT32, Check, _allocated, _sync, flags_set
+from .check import IEEE_FLOAT32, Check, _allocated, flags_set
 
 
 def stage_tiny_decoder(c: Check) -> None:
@@ -49,7 +50,7 @@ def stage_tiny_decoder(c: Check) -> None:
     served = _second_frame(model, latents)
     with flags_set(IEEE_FLOAT32):
         exact = _second_frame(reference, latents)
-    _sync(c.device)
+    sync(c.device)
     diff = (served - exact).abs()
     c.keep(vs_fp32_max_abs=float(diff.max()), vs_fp32_mean_abs=float(diff.mean()))
 

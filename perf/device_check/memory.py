@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import statistics
 import tempfile
 import time
 import types
@@ -23,8 +22,9 @@ from lingbot.runtime.compile import compile_default
 from lingbot.runtime.condition import LatentCondition
 from lingbot.runtime.snapshot import HostCopier, take_snapshot
 from lingbot.runtime.snapshot_budget import default_host_budget, plan_snapshots, snapshot_footprint, snapshot_host
+from perf.timing import sync, time_chunks, timed, whole_chunk
 
-from .check import KEYS, LIFECYCLE_LAYERS, LIFECYCLE_MAX_SESSIONS, Check, _allocated, _free_memory, _sync, _timed
+from .check import KEYS, LIFECYCLE_LAYERS, LIFECYCLE_MAX_SESSIONS, Check, _allocated, _free_memory
 from .timing import _prime_conditions
 
 
@@ -64,18 +64,13 @@ def stage_snapshots(c: Check) -> None:
     take_snapshot(session, copier=async_copier, key="check")
     if async_copier.last is not None:
         async_copier.last.synchronize()
-    _sync(c.device)
+    sync(c.device)
 
     def period(after) -> float:
-        _sync(c.device)
-        times = []
-        for _ in range(c.steady):
-            t0 = time.perf_counter()
-            session.step(KEYS).frames.cpu()
-            after()
-            times.append(time.perf_counter() - t0)
-        _sync(c.device)
-        return statistics.median(times)
+        """The median whole chunk followed by `after()`; the device synchronised only around the `steady`
+        chunks, so an asynchronous copy runs on under the next chunk, as on a rank."""
+        return time_chunks(lambda: (whole_chunk(session, KEYS), after()), c.steady, c.device,
+                           sync_each=False).median(0)
 
     alone = period(lambda: None)
     synchronous = period(lambda: take_snapshot(session, copier=sync_copier))
@@ -84,7 +79,7 @@ def stage_snapshots(c: Check) -> None:
            chunk_async_snapshot_s=asynchronous, sync_cost=synchronous / alone - 1, async_cost=asynchronous / alone - 1)
     # the synchronous copy alone, the device idle; then an asynchronous one of the same moment, queued
     # (pinned buffers, side stream) and left to run under the next chunk
-    copy_sync_s, reference = _timed(c.device, lambda: take_snapshot(session, copier=sync_copier))
+    copy_sync_s, reference = timed(c.device, lambda: take_snapshot(session, copier=sync_copier))
     t0 = time.perf_counter()
     copied = take_snapshot(session, copier=async_copier, key="check")
     queue_s = time.perf_counter() - t0
@@ -95,7 +90,7 @@ def stage_snapshots(c: Check) -> None:
     exact = len(pairs) == len(_snapshot_tensors(reference)) and all(torch.equal(a, b) for a, b in pairs)
     del copied                                          # as a rank's, put and gone: the next copies it all
     # the asynchronous copy alone, the device idle: from the call to the copy engine's last byte
-    _sync(c.device)
+    sync(c.device)
     t0 = time.perf_counter()
     take_snapshot(session, copier=async_copier, key="check")
     if async_copier.last is not None:
@@ -213,7 +208,7 @@ def stage_lifecycle(c: Check) -> None:
         t0 = time.perf_counter()
         life.connect(None, timeout_s=60)
         life.load(preset, folder)
-        _sync(c.device)
+        sync(c.device)
         load_s = time.perf_counter() - t0
         c.progress(f"  connected and loaded in {load_s:.1f} s")
         c.keep(connect_and_load_s=load_s, loaded_bytes=life.loaded_bytes)

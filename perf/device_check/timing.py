@@ -1,8 +1,8 @@
 """The device check's timing stages: setup (the matmul peak, the pipeline, the attention kernel), the DiT
 and the whole chunk eager, compiled and as CUDA graphs (with one denoising step and the latents against
 eager's), no host sync on the DiT step path, two sessions interleaved and the quality ladder's step rungs; and
-the chunk loops they share
-(`_dit_chunks`, `_whole_chunks`, `_prime_conditions`). Each keeps its figures as it measures them."""
+the sessions they share (`_dit_chunks`, `_whole_chunks`, `_prime_conditions`), timed by perf/timing.py's loop,
+as every benchmark's. Each keeps its figures as it measures them."""
 from __future__ import annotations
 
 import statistics
@@ -15,16 +15,16 @@ import torch
 
 from lingbot.builder import build_pipeline
 from lingbot.config import tae_dtype
-from lingbot.io.images import model_image
 from lingbot.io.weights import build_random_tae
 from lingbot.runtime.attention import choose_for_steady_state
-from lingbot.runtime.condition import CONDITION_CACHE_CHUNKS, CausalConditionEncoder, LatentCondition
+from lingbot.runtime.condition import LatentCondition
 from lingbot.runtime.rungs import RUNGS, forward_ratio, rung_name
 from lingbot.transfer import to_device
 from perf.cost_model import matmul_peak
 from perf.decode_time import time_steps
+from perf.timing import prime_conditions, sync, time_chunks, whole_chunk
 
-from .check import KEYS, STEP_TOLERANCE, Check, NotApplicable, _allocated, _sync, _timed
+from .check import KEYS, STEP_TOLERANCE, Check, NotApplicable, _allocated
 
 
 def _dit_chunks(c: Check, seed: int = 0) -> dict:
@@ -32,19 +32,19 @@ def _dit_chunks(c: Check, seed: int = 0) -> dict:
     mode (one session at a time: at 14B a session's K/V slab is ~21 GiB) and its figures as measured (the
     first chunk's, which holds any compile, at once)."""
     session = c.pipe.runner.new_session(LatentCondition(c.latents), text_embedding=c.text, seed=seed)
-    times, outs = [], []
-    for i in range(c.warm + c.steady):
-        seconds, result = _timed(c.device, partial(session.run_chunk, KEYS))
-        times.append(seconds)
+    outs = []
+
+    def keep(index: int, seconds: float, result) -> None:
         outs.append(result.latents)
-        if i == 0:
+        if index == 0:
             c.progress(f"  {c.mode}: first DiT chunk {seconds:.2f} s")
             c.keep(regions=c.mode, dit_first_chunk_s=seconds)
+    times = time_chunks(partial(session.run_chunk, KEYS), c.warm + c.steady, c.device, each=keep)
     c.latents_by_mode[c.mode] = torch.cat(outs, dim=1).float().cpu()
-    steady = statistics.median(times[c.warm:])
+    steady = times.median(c.warm)
     c.seconds["dit"] = steady
-    figures = {"dit_first_chunk_s": times[0], "dit_warmup_s": sum(times[:c.warm]), "dit_steady_s": steady,
-               "dit_chunk_s": times,
+    figures = {"dit_first_chunk_s": times.first, "dit_warmup_s": sum(times.seconds[:c.warm]), "dit_steady_s": steady,
+               "dit_chunk_s": times.seconds,
                "dit_tflops": c.flops / steady / 1e12,
                "dit_fraction_of_peak": c.flops / steady / c.peak_flops if c.peak_flops else None}
     c.keep(**figures)
@@ -65,24 +65,15 @@ def _first_step(c: Check, seed: int = 0) -> None:
 
 
 def _prime_conditions(c: Check) -> dict:
-    """Runs the condition encoder of the check's first frame alone to its fixed point, into the pipeline's
-    shared condition cache: every whole session after it replays the conditions and never encodes, as a
-    served session of a first frame seen before does (the steady state the goals speak of). Its time per
+    """The condition encoder of the check's first frame alone to its fixed point, into the pipeline's shared
+    condition cache (perf/timing.py): every whole session after it replays the conditions and never encodes,
+    as a served session of a first frame seen before does (the steady state the goals speak of). Its time per
     chunk is the encoder's cost until the fixed point."""
-    pipe, cfg = c.pipe, c.preset.transformer
-    if pipe.condition_cache is None or not pipe.skip_fixed_point:
+    if c.pipe.condition_cache is None or not c.pipe.skip_fixed_point:
         return {"condition_replayed": False, "condition_encode_s": []}
-    image = model_image(c.image).to(c.device)
-    encoder = CausalConditionEncoder(pipe.vae, image, cfg.num_frames_per_block, True, pipe.condition_cache)
-    times = []
-    for chunk in range(CONDITION_CACHE_CHUNKS):
-        if encoder.fixed_point_chunk is not None:
-            break
-        seconds, _ = _timed(c.device, partial(encoder.chunk_condition, chunk))
-        encoder.commit()
-        times.append(seconds)
+    fixed, times = prime_conditions(c.pipe, c.image)
     c.conditions_primed = True
-    return {"condition_fixed_point_chunk": encoder.fixed_point_chunk, "condition_encode_s": times,
+    return {"condition_fixed_point_chunk": fixed, "condition_encode_s": times,
             "condition_encode_steady_s": statistics.median(times[1:]) if len(times) > 1 else None}
 
 
@@ -92,14 +83,11 @@ def _whole_chunks(c: Check, seed: int = 0) -> dict:
     if not c.conditions_primed:
         c.keep(**_prime_conditions(c))
     session = c.pipe.new_session(c.image, None, seed=seed, text_embedding=c.text)
-    times = []
-    for _ in range(c.warm + c.steady):
-        seconds, _ = _timed(c.device, lambda: session.step(KEYS).frames.cpu())
-        times.append(seconds)
-    steady = statistics.median(times[c.warm:])
+    times = time_chunks(partial(whole_chunk, session, KEYS), c.warm + c.steady, c.device)
+    steady = times.median(c.warm)
     c.seconds["whole"] = steady
-    figures = {"regions": c.mode, "whole_warmup_s": sum(times[:c.warm]), "whole_first_chunk_s": times[0],
-               "whole_steady_s": steady, "whole_chunk_s": times,
+    figures = {"regions": c.mode, "whole_warmup_s": sum(times.seconds[:c.warm]), "whole_first_chunk_s": times.first,
+               "whole_steady_s": steady, "whole_chunk_s": times.seconds,
                "condition_replayed": session.condition.replay is not None,
                "condition_encoded_chunks": session.condition.encoded_chunks}
     c.keep(**figures)
@@ -141,7 +129,7 @@ def stage_setup(c: Check) -> None:
     cfg = c.preset.transformer
     t0 = time.perf_counter()
     c.pipe = build_pipeline(c.preset, device=c.device, compile=False, text_encoder=False, seed=0)
-    _sync(c.device)
+    sync(c.device)
     build_s = time.perf_counter() - t0
     c.weights_bytes = _allocated(c.device) or sum(p.numel() * p.element_size()
                                                   for p in c.pipe.runner.model.parameters())
@@ -225,7 +213,7 @@ def stage_interleaving(c: Check, chunks: int = 3) -> None:
     for _ in range(chunks):
         again.append(a.run_chunk(KEYS).latents)
         b.run_chunk(KEYS)
-    _sync(c.device)
+    sync(c.device)
     c.keep(regions=c.mode, chunks=chunks, intact=all(torch.equal(x, y) for x, y in zip(reference, again)))
 
 
@@ -246,8 +234,8 @@ def stage_rungs(c: Check) -> None:
         session.run_chunk(KEYS)
     steady = {}
     for rung in rungs:
-        times = [_timed(c.device, partial(session.run_chunk, KEYS, steps=rung.steps))[0] for _ in range(c.steady)]
-        steady[rung.name] = statistics.median(times)
+        steady[rung.name] = time_chunks(partial(session.run_chunk, KEYS, steps=rung.steps), c.steady,
+                                        c.device).median(0)
         c.progress(f"  {c.mode}: rung {rung.name} {steady[rung.name]:.2f} s a DiT chunk")
     c.keep(regions=c.mode, rung_steady_s=steady,
            rung_ratio={name: s / steady["full"] for name, s in steady.items()},
