@@ -185,6 +185,8 @@ def table(report: dict) -> str:
                  ("Chunk deadline", f"{m['chunk_deadline_ms']:.0f} ms"), ("Underruns", m["underrun_count"]),
                  ("Stall ratio (mean)", f"{m['stall_ratio_mean']:.1%}")]
         rows += _control_rows(m["control_to_display"])
+    if report["config"].get("control_interval_s"):
+        rows.append(("Chunks restarted for a control", f"{m['chunks_restarted']} / {m['chunks_received']}"))
     rungs = m.get("chunks_per_rung") or {}
     total = sum(rungs.values())
     if total:

@@ -88,8 +88,8 @@ def session_metrics(chunks: Sequence[dict], wall_s: Optional[float], fps: float,
                     slo_ms: Optional[float] = None, buffer_chunks: int = 1,
                     controls: Sequence[dict] = ()) -> dict:
     """chunks: dicts with index, arrival_s (seconds since session.start was sent), num_frames, byte_length,
-    quality (the chunk's rung; absent: full) and (for control latency) started; controls: the interactions sent,
-    with event_id and sent_s."""
+    quality (the chunk's rung; absent: full), restarted (truthy: run again for a control) and (for control
+    latency) started; controls: the interactions sent, with event_id and sent_s."""
     ordered = sorted(chunks, key=lambda c: c["index"])
     deadline_ms = slo_ms if slo_ms is not None else 12.0 / fps * 1e3
     intervals = [(c["index"], (c["arrival_s"] - p["arrival_s"]) * 1e3, c["num_frames"])
@@ -109,6 +109,8 @@ def session_metrics(chunks: Sequence[dict], wall_s: Optional[float], fps: float,
         "interval_steady": latency_summary([ms for _, ms, _ in steady]),
         "playback": simulate_playback(ordered, fps, buffer_chunks),
         "chunks_per_rung": dict(collections.Counter(c.get("quality", "full") for c in ordered)),
+        # run again once for a control that arrived in its probes (restart_stale_chunks)
+        "chunks_restarted": sum(1 for c in ordered if c.get("restarted")),
     }
     shown, missing = control_latencies(controls, ordered, out["playback"]["play_start_s"])
     out["control_to_display"] = latency_summary(shown)
@@ -146,6 +148,7 @@ def aggregate(sessions: Sequence[dict]) -> dict:
         "stall_ratio_mean": sum(s["playback"]["stall_ratio"] for s in sessions) / len(sessions),
         "control_to_display": latency_summary([ms for s in sessions for ms in s.get("control_latencies_ms", [])]),
         "chunk_deadline_ms": sessions[0]["chunk_deadline_ms"],
+        "chunks_restarted": sum(s["chunks_restarted"] for s in sessions),
         "chunks_per_rung": dict(sum((collections.Counter(s["chunks_per_rung"]) for s in sessions),
                                     collections.Counter())),
     }

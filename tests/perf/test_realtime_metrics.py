@@ -82,10 +82,13 @@ def test_control_to_display_by_hand():
     s = m["control_to_display"]
     assert s["count"] == 3 and s["median_ms"] == pytest.approx(1000.0) and s["max_ms"] == pytest.approx(1400.0)
     assert (m["controls_sent"], m["controls_not_shown"]) == (4, 1)
+    assert m["chunks_restarted"] == 0
+    chunks[2]["restarted"] = 1.0                     # run again once for a control in its probes (the server says)
+    assert session_metrics(chunks, None, fps=12, controls=controls)["chunks_restarted"] == 1
     # with a 2-chunk start buffer every chunk plays later: the same events show 0.5 s later... except that
     # chunk 2 no longer stalls (start 1.5: 1.5, 2.25, 3.25, 4.25)
     m2 = session_metrics(chunks, None, fps=12, buffer_chunks=2, controls=controls)
     assert m2["control_latencies_ms"] == pytest.approx([1350.0, 1650.0, 1250.0])
     both = aggregate([m, m2])
-    assert both["control_to_display"]["count"] == 6
+    assert both["control_to_display"]["count"] == 6 and both["chunks_restarted"] == 1
     assert both["control_to_display"]["median_ms"] == pytest.approx((1250 + 1350) / 2)
