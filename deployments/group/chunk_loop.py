@@ -13,7 +13,6 @@ drive it with stand-in actors.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -25,7 +24,7 @@ from ..detach import fresh_task
 from ..session.codes import ErrorCode
 from ..session.events import ChunkReady, GroupEvent, InteractionRefused, ModelFacts, Resumed, SessionDone, SessionFailed
 from .executor import RankExecutor
-from .ladder import QualityLadder, chunk_rung
+from .ladder import GroupLadder
 from .messages import ChunkReply, Fragment
 from .phase import GroupState
 from .planner import ChunkPlan
@@ -73,37 +72,11 @@ class ChunkLoop:
         self.wake: Optional[asyncio.Event] = None
         self.running: Optional[RunningChunk] = None    # the chunk the ranks are on now
         self.last_chunk_s = 0.0                        # how long the last chunk call took
-        self.model = model
-        self.ladder = QualityLadder.of(s, model)       # None: every chunk at full quality (or its pinned rung)
-        self.winding: Optional[QualityLadder] = None   # a ladder turned off while sessions borrow its decoders
-        self.model_sink = 0 if model is None else model.sink_chunks
-        self.loaded_decoders = ("wan",) if model is None else tuple(model.decoders)
+        self.ladder = GroupLadder(s, model)            # each chunk's rung, the switch off/auto (ladder.py)
 
     @property
     def sessions(self) -> dict[str, ScheduledSession]:
         return self.scheduler.sessions
-
-    @property
-    def quality_ladder(self) -> str:
-        return "off" if self.ladder is None else "auto"
-
-    def set_quality_ladder(self, mode: str) -> None:
-        """Turn the quality ladder off or on (auto) from the next chunk, sessions running: off, every session not
-        pinned to a rung is at full from its next chunk, except one on a decoder rung, which first warms its own
-        decoder a decode a chunk at every step on the tiny one (QualityLadder.wind_down: the ladder turned off is
-        kept as `winding` until no session borrows a decoder from it); on, a new ladder starts every session at
-        full (a climb under way carried over) and learns this group's costs again."""
-        if mode == self.quality_ladder:
-            return
-        ladder = QualityLadder.of(dataclasses.replace(self.settings, quality_ladder=mode), self.model)
-        if ladder is None:
-            self.winding = self.ladder
-        else:
-            if self.winding is not None:             # a climb back to a session's own decoder carries on
-                ladder.last.update(self.winding.last)
-                ladder.warm.update(self.winding.warm)
-            self.winding = None
-        self.ladder = ladder
 
     # ---- sessions -----------------------------------------------------------------------------
     def add(self, session: ScheduledSession) -> asyncio.Queue:
@@ -116,9 +89,7 @@ class ChunkLoop:
 
     def remove(self, session_id: str) -> None:
         self.scheduler.remove(session_id)
-        for ladder in (self.ladder, self.winding):
-            if ladder is not None:
-                ladder.forget(session_id)
+        self.ladder.forget(session_id)
         self.outboxes.pop(session_id, None)
         self.deliveries.pop(session_id, None)
 
@@ -207,13 +178,9 @@ class ChunkLoop:
         the chunk up and runs it again with the control (at most once per chunk; see _restart_for)."""
         restarted = False
         while True:
-            plan = session.plan_next_chunk()
-            plan.restarted = restarted
             # its rung travels with its controls (and its journal)
-            rung = (self.winding and self.winding.wind_down(session)) or chunk_rung(
-                self.ladder, session, self.sessions.values(), plan.index, self.model_sink, self.loaded_decoders)
-            plan.controls.steps, plan.controls.decoder, plan.controls.prewarm = rung.rung.steps, rung.decoder, \
-                rung.prewarm
+            rung = self.ladder.rung_for(session, self.sessions.values(), session.next_chunk)
+            plan = session.plan_next_chunk(rung, restarted)
             t0 = time.monotonic()
             self.running = RunningChunk(session, plan.index, may_restart=self.settings.restart_stale_chunks
                                         and not restarted)
@@ -233,11 +200,8 @@ class ChunkLoop:
             break
         session.commit_plan(plan)                     # the ranks advanced the session: the chunk is in flight
         self.metrics.chunks.inc(tags={"group": self.group_id, "quality": plan.controls.quality})
-        for ladder in (self.ladder, self.winding):
-            if ladder is not None:
-                ladder.ran(session, plan.index, rung, max(r.engine_s for r in replies), root.warm, root.timings)
-        if self.winding is not None and not self.winding.lending(self.sessions.values()):
-            self.winding = None                       # every session runs on its own decoder again
+        self.ladder.ran(session, self.sessions.values(), plan.index, plan.rung, max(r.engine_s for r in replies),
+                        root.warm, root.timings)
         session.snapshots.take(reply.snapshots for reply in replies)
         previous = self.deliveries.get(session.id)
         self.deliveries[session.id] = fresh_task(self._deliver(session, plan, root, t0, previous))

@@ -1,5 +1,7 @@
 """The quality ladder's controller: which rung each session of a group runs its next chunk at (docs/architecture.md,
-"Rungs"). Plain Python, decided per chunk: `Ladder` decides, `QualityLadder` is how the chunk loop asks it.
+"Rungs"). Plain Python, decided per chunk: `Ladder` decides, `QualityLadder` seats a group's sessions on it, and
+`GroupLadder` is the one the chunk loop asks: the switch (off or auto) with its transitions, each chunk's rung,
+what each chunk cost, and the group's admission and capacities.
 
 It decides from the group's load, not from the playout slack alone (with adaptive pacing a chunk is due one
 learned lead before its deadline, so the slack sits near the margin whether the group is idle or nearly full).
@@ -36,14 +38,16 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
 - Turned off on a running group, the ladder leaves its sessions at full from their next chunk, except one on a
   decoder it borrowed (the tiny decoder of tiny_steps2): that one climbs as it would with the ladder on, at every
   step on the borrowed decoder while its own warms a decode a chunk, and switches once a rank reports it warm
-  (`wind_down`; the chunk loop keeps the ladder it turned off until none is left borrowing).
+  (`wind_down`; GroupLadder keeps the ladder it turned off, `winding`, until none is left borrowing). Turned on
+  again meanwhile, the new ladder carries such a climb on (`carry_from`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from lingbot.runtime.rungs import FULL, WAN_DECODE_SHARE, Rung, rung, rung_decoders, rung_name, rung_ratio
 
@@ -288,6 +292,12 @@ class QualityLadder:
         """Whether some of `sessions` still runs on a decoder this ladder lent it (wind_down)."""
         return any(self.wind_down(s) is not None for s in sessions)
 
+    def carry_from(self, other: QualityLadder) -> None:
+        """Carry on the climbs back to the sessions' own decoders that `other` (a ladder turned off) was winding
+        down: each session's last chunk and whether its own decoder was reported warm."""
+        self.last.update(other.last)
+        self.warm.update(other.warm)
+
     def forget(self, session_id: str) -> None:
         for held in (self.seats, self.last, self.warm):
             held.pop(session_id, None)
@@ -317,3 +327,73 @@ def chunk_rung(ladder: Optional[QualityLadder], session, sessions, index: int, m
     if pinned is None:
         return ChunkRung(FULL)
     return ChunkRung(pinned, session_decoder(pinned, own_decoder(session, loaded), loaded))
+
+
+AT_FULL = ChunkRung(FULL)             # a chunk of the model's own configuration: every step, the session's decoder
+
+
+class GroupLadder:
+    """The group's quality ladder as its chunk loop runs it: the switch (`mode`: off or auto, from the settings,
+    turned on or off by `set_mode` while sessions run), the ladder that runs (`active`, None while off) and one
+    turned off while sessions still borrow its decoders (`winding`). The chunk loop asks each chunk's rung
+    (`rung_for`) and tells what each chunk cost (`ran`); the leases ask `admits` and `capacities`."""
+
+    def __init__(self, settings, model: Optional[Any] = None):
+        self.settings, self.model = settings, model
+        self.model_sink = 0 if model is None else model.sink_chunks
+        self.loaded = ("wan",) if model is None else tuple(model.decoders)
+        self.active = QualityLadder.of(settings, model)      # None: every chunk at full (or its pinned rung)
+        self.winding: Optional[QualityLadder] = None          # turned off while sessions borrow its decoders
+
+    @property
+    def mode(self) -> str:
+        return "off" if self.active is None else "auto"
+
+    def set_mode(self, mode: str) -> None:
+        """Turn the ladder off or on (auto) from each session's next chunk, sessions running (ConfigError for another
+        mode, checked as the setting is): off, every session not pinned to a rung is at full from its next chunk,
+        except one on a borrowed decoder, which first winds down (QualityLadder.wind_down); on, a new ladder
+        starts every session at full (a climb under way carried over) and learns this group's costs again."""
+        if mode == self.mode:
+            return
+        ladder = QualityLadder.of(dataclasses.replace(self.settings, quality_ladder=mode), self.model)
+        if ladder is None:
+            self.winding = self.active
+        else:
+            if self.winding is not None:
+                ladder.carry_from(self.winding)
+            self.winding = None
+        self.active = ladder
+
+    def rung_for(self, session, sessions, index: int) -> ChunkRung:
+        """What `session`'s chunk `index` runs at, beside `sessions`: winding down from a borrowed decoder, else
+        chunk_rung of the active ladder."""
+        winding = self.winding.wind_down(session) if self.winding is not None else None
+        return winding or chunk_rung(self.active, session, sessions, index, self.model_sink, self.loaded)
+
+    def ran(self, session, sessions, index: int, chunk: ChunkRung, seconds: float, warm: Optional[bool] = None,
+            timings: Optional[dict] = None) -> None:
+        """Chunk `index` of `session` ran at `chunk` (QualityLadder.ran); the winding ladder is dropped once none of
+        `sessions` runs on a decoder it lent."""
+        for ladder in (self.active, self.winding):
+            if ladder is not None:
+                ladder.ran(session, index, chunk, seconds, warm, timings)
+        if self.winding is not None and not self.winding.lending(sessions):
+            self.winding = None                       # every session runs on its own decoder again
+
+    def forget(self, session_id: str) -> None:
+        for ladder in (self.active, self.winding):
+            if ladder is not None:
+                ladder.forget(session_id)
+
+    def admits(self, start, sessions, opening: int = 0) -> bool:
+        """Whether the group takes a session of `start` (QualityLadder.admits; always with the ladder off: the cap
+        alone decides)."""
+        return self.active is None or self.active.admits(start, sessions, opening, self.settings.fps)
+
+    def capacities(self, cap: int) -> dict[str, int]:
+        """Sessions at the deployment's fps the group holds at real time at the top rung and at the floor (the
+        ladder on, as measured here; off, `cap` for both)."""
+        if self.active is None:
+            return {"top": cap, "floor": cap}
+        return self.active.capacities(self.settings.fps, cap)

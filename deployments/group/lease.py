@@ -47,9 +47,8 @@ class Leases:
                                  "redeploy); retry")
         if self.reserved >= self.capacity:
             return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full")
-        ladder = self.chunks.ladder
-        if start is not None and ladder is not None and self.reserved > 0 and not ladder.admits(
-                start, self.chunks.sessions.values(), self.reserved - len(self.chunks.sessions), self.settings.fps):
+        if start is not None and self.reserved > 0 and not self.chunks.ladder.admits(
+                start, self.chunks.sessions.values(), self.reserved - len(self.chunks.sessions)):
             return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full: its sessions are at the quality "
                                  "floor's real-time limit")
         return None
@@ -57,10 +56,7 @@ class Leases:
     def capacities(self) -> dict:
         """Sessions at the deployment's fps the group holds: configured (the hard cap), and at real time at the top
         rung and at the floor as measured on this group (the ladder on; else the configured number for both)."""
-        ladder = self.chunks.ladder
-        measured = {"top": self.capacity, "floor": self.capacity} if ladder is None \
-            else ladder.capacities(self.settings.fps, self.capacity)
-        return {"configured": self.capacity, **measured}
+        return {"configured": self.capacity, **self.chunks.ladder.capacities(self.capacity)}
 
     def _snapshot_plan(self, session_id: str, keeper) -> Optional[SnapshotPlan]:
         """How the session's ranks snapshot it: to its ingress's keeper every snapshot_interval_chunks, when it

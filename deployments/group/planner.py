@@ -1,7 +1,8 @@
 """A session's controls at its group: the interactions queued for the next chunk boundary, what is left of each
 running one (camera transition, key script, prompt transition), the held keys, and the controls every rank
-applies to each chunk (`ChunkPlan`). Planning is pure; a plan is committed once the ranks ran its chunk, so a
-chunk given up or failed leaves the interactions where they were. Plain Python."""
+applies to each chunk (`ChunkPlan`: its controls, rung included, and its interactions). Planning is pure; a plan
+is committed once the ranks ran its chunk, so a chunk given up or failed leaves the interactions where they were.
+Plain Python."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ from typing import Optional
 
 from ..session.events import ChunkControls, InteractionState
 from ..session.requests import Interaction
+from .ladder import AT_FULL, ChunkRung
 
 
 @dataclass
@@ -32,10 +34,11 @@ def _copy_events(events: dict) -> dict:
 @dataclass
 class ChunkPlan:
     index: int
-    controls: ChunkControls
+    controls: ChunkControls                     # what every rank applies, the rung's steps and decoder included
     started: list[str]
     active: list[str]
     completed: list[str]
+    rung: ChunkRung = AT_FULL                   # the rung it runs at (what the ladder learns its cost at)
     restarted: bool = False                     # run again once, with a control that arrived in its probes
     interactions: Optional[InteractionState] = None   # the interaction state once the chunk is committed
 
@@ -68,12 +71,14 @@ class ControlPlanner:
         self.events = _copy_events(state.events)
         self.held = state.held
 
-    def plan(self, k: int) -> ChunkPlan:
-        """Controls of chunk `k` and the event ids it starts, runs and completes. Pure planning: call commit()
-        once the chunk succeeded."""
+    def plan(self, k: int, rung: ChunkRung = AT_FULL, restarted: bool = False) -> ChunkPlan:
+        """Controls of chunk `k` at `rung` (its steps, decoder and a decoder to warm) and the event ids it starts,
+        runs and completes; `restarted`: run again with a control that arrived in its probes. Pure planning: call
+        commit() once the chunk succeeded."""
         events = {eid: _Progress(p.event_id, p.camera_chunks, None if p.keys is None else list(p.keys),
                                  p.prompt_chunks) for eid, p in self.events.items()}
-        controls = ChunkControls(profile=self.profile)
+        controls = ChunkControls(profile=self.profile, steps=rung.rung.steps, decoder=rung.decoder,
+                                 prewarm=rung.prewarm)
         started, completed = [], []
         held, transitions = self.held, []
         for inter in self.pending:
@@ -134,7 +139,7 @@ class ControlPlanner:
                 prog.prompt_chunks -= 1
         completed += [eid for eid, prog in events.items() if prog.done()]
         self._planned = {eid: p for eid, p in events.items() if not p.done()}
-        return ChunkPlan(k, controls, started, active, completed)
+        return ChunkPlan(k, controls, started, active, completed, rung, restarted)
 
     def commit(self, plan: ChunkPlan) -> None:
         """The ranks ran the planned chunk: its controls are spent; the plan records the state after it."""

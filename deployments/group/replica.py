@@ -140,7 +140,7 @@ class WorldGroup:
         for line in overridden:
             log.warning("group %s: %s", self.id, line)
         mode = live.get("quality_ladder", self.settings.quality_ladder)
-        self.chunks.set_quality_ladder(mode)          # checked as the setting is (ConfigError)
+        self.chunks.ladder.set_mode(mode)             # checked as the setting is (ConfigError)
         log.info("group %s: quality_ladder %s", self.id, mode)
 
     def record_autoscaling_stats(self) -> dict:
@@ -159,7 +159,7 @@ class WorldGroup:
         muxer, mailbox = await asyncio.gather(self.muxer.census.remote(), self.mailbox.census.remote())
         own = {"sessions": len(self.chunks.sessions), "outboxes": len(self.chunks.outboxes),
                "deliveries": len(self.chunks.deliveries), "object_refs": held_refs()}
-        settings = {"quality_ladder": self.chunks.quality_ladder}
+        settings = {"quality_ladder": self.chunks.ladder.mode}
         if self.leases.snapshot_seats is not None:
             own["snapshot_seats_held"] = len(self.leases.snapshot_seats.holders)
         return {"group": own, "ranks": ranks, "muxer": muxer, "mailbox": mailbox, "settings": settings,

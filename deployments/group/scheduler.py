@@ -37,6 +37,7 @@ from lingbot.config import LINGBOT_GEOMETRY, ChunkGeometry
 
 from ..session.events import ChunkControls, Resume, SnapshotRef
 from ..session.requests import StartRequest
+from .ladder import AT_FULL, ChunkRung
 from .pacer import Pacer
 from .planner import ChunkPlan, ControlPlanner
 from .playback import PlaybackClock
@@ -97,8 +98,9 @@ class ScheduledSession:
         """Whether the session may start another chunk (not finished, in-flight bound not reached)."""
         return not self.finished and self.clock.below_bound
 
-    def plan_next_chunk(self) -> ChunkPlan:
-        return self.planner.plan(self.next_chunk)
+    def plan_next_chunk(self, rung: ChunkRung = AT_FULL, restarted: bool = False) -> ChunkPlan:
+        """The whole plan of the session's next chunk at `rung` (ControlPlanner.plan)."""
+        return self.planner.plan(self.next_chunk, rung, restarted)
 
     def commit_plan(self, plan: ChunkPlan) -> None:
         """The ranks ran the planned chunk: its controls are spent, and the chunk is in flight."""

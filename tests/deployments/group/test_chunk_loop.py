@@ -208,25 +208,25 @@ def test_the_ladder_turned_off_while_sessions_run_puts_them_at_full_from_their_n
         ranks = RankExecutor([Rank(r, log, engine_s=0.5, steps=steps) for r in range(2)], SETTINGS.chunk_timeout_s)
         loop = ChunkLoop("g", dataclasses.replace(SETTINGS, quality_ladder="auto"), GroupState(), ranks, Muxer(),
                          Mailbox(), Metrics(), lambda e: None, model=facts)
-        assert loop.quality_ladder == "auto"
+        assert loop.ladder.mode == "auto"
         boxes = [loop.add(session("a", 10)), loop.add(session("b", 10)), loop.add(session("p", 10, quality="steps3"))]
         while not any(st == 2 for _, _, st in steps):           # loaded: some chunk down at the floor
             await asyncio.sleep(0.01)
         switched = len(steps)
-        loop.set_quality_ladder("off")
-        loop.set_quality_ladder("off")                          # the same mode again: nothing changes
+        loop.ladder.set_mode("off")
+        loop.ladder.set_mode("off")                          # the same mode again: nothing changes
         try:
-            loop.set_quality_ladder("on")                       # checked as the setting is
+            loop.ladder.set_mode("on")                       # checked as the setting is
         except ConfigError as e:
             assert str(e) == "quality_ladder 'on' must be off or auto"
         else:
             raise AssertionError("quality_ladder 'on' was taken")
-        assert loop.quality_ladder == "off" and loop.ladder is None
+        assert loop.ladder.mode == "off" and loop.ladder.active is None
         for box in boxes:
             while not isinstance(await box.get(), SessionDone):
                 pass
-        loop.set_quality_ladder("auto")
-        assert loop.ladder is not None and loop.ladder.seats == {}
+        loop.ladder.set_mode("auto")
+        assert loop.ladder.active is not None and loop.ladder.active.seats == {}
         return steps, switched                                  # (asyncio.run cancels the idle loop's tasks)
 
     steps, switched = asyncio.run(scenario())
@@ -262,12 +262,12 @@ def test_the_ladder_turned_off_climbs_a_session_on_the_tiny_decoder_back_warm_at
         ran = []
         loop, boxes = await _on_the_tiny_decoder(0.5, ran)
         switched = len(ran)
-        loop.set_quality_ladder("off")
-        assert loop.quality_ladder == "off" and loop.ladder is None and loop.winding is not None
+        loop.ladder.set_mode("off")
+        assert loop.ladder.mode == "off" and loop.ladder.active is None and loop.ladder.winding is not None
         for box in boxes:
             while not isinstance(await box.get(), SessionDone):
                 pass
-        return ran, switched, loop.winding
+        return ran, switched, loop.ladder.winding
 
     ran, switched, winding = asyncio.run(scenario())
     assert winding is None                                      # let go once both ran on their own decoder
@@ -301,8 +301,8 @@ def test_the_ladder_turned_off_and_on_again_carries_a_climb_under_way():
         ran = []
         loop, boxes = await _on_the_tiny_decoder(engine_s, ran)
         on_tiny = {s for s, _, c, _ in ran if c.decoder == "tae"}
-        loop.set_quality_ladder("off")
-        loop.set_quality_ladder("auto")
+        loop.ladder.set_mode("off")
+        loop.ladder.set_mode("auto")
         fast.append(True)
         switched = len(ran)
         for box in boxes:

@@ -34,7 +34,7 @@ def test_with_the_ladder_a_group_below_its_cap_admits_while_the_floor_holds():
             on.chunks.scheduler.add(session(sid, 50))             # scheduled, the loop not started
         on.reserved = 3
         assert on._refusal(start(10)) is None                                      # not measured: the cap
-        on.chunks.ladder.ladder.observe(0, 0.3)
+        on.chunks.ladder.active.ladder.observe(0, 0.3)
         assert on.capacities() == {"configured": 6, "top": 2, "floor": 3}
         refused = on._refusal(start(10))
         assert refused.code == ErrorCode.CAPACITY_EXHAUSTED and "quality floor" in refused.message

@@ -356,3 +356,20 @@ def test_a_held_lead_stays_whatever_the_chunks_need():
     for _ in range(8):
         pacer.observe(0.2, 1.0)
     assert pacer.lead_s == 3.0 and pacer.max_lead_s == 3.0
+
+
+def test_the_plan_is_whole_its_rung_in_its_controls():
+    """The planner returns the whole plan: the rung the ladder chose is in the controls every rank applies (steps,
+    decoder, a decoder to warm) and in the plan (what the ladder learns the chunk's cost at); nothing is written
+    into a plan after planning. Without a rung, a chunk runs the model's own configuration."""
+    from deployments.group.ladder import ChunkRung
+    from lingbot.runtime.rungs import rung
+    s = _state("a", chunks=4)
+    warming = ChunkRung(rung("tiny_steps2"), "tae", "wan")
+    plan = s.plan_next_chunk(warming, restarted=True)
+    c = plan.controls
+    assert (c.steps, c.decoder, c.prewarm, c.quality, plan.rung, plan.restarted) == (2, "tae", "wan", "tiny_steps2",
+                                                                                    warming, True)
+    plan = s.plan_next_chunk()
+    assert (plan.controls.quality, plan.controls.prewarm, plan.rung.rung.name, plan.restarted) == ("full", None,
+                                                                                                 "full", False)
