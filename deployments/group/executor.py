@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ..session.events import ChunkControls, RankRestore, SnapshotRef
 from ..session.requests import StartRequest
-from .messages import ChunkReply, DeviceStats, OpenSession, RankInfo, RunChunk, SnapshotPlan
+from .messages import ChunkReply, DeviceStats, OpenSession, RankInfo, RunChunk, SnapshotSchedule
 
 
 class GroupFailure(RuntimeError):
@@ -78,7 +78,7 @@ class RankExecutor:
         return await self._gather("holdings", self._same(), timeout_s, "the census")
 
     # ---- sessions ---------------------------------------------------------------------------------
-    async def open(self, session_id: str, start: StartRequest, snapshots: Optional[SnapshotPlan],
+    async def open(self, session_id: str, start: StartRequest, snapshots: Optional[SnapshotSchedule],
                    restore: Sequence[Optional[RankRestore]]) -> list[Optional[int]]:
         """Build the session on every rank (rank i restores from restore[i]); the chunk each continues from, None
         where it was stopped meanwhile. Unbounded."""

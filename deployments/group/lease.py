@@ -13,7 +13,7 @@ from ..session.codes import ErrorCode
 from ..session.events import FINAL_EVENTS, Admitted, ModelFacts, Resumed, SessionDone, SessionFailed, SessionRequest
 from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
-from .messages import SnapshotPlan
+from .messages import SnapshotSchedule
 from .phase import GroupState
 from .scheduler import ScheduledSession
 from .snapshots import SnapshotSeats
@@ -58,12 +58,12 @@ class Leases:
         rung and at the floor as measured on this group (the ladder on; else the configured number for both)."""
         return {"configured": self.capacity, **self.chunks.ladder.capacities(self.capacity)}
 
-    def _snapshot_plan(self, session_id: str, keeper) -> Optional[SnapshotPlan]:
+    def _snapshot_schedule(self, session_id: str, keeper) -> Optional[SnapshotSchedule]:
         """How the session's ranks snapshot it: to its ingress's keeper every snapshot_interval_chunks, when it
         has a keeper and a seat in the host budget (None: no snapshots; a resume replays it)."""
         if self.snapshot_seats is not None:
             keeper = self.snapshot_seats.take(session_id, keeper)
-        return None if keeper is None else SnapshotPlan(keeper, self.settings.snapshot_interval_chunks)
+        return None if keeper is None else SnapshotSchedule(keeper, self.settings.snapshot_interval_chunks)
 
     def _free(self, session_id: str) -> None:
         """Every actor of the group forgets the session (told, not awaited); a running chunk of it ends at its
@@ -97,7 +97,7 @@ class Leases:
                 return
             restore = resume.restore if resume is not None and len(resume.restore) == len(self.ranks) \
                 else [None] * len(self.ranks)
-            opened = await self.ranks.open(sid, start, self._snapshot_plan(sid, request.keeper), restore)
+            opened = await self.ranks.open(sid, start, self._snapshot_schedule(sid, request.keeper), restore)
             if any(o is None for o in opened):
                 return                                 # cancelled while opening: the finally cleans up
             if resume is not None:

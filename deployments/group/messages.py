@@ -32,7 +32,7 @@ class RankInfo:
 
 
 @dataclass(frozen=True)
-class SnapshotPlan:
+class SnapshotSchedule:
     """How a session's ranks snapshot it: after every `every_chunks`-th chunk (the group's
     snapshot_interval_chunks), handed to the ingress's keeper that holds them for the session (`owner`)."""
     owner: SnapshotOwner
@@ -45,7 +45,7 @@ class OpenSession:
     frame decoder), restored from this rank's share of a resumed session's snapshots when there is one."""
     session_id: str
     start: StartRequest
-    snapshots: Optional[SnapshotPlan] = None       # None: the session keeps no snapshots
+    snapshots: Optional[SnapshotSchedule] = None   # None: the session keeps no snapshots
     restore: Optional[RankRestore] = None
 
 

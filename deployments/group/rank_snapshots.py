@@ -2,7 +2,7 @@
 session's state to the host after a chunk, its put into the object store by the session's keeper, and the
 report of the puts done to the group.
 
-After every `every_chunks`-th chunk (the group's snapshot_interval_chunks, in the session's SnapshotPlan) the
+After every `every_chunks`-th chunk (the group's snapshot_interval_chunks, in the session's SnapshotSchedule) the
 copy is queued on the rank's device thread right behind the chunk's reply, so it runs after the reply has gone
 and before the device's next chunk; a thread of its own hands it to the keeper, which puts it in the object
 store as its owner (so it outlives this process and its node). The keys of the puts done by then go back
@@ -23,7 +23,7 @@ from lingbot.runtime.pipeline import WorldSession
 from lingbot.runtime.snapshot import SNAPSHOTS_IN_FLIGHT, HostCopier, take_snapshot
 
 from ..session.events import SnapshotRef
-from .messages import ChunkReply, SnapshotPlan
+from .messages import ChunkReply, SnapshotSchedule
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class SessionSnapshots:
     its last snapshot (-1: none; the next one copies every K/V slot a continuation needs) and the last copy's
     time, reported with the next chunk."""
 
-    def __init__(self, plan: SnapshotPlan, last_chunk: int):
+    def __init__(self, plan: SnapshotSchedule, last_chunk: int):
         self.plan = plan
         self.puts: list[tuple[int, Future]] = []
         self.last_chunk = last_chunk

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import msgpack
 
 from lingbot.config import ChunkGeometry
-from lingbot.io.frames import DEFAULT_QUALITY, FrameBatch, FrameFormat
+from lingbot.io.frames import DEFAULT_COMPRESSION, FrameBatch, FrameFormat
 
 from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
@@ -194,10 +194,10 @@ def parse_output(msg: dict) -> FrameFormat:
     if kind not in FORMATS:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"realtime_output_format must be one of {', '.join(FORMATS)}, "
                             f"got {kind!r}")
-    quality = _opt(msg, "output_compression", int, "an integer")
-    if quality is not None and not 0 <= quality <= 100:
+    compression = _opt(msg, "output_compression", int, "an integer")
+    if compression is not None and not 0 <= compression <= 100:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"output_compression must be between 1 and 100 (0: the "
-                            f"format's default), got {quality}")
+                            f"format's default), got {compression}")
     max_width = _opt(msg, "realtime_preview_max_width", int, "an integer")
     if max_width is not None and max_width < 0:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"realtime_preview_max_width must be positive, got {max_width}")
@@ -206,7 +206,7 @@ def parse_output(msg: dict) -> FrameFormat:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"delta_reference must be 'previous-frame', got {delta!r}")
     if delta is not None and kind != "raw":
         raise ProtocolError(ErrorCode.INVALID_FIELD, "delta_reference applies to raw frames only")
-    return FrameFormat(kind, quality or DEFAULT_QUALITY.get(kind, 0), max_width or None, delta is not None)
+    return FrameFormat(kind, compression or DEFAULT_COMPRESSION.get(kind, 0), max_width or None, delta is not None)
 
 
 # ---- events ---------------------------------------------------------------------------------------

@@ -40,12 +40,12 @@ from .poses import (
     yaw_pitch_deg,
 )
 from .rays import KEYBOARD_FOCAL, REFERENCE_SIZE, Intrinsics, camera_patches, intrinsics_table, ray_map
-from .rig import CameraRig, CameraState, PlannedChunk, trajectory
+from .rig import CameraRig, CameraState, ChunkPoses, trajectory
 
 __all__ = [
     "KEYBOARD_FOCAL", "KEY_STEP", "PITCH_LIMIT_DEG", "PITCH_STEP_DEG", "REFERENCE_SIZE", "ROTATION_TOLERANCE", "STILL",
     "TRANSLATION_UNIT", "VALID_KEYS", "YAW_STEP_DEG",
-    "CameraError", "CameraEvent", "CameraRig", "CameraState", "Controls", "Intrinsics", "PlannedChunk", "Trajectory",
+    "CameraError", "CameraEvent", "CameraRig", "CameraState", "ChunkPoses", "Controls", "Intrinsics", "Trajectory",
     "TrajectoryError",
     "camera_patches", "check_trajectory", "intrinsics_table", "keyboard_step", "make_pose", "matrix_to_quat", "nlerp",
     "parse_key_script", "parse_keys", "quat_to_matrix", "ray_map", "relative_poses", "resample_poses", "rot_x", "rot_y",

@@ -38,7 +38,8 @@ class CameraState:
     frame: int = 0                          # latent frames committed (the position in an offline trajectory)
 
 
-class PlannedChunk(NamedTuple):
+class ChunkPoses(NamedTuple):
+    """One chunk's camera as the rig plans it (CameraRig.plan), committed once the chunk ran."""
     poses: np.ndarray                       # absolute poses [frames, 4, 4]
     state: CameraState                      # the rig's state once the chunk is committed
     live_event: bool                        # an SE3 event moved the camera in this chunk (fixed unit)
@@ -72,7 +73,7 @@ class CameraRig:
         """How many of the `frames` latent frames from `start` the offline trajectory places."""
         return 0 if self.trajectory is None else max(0, min(frames, len(self.trajectory) - start))
 
-    def plan(self, controls: Optional[Controls], frames: int) -> PlannedChunk:
+    def plan(self, controls: Optional[Controls], frames: int) -> ChunkPoses:
         """Absolute poses [frames, 4, 4] of the next chunk and the state after it; hand the plan to rays()
         and, once the chunk succeeded, to commit()."""
         state = self.state
@@ -101,7 +102,7 @@ class CameraRig:
             pitches.append(pitch)
         after = dataclasses.replace(state, pose=pose, motion=motion, motion_step=step, pitch_deg=pitch,
                                     frame=state.frame + frames)
-        return PlannedChunk(np.stack(poses), after, live, tuple(pitches), scripted)
+        return ChunkPoses(np.stack(poses), after, live, tuple(pitches), scripted)
 
     @staticmethod
     def _motion_pose(event: CameraEvent, start: np.ndarray, current: np.ndarray, step: int,
@@ -118,7 +119,7 @@ class CameraRig:
         q = nlerp(matrix_to_quat(start[:3, :3]), matrix_to_quat(target[:3, :3]), alpha)
         return make_pose(quat_to_matrix(q), t)
 
-    def relative(self, planned: PlannedChunk) -> np.ndarray:
+    def relative(self, planned: ChunkPoses) -> np.ndarray:
         """The chunk's frame-to-frame transforms as the model receives them [frames, 4, 4]: translations of
         offline frames in the clip's unit; of the others in the live controller's unit, or (keys) by their
         largest step."""
@@ -131,7 +132,7 @@ class CameraRig:
             return head
         return np.concatenate([head, relative_poses(planned.poses[n - 1], planned.poses[n:], unit)])
 
-    def frame_intrinsics(self, planned: PlannedChunk) -> np.ndarray:
+    def frame_intrinsics(self, planned: ChunkPoses) -> np.ndarray:
         """(fx, fy, cx, cy) of each frame of the chunk [frames, 4]."""
         table = intrinsics_table(self.intrinsics, len(planned.poses))
         n, start = planned.scripted, self.state.frame
@@ -139,10 +140,10 @@ class CameraRig:
             table[:n] = self.trajectory.intrinsics[start:start + n]
         return table
 
-    def rays(self, planned: PlannedChunk, height: int, width: int, device="cpu") -> Tensor:
+    def rays(self, planned: ChunkPoses, height: int, width: int, device="cpu") -> Tensor:
         return ray_map(self.relative(planned), self.frame_intrinsics(planned), height, width, device)
 
-    def commit(self, planned: PlannedChunk) -> None:
+    def commit(self, planned: ChunkPoses) -> None:
         self.state = planned.state
 
 

@@ -21,7 +21,7 @@ JPEG = "image/jpeg"
 CONTENT_TYPES = {"raw": RAW, "webp": WEBP, "jpeg": JPEG}
 RAW_FRAMES_PER_BATCH = 16
 IMAGE_FRAMES_PER_BATCH = 6
-DEFAULT_QUALITY = {"webp": 90, "jpeg": 95}
+DEFAULT_COMPRESSION = {"webp": 90, "jpeg": 95}   # the image codecs' quality setting (1-100)
 MAX_BATCH_BYTES = 8 * 2 ** 20               # a WebSocket message stays well under the proxy's 16 MiB frame limit
 _GZIP = 31                                  # zlib wbits: a gzip container
 
@@ -29,10 +29,11 @@ _GZIP = 31                                  # zlib wbits: a gzip container
 @dataclass(frozen=True)
 class FrameFormat:
     """How a session's frames travel: `kind` raw | webp | jpeg (fmp4 is the other protocol's H.264 path);
-    `quality` 1-100 for webp/jpeg; images are scaled to at most `max_width` (aspect kept); `delta`: raw
-    frames as XOR with the previous frame, gzipped per batch."""
+    `compression`: the image codec's quality setting, 1-100, for webp/jpeg (the client's output_compression);
+    images are scaled to at most `max_width` (aspect kept); `delta`: raw frames as XOR with the previous frame,
+    gzipped per batch."""
     kind: str = "fmp4"
-    quality: int = 0
+    compression: int = 0
     max_width: Optional[int] = None
     delta: bool = False
 
@@ -109,16 +110,16 @@ def restore_delta_gzip(payload: bytes, width: int, height: int, num_frames: int,
     return frames
 
 
-def encode_image(frame: np.ndarray, kind: str, quality: int, size: tuple[int, int]) -> bytes:
+def encode_image(frame: np.ndarray, kind: str, compression: int, size: tuple[int, int]) -> bytes:
     from PIL import Image
     image = Image.fromarray(frame, "RGB")
     if image.size != size:
         image = image.resize(size, Image.Resampling.BICUBIC)
     buf = io.BytesIO()
     if kind == "webp":
-        image.save(buf, "WEBP", quality=quality, method=0)
+        image.save(buf, "WEBP", quality=compression, method=0)
     else:
-        image.save(buf, "JPEG", quality=quality, subsampling=0)
+        image.save(buf, "JPEG", quality=compression, subsampling=0)
     return buf.getvalue()
 
 
@@ -144,7 +145,7 @@ class FrameBatcher:
                 out.append(FrameBatch(len(part), part.tobytes(), (), raw_size))
             else:
                 size = self.fmt.image_size(self.width, self.height)
-                images = [encode_image(f, self.fmt.kind, self.fmt.quality, size) for f in part]
+                images = [encode_image(f, self.fmt.kind, self.fmt.compression, size) for f in part]
                 out.append(FrameBatch(len(part), b"".join(images), tuple(len(b) for b in images), raw_size))
         return out
 

@@ -3,7 +3,7 @@ from typing import Optional
 
 import numpy as np
 
-from deployments.group.messages import OpenSession, RunChunk, SnapshotPlan
+from deployments.group.messages import OpenSession, RunChunk, SnapshotSchedule
 from deployments.session.events import ChunkControls, RankRestore, SnapshotOwner
 from deployments.session.requests import StartRequest
 
@@ -13,7 +13,7 @@ def opening(session_id: str, image: np.ndarray, prompt: str, seed: int, keeper=N
             window: Optional[tuple[int, int]] = None) -> OpenSession:
     """Open a session of the tiny preset's size (an endless one; the rank reads only what it builds from)."""
     start = StartRequest(prompt, image, 112, 64, None, None, 16.0, seed, None, [], decoder=decoder, window=window)
-    plan = None if keeper is None else SnapshotPlan(SnapshotOwner(keeper, session_id), every_chunks)
+    plan = None if keeper is None else SnapshotSchedule(SnapshotOwner(keeper, session_id), every_chunks)
     return OpenSession(session_id, start, plan, restore)
 
 

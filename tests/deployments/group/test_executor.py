@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from deployments.group.executor import GroupFailure, RankExecutor
-from deployments.group.messages import OpenSession, RunChunk, SnapshotPlan
+from deployments.group.messages import OpenSession, RunChunk, SnapshotSchedule
 from deployments.group.rank import RankWorker
 from deployments.session.events import ChunkControls, RankRestore, SnapshotOwner
 from tests.deployments.group.rank_calls import opening
@@ -62,7 +62,7 @@ def test_each_call_is_one_typed_message_per_rank():
     seen.clear()
     call = opening("s", None, "a harbour", 1)
     restore = [RankRestore(("slot0",), "state0"), RankRestore(("slot1",), "state1")]
-    plan = SnapshotPlan(SnapshotOwner("keeper", "s"), 3)
+    plan = SnapshotSchedule(SnapshotOwner("keeper", "s"), 3)
     _run(ranks.open("s", call.start, plan, restore))
     assert seen == [(r, (OpenSession("s", call.start, plan, restore[r]),)) for r in (0, 1)]
 

@@ -40,7 +40,7 @@ def test_init_defaults_and_fields():
     assert req.action_script == [("w", "wj", ""), ("l", "", "")]
     assert req.output == FrameFormat("webp", 70, 56)
     assert init(realtime_output_format="jpeg").output == FrameFormat("jpeg", 95)
-    assert init(realtime_output_format="webp", output_compression=0).output.quality == 90
+    assert init(realtime_output_format="webp", output_compression=0).output.compression == 90
     assert init(delta_reference="previous-frame").output == FrameFormat("raw", delta=True)
     # no classifier-free guidance: the values that mean none are accepted (clients send 1.0 or 0.0)
     assert all(init(guidance_scale=g).prompt == "p" for g in (1.0, 1, 0.0, 0, 0.5))
