@@ -40,7 +40,7 @@ CLUSTER_ENV = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     # Serve's proxy (uvicorn) would take X-Forwarded-For from any local connection (127.0.0.1, ::1) as the
     # client's address, so a client on the node could name any address; the ingress reads it itself, from the
-    # proxies in trusted_proxies only (deployments/ingress/door.py, client_address)
+    # proxies in trusted_proxies only (deployments/ingress/access.py, client_address)
     "FORWARDED_ALLOW_IPS": "",
 }
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"     # where Ray keeps a local cluster's token

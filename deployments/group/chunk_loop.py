@@ -26,9 +26,9 @@ from ..session.events import ChunkReady, GroupEvent, InteractionRefused, ModelFa
 from .executor import RankExecutor
 from .ladder import GroupLadder
 from .messages import ChunkReply, Fragment
-from .phase import GroupState
 from .planner import ChunkPlan
 from .scheduler import ScheduledSession, Scheduler
+from .state import GroupState
 
 log = logging.getLogger("ray.serve")
 

@@ -21,7 +21,7 @@ from ..session.events import Moving
 from ..session.waiting import STARTING_STATES
 from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
-from .phase import GroupPhase, GroupState
+from .state import GroupPhase, GroupState
 
 log = logging.getLogger("ray.serve")
 

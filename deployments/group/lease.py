@@ -14,9 +14,9 @@ from ..session.events import FINAL_EVENTS, Admitted, ModelFacts, Resumed, Sessio
 from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
 from .messages import SnapshotSchedule
-from .phase import GroupState
 from .scheduler import ScheduledSession
 from .snapshots import SnapshotSeats
+from .state import GroupState
 
 
 class Leases:

@@ -5,7 +5,7 @@ ServeSettings.placement_bundles), starts the rank actors pinned to their bundles
 process group (their join replies say what they run: ModelFacts), and starts the muxer (H.264) and the
 control mailbox (client controls). Each session is one long-lived streaming call (`session`): the lease
 that Serve counts for routing and autoscaling (lease.py). What runs the sessions is the chunk loop (chunk_loop.py); the
-group's own life (serving, stopping, draining, failed) is its GroupState (phase.py), moved by the liveness
+group's own life (serving, stopping, draining, failed) is its GroupState (state.py), moved by the liveness
 watcher here and the stop watcher in drain.py.
 """
 from __future__ import annotations
@@ -39,10 +39,10 @@ from .lease import Leases
 from .mailbox import ControlMailbox
 from .messages import DeviceStats, RankInfo
 from .muxer import Muxer
-from .phase import GroupPhase, GroupState
 from .rank import RankWorker
 from .scaling import TOP_CAPACITY
 from .snapshots import SnapshotSeats
+from .state import GroupPhase, GroupState
 
 log = logging.getLogger("ray.serve")
 

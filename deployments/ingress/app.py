@@ -2,7 +2,7 @@
 
 `WS /v1/realtime/video` speaks the vLLM-Omni realtime video protocol (vllm.py) plus keyboard keys in
 interactions; `WS /v1/realtime_video/generate` speaks SGLang's (sglang.py), on the same groups, admission
-and limits. Per connection: the door's checks (door.py), then the session's life (deployments/session/
+and limits. Per connection: the access checks (access.py), then the session's life (deployments/session/
 life.py) over the dialect's wire and a `ServeGroups` link: Serve's handle to the WorldGroup deployment (the
 lease), the group's control mailbox (client controls, off Serve's routing) and the snapshot keeper.
 Every refusal is an error with a stable code; the shared process never crashes on client input.
@@ -33,10 +33,7 @@ from ..session.requests import Interaction
 from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
 from . import peers, sglang
-from .census import GroupCensus
-from .door import (
-    SGLANG_ROUTE,
-    VLLM_ROUTE,
+from .access import (
     TenantLimits,
     accepted_subprotocol,
     busy,
@@ -45,10 +42,12 @@ from .door import (
     origin_allowed,
     presented_key,
 )
+from .census import GroupCensus
 from .fetch import ImageFetcher
 from .front import check_bound
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
+from .routes import SGLANG_ROUTE, VLLM_ROUTE
 from .vllm import VllmWire
 
 log = logging.getLogger("ray.serve")
@@ -132,7 +131,7 @@ class IngressMetrics:
 
 def _address(ws: WebSocket, trusted: tuple) -> str:
     """The client's address (Serve's proxy passes the connection's own; behind trusted proxies, the one they
-    name: door.client_address)."""
+    name: access.client_address)."""
     return client_address(ws.client.host if ws.client else "?", ws.headers.getlist("x-forwarded-for"), trusted)
 
 
@@ -251,8 +250,9 @@ class Ingress:
     async def realtime_sglang(self, ws: WebSocket):
         await self._serve(sglang.SglangWire(ws, self.settings, self.fetcher))
 
-    def _door(self, ws: WebSocket, address: str) -> tuple[Optional[ProtocolError], str]:
-        """(the refusal at the door, or None; the tenant: the presented key, else the client's `address`)."""
+    def _check_access(self, ws: WebSocket, address: str) -> tuple[Optional[ProtocolError], str]:
+        """(the refusal of the access checks, or None; the tenant: the presented key, else the client's
+        `address`)."""
         full = busy(self.live, self.settings.max_ingress_sessions, self.settings.retry_after_s, self.rng)
         if full is not None:                     # first: shedding a crowd costs nothing else
             return full, ""
@@ -284,7 +284,7 @@ class Ingress:
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
             life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room)
-            refusal, tenant = self._door(ws, address)
+            refusal, tenant = self._check_access(ws, address)
             if refusal is not None:
                 await life.refuse(refusal)
             else:

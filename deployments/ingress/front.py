@@ -13,7 +13,7 @@ routes) passes untouched.
 Its bound is the most WebSockets the app's ingress replicas hold together (max_ingress_sessions x
 max_ingress_replicas), so it refuses only what the ingress would certainly refuse: the WebSockets one proxy has
 passed on are some of those the replicas hold. With several proxies (one per node) each counts its own, and the
-ingress's own bound (door.busy) refuses the rest. The bound reaches the proxy through the environment Ray's
+ingress's own bound (access.busy) refuses the rest. The bound reaches the proxy through the environment Ray's
 processes start with (deployments/local.py `cluster_env`, cluster/render.py), as the setting's product; the
 ingress refuses to start when its settings need more than the proxies pass on (`check_bound`).
 
@@ -37,8 +37,9 @@ from typing import Optional
 from starlette.middleware import Middleware
 from starlette.websockets import WebSocket
 
+from .access import accepted_subprotocol, busy
 from .closing import CLOSE_TIMEOUT_S, close_quietly, error_message
-from .door import SGLANG_ROUTE, VLLM_ROUTE, accepted_subprotocol, busy
+from .routes import SGLANG_ROUTE, VLLM_ROUTE
 
 CALLBACK = "deployments.ingress.front.middlewares"       # RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
 MAX_ENV = "LINGBOT_PROXY_MAX_WEBSOCKETS"

@@ -50,7 +50,7 @@ class ErrorCode(StrEnum):
     ALREADY_STARTED = "already_started"
     CAMERA_SCRIPTED = "camera_scripted"              # a camera or key event while the camera follows a path
     TOO_MANY_CONTROLS = "too_many_controls"          # max_queued_controls interactions wait already
-    # the door
+    # access (deployments/ingress/access.py) and the door in Serve's proxy (front.py)
     UNAUTHORIZED = "unauthorized"
     HEADERS_TOO_LARGE = "headers_too_large"          # a handshake's headers over max_header_bytes (1008)
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"

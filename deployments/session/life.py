@@ -171,7 +171,7 @@ class SessionLife:
 
     # ---- 1. waiting for the start --------------------------------------------------------------
     async def run(self, tenant: str, limits) -> None:
-        """The whole life; `limits` (the door's TenantLimits) admits `tenant` once the start is valid."""
+        """The whole life; `limits` (access.py's TenantLimits) admits `tenant` once the start is valid."""
         try:
             start = await self.wait_for_start()
             if start is None:

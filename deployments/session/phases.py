@@ -1,5 +1,5 @@
 """A phase machine: an enum's phase that moves only along a table of transitions, each move checked and atomic.
-A session's life at the ingress (life.py) is one; a group's own phase (deployments/group/phase.py) is another.
+A session's life at the ingress (life.py) is one; a group's own phase (deployments/group/state.py) is another.
 
 Plain Python: no Ray."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ and overridden by LINGBOT_<KEY> environment variables (the only place that reads
 value and the fix.
 
 Each setting is declared once (concerns.py): its flat key, type, default, meaning and bounds, in the concern it
-belongs to (model, placement, capacity, pace, continuity, drain, encoding, door, limits, health), whose own checks
+belongs to (model, placement, capacity, pace, continuity, drain, encoding, access, limits, health), whose own checks
 sit beside it. ServeSettings inherits every concern's fields and is the one form read everywhere
 (`settings.drain_lead_s`).
 

@@ -1,6 +1,6 @@
 """Every serving setting, declared once: its flat key (the field's name: serve_config.yaml's args key, and
 LINGBOT_<KEY> in the environment), type, default, meaning and bounds, in one small frozen dataclass per concern
-(model, placement, capacity, pace, continuity, drain, encoding, door, limits, health) with the checks of that
+(model, placement, capacity, pace, continuity, drain, encoding, access, limits, health) with the checks of that
 concern. The concerns are sections of ServeSettings (serve.py), which inherits every field and is the one object
 read everywhere (`settings.drain_lead_s`); a concern is never built or read on its own. `CONCERNS` lists them in
 the order the settings command shows them, `KEYS` maps each flat key to its concern."""
@@ -128,7 +128,7 @@ class PlacementSettings(SettingsConcern):
     muxer_cpus: float = setting(0.1, "CPUs of a group's muxer (encodes and packages the sessions' video)", at_least=0)
     muxer_gpus: float = setting(0.0, "GPUs of the muxer: > 0 lets it see a GPU, so encoder auto can use NVENC "
                                      "(cuda only)", at_least=0)
-    ingress_cpus: float = setting(0.05, "CPUs per ingress replica (the WebSocket door)", at_least=0)
+    ingress_cpus: float = setting(0.05, "CPUs per ingress replica (it holds the WebSockets)", at_least=0)
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class CapacitySettings(SettingsConcern):
                                             "max_ingress_sessions); a start beyond them is refused at once with "
                                             "capacity_exhausted")
     max_ingress_replicas: int = setting(1, "ingress replicas Serve may run: above 1 it adds one when the WebSockets "
-                                           "held pass 3/4 of max_ingress_sessions per replica (a crowd adds doors, "
+                                           "held pass 3/4 of max_ingress_sessions per replica (a crowd adds replicas, "
                                            "not refusals); each keeps its own waiting room, limits and keeper",
                                        at_least=1)
     max_ingress_connections: int = setting(1024, "requests Serve routes to one ingress replica at once (its "
@@ -283,7 +283,7 @@ class EncoderSettings(SettingsConcern):
 
 def parse_allowlist(text: str) -> tuple[str, ...]:
     """image_url_allowlist's value -> its prefixes: "https://cdn.example.com/images/, http://10.0.0.5:8080/" ->
-    ("https://cdn.example.com/images/", "http://10.0.0.5:8080/"); ValueError for a bad one. The door's
+    ("https://cdn.example.com/images/", "http://10.0.0.5:8080/"); ValueError for a bad one. The ingress's
     fetcher (deployments/ingress/fetch.py) fetches only under these."""
     prefixes = tuple(p.strip() for p in text.split(",") if p.strip())
     for p in prefixes:
@@ -296,8 +296,8 @@ def parse_allowlist(text: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class DoorSettings(SettingsConcern):
-    """The door: who may open sessions, how many, from which pages, and which images the server fetches."""
+class AccessSettings(SettingsConcern):
+    """Access: who may open sessions, how many, from which pages, and which images the server fetches."""
     api_keys: str = setting("", "comma-separated API keys; when set, clients must present one (see README)",
                             secret=True)
     max_sessions_per_key: int = setting(8, "sessions one key (or client address, without keys) may hold at "
@@ -388,7 +388,7 @@ class HealthSettings(SettingsConcern):
 # the concerns by name, in the order describe() and the settings command list them
 CONCERNS: dict[str, type[SettingsConcern]] = {
     "model": ModelSettings, "placement": PlacementSettings, "capacity": CapacitySettings, "pace": PacingSettings,
-    "continuity": ContinuitySettings, "drain": DrainSettings, "encoding": EncoderSettings, "door": DoorSettings,
+    "continuity": ContinuitySettings, "drain": DrainSettings, "encoding": EncoderSettings, "access": AccessSettings,
     "limits": SessionLimits, "health": HealthSettings,
 }
 # flat key -> (its concern's name, its field), in the concerns' order

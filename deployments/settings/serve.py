@@ -13,9 +13,9 @@ from lingbot.runtime.rungs import rung
 from .concerns import (
     CONCERNS,
     KEYS,
+    AccessSettings,
     CapacitySettings,
     ContinuitySettings,
-    DoorSettings,
     DrainSettings,
     EncoderSettings,
     HealthSettings,
@@ -34,7 +34,7 @@ ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 # the concerns as bases, the last first: a dataclass takes its bases' fields from the end of the list, so the
 # fields run in the concerns' order (CONCERNS), as to_dict() and describe() list them
 @dataclass(frozen=True)
-class ServeSettings(HealthSettings, SessionLimits, DoorSettings, EncoderSettings, DrainSettings, ContinuitySettings,
+class ServeSettings(HealthSettings, SessionLimits, AccessSettings, EncoderSettings, DrainSettings, ContinuitySettings,
                     PacingSettings, CapacitySettings, PlacementSettings, ModelSettings):
     """Every serve setting, one field per flat key (serve_config.yaml's args, LINGBOT_<KEY>, ServeSettings(**flat),
     to_dict()), declared with its default, meaning and bounds by its concern (concerns.py). Building it checks

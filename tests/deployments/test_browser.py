@@ -76,7 +76,7 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
     from playwright.async_api import async_playwright
 
     from deployments.client import FramesClient
-    from deployments.ingress.door import subprotocol_key
+    from deployments.ingress.access import subprotocol_key
     from tests.deployments.clients import frames_url
 
     async def scenario():

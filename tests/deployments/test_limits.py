@@ -24,7 +24,7 @@ URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
 def test_tenants_without_a_recent_start_are_forgotten():
     """The start windows of tenants that have not started for a minute are dropped (a public server keyed by
     address would keep every address it ever saw otherwise)."""
-    from deployments.ingress.door import TenantLimits
+    from deployments.ingress.access import TenantLimits
     limits = TenantLimits(max_starts_per_minute=5)
     for i in range(100):
         assert limits.admit(f"addr:{i}", 0.0) is None
@@ -35,7 +35,7 @@ def test_tenants_without_a_recent_start_are_forgotten():
 
 
 def test_tenant_limits_by_hand():
-    from deployments.ingress.door import TenantLimits
+    from deployments.ingress.access import TenantLimits
     limits = TenantLimits(max_sessions=2, max_starts_per_minute=3)
     assert limits.admit("a", 0.0) is None and limits.admit("a", 1.0) is None
     busy = limits.admit("a", 2.0)                                # a third at once
@@ -53,7 +53,7 @@ def test_tenant_limits_by_hand():
 
 
 def test_origins_and_keys_by_hand():
-    from deployments.ingress.door import origin_allowed, presented_key
+    from deployments.ingress.access import origin_allowed, presented_key
     own = {"host": "127.0.0.1:8000"}
     assert origin_allowed(own, frozenset())                                          # programs: no Origin
     assert origin_allowed({**own, "origin": "http://127.0.0.1:8000"}, frozenset())   # the page's own
@@ -77,7 +77,7 @@ def test_the_client_behind_trusted_proxies_is_the_last_address_they_did_not_add(
     wrote to the left of it is never read; a hop's port is dropped."""
     import ipaddress
 
-    from deployments.ingress.door import client_address
+    from deployments.ingress.access import client_address
     from deployments.settings import ServeSettings
     from lingbot.config import ConfigError
     trusted = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128"))
@@ -105,7 +105,7 @@ def test_a_page_offers_its_key_as_a_subprotocol():
     ingress answers `lingbot`."""
     import base64
 
-    from deployments.ingress.door import accepted_subprotocol, presented_key, subprotocol_key
+    from deployments.ingress.access import accepted_subprotocol, presented_key, subprotocol_key
 
     def offer(key: str) -> dict:
         encoded = base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
@@ -125,7 +125,7 @@ def test_a_page_offers_its_key_as_a_subprotocol():
 def test_a_connection_beyond_the_ingress_sessions_is_busy_with_a_jittered_retry():
     import random
 
-    from deployments.ingress.door import busy
+    from deployments.ingress.access import busy
     rng = random.Random(5)
     assert busy(64, 64, 10.0, rng) is None                    # the 64th is served
     refusals = [busy(65, 64, 10.0, rng) for _ in range(200)]
@@ -136,7 +136,7 @@ def test_a_connection_beyond_the_ingress_sessions_is_busy_with_a_jittered_retry(
 
 
 def test_hosts_by_hand():
-    from deployments.ingress.door import host_allowed
+    from deployments.ingress.access import host_allowed
     local = frozenset({"localhost"})
     for host in ("localhost:8000", "LOCALHOST", "localhost.", "127.0.0.1:8000", "10.1.2.3", "[::1]:8000", "[::1]",
                  "::1"):

@@ -7,7 +7,7 @@ import itertools
 
 from deployments.group.chunk_loop import ChunkLoop
 from deployments.group.executor import GroupFailure, RankExecutor
-from deployments.group.phase import GroupPhase, GroupState
+from deployments.group.state import GroupPhase, GroupState
 from deployments.session.codes import ErrorCode
 from deployments.session.events import (
     ChunkControls,

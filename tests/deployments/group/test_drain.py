@@ -3,7 +3,7 @@ and the stop watcher's reading of the controller's replica states."""
 from dataclasses import replace
 
 from deployments.group.drain import DrainTimes, StopWatcher, drain_due
-from deployments.group.phase import GroupPhase, GroupState
+from deployments.group.state import GroupPhase, GroupState
 from deployments.settings import ServeSettings
 
 

@@ -7,7 +7,7 @@ import dataclasses
 from deployments.group.chunk_loop import ChunkLoop
 from deployments.group.executor import RankExecutor
 from deployments.group.lease import Leases
-from deployments.group.phase import GroupState
+from deployments.group.state import GroupState
 from deployments.session.codes import ErrorCode
 from deployments.session.events import ModelFacts
 from lingbot.config import get_preset

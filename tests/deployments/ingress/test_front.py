@@ -15,8 +15,8 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route, WebSocketRoute
 
+from deployments.ingress.access import busy
 from deployments.ingress.closing import error_message
-from deployments.ingress.door import SGLANG_ROUTE, VLLM_ROUTE, busy
 from deployments.ingress.front import (
     CALLBACK,
     MAX_ENV,
@@ -30,6 +30,7 @@ from deployments.ingress.front import (
     proxy_env,
     refusal_frame,
 )
+from deployments.ingress.routes import SGLANG_ROUTE, VLLM_ROUTE
 from deployments.local import cluster_env
 
 

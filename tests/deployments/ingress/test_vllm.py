@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deployments.ingress.door import authorized
+from deployments.ingress.access import authorized
 from deployments.ingress.vllm import parse_interaction, parse_json, parse_start
 from deployments.session.codes import ProtocolError
 from lingbot.config import LINGBOT_GEOMETRY

@@ -1,5 +1,5 @@
-"""The door: what a connection must pass before its session may start. Who may connect (an API key, the page's
-origin) and limits per tenant (an API key, or the client's address when no keys are configured): how
+"""Access: what a connection must pass at the ingress before its session may start. Who may connect (an API key,
+the page's origin) and limits per tenant (an API key, or the client's address when no keys are configured): how
 many sessions it may hold at once and how many it may start per minute. Plain Python, one per ingress
 replica: the app runs one; with several (or an old one draining through a redeploy) each enforces the limits
 on its own connections."""
@@ -15,8 +15,6 @@ from typing import Optional
 from ..session.codes import CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 
 WINDOW_S = 60.0
-VLLM_ROUTE = "/v1/realtime/video"                 # the first protocol's WebSocket (vllm.py)
-SGLANG_ROUTE = "/v1/realtime_video/generate"      # the second's (sglang.py)
 
 
 class TenantLimits:
