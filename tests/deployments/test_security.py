@@ -3,6 +3,7 @@ answer, and a decompression bomb on either protocol refused without the ingress'
 own test, tests/deployments/ingress/test_parsing.py, has the refusal's details)."""
 import asyncio
 import base64
+import re
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +17,8 @@ from deployments.ingress.headers import CONTENT_SECURITY_POLICY
 from tests.deployments.clients import H, W, frames_url, png_url, run
 from tests.deployments.conftest import HTTP
 from tests.deployments.ingress.inputs import webp_bomb
-from tests.deployments.observe import metric, scrape
+from tests.deployments.observe import live_sessions, metric, scrape, settled
+from tests.waits import wait_until
 
 HEADERS = {"content-security-policy": CONTENT_SECURITY_POLICY, "x-content-type-options": "nosniff",
            "x-frame-options": "DENY", "referrer-policy": "no-referrer"}
@@ -157,6 +159,7 @@ def test_one_address_holds_at_most_max_connections_per_address(serve_app):
     from tests.deployments.conftest import URL
 
     async def scenario():
+        before = await asyncio.to_thread(live_sessions)
         held = [await websockets.connect(URL, open_timeout=30) for _ in range(17)]
         try:
             answers = [await first_answer(ws) for ws in held]
@@ -166,7 +169,8 @@ def test_one_address_holds_at_most_max_connections_per_address(serve_app):
         finally:
             for ws in held:
                 await ws.close()
-        await asyncio.sleep(0.5)
+        await asyncio.to_thread(wait_until, lambda: live_sessions() <= before, 30,
+                                "the ingress to see the 17 connections closed")
         async with websockets.connect(URL, open_timeout=30) as ws:
             after = await first_answer(ws)
         return answers, after, proxied
@@ -212,11 +216,8 @@ def test_a_crowd_beyond_the_ingress_sessions_is_answered_server_busy_while_healt
 
     def counted_busy() -> float:
         return metric(scrape(METRICS_PORT), "lingbot_refusals_total", code="server_busy")
-    counted, previous = None, None
-    while counted is None:                                  # two exports in a row agree: nothing in flight
-        time.sleep(METRICS_INTERVAL_MS / 1000 + 0.5)
-        now = counted_busy()
-        counted, previous = (now if now == previous else None), now
+    counted = settled(counted_busy, METRICS_INTERVAL_MS / 1000 + 0.5, 120,       # nothing in flight
+                      "the server_busy count to settle: two exports in a row alike")
     answers, health = run(scenario())
     assert [status for status, _ in health] == [200, 200]
     busy = [a for a in answers if a.get("code") == "server_busy"]
@@ -258,6 +259,23 @@ def _serve_logs() -> dict:
     return {p: p.stat().st_size for p in folder.glob("*.log")}
 
 
+def _written_since(sizes: dict) -> dict:
+    """The lines each of Serve's log files gained since `sizes` (_serve_logs's answer): {path: [line, ...]}."""
+    written = {}
+    for path in _serve_logs():
+        with open(path, "rb") as f:
+            f.seek(sizes.get(path, 0))
+            written[path] = f.read().decode(errors="replace").splitlines()
+    return written
+
+
+def _websocket_ends(written: dict) -> int:
+    """The WebSocket connections the proxy logged the end of in `written` (its access lines: `WS <route> <close
+    code> <latency>ms`, written once a connection has closed)."""
+    return sum(bool(re.search(r"\bWS \S+ \S+ [\d.]+ms", line))
+               for path, lines in written.items() if path.name.startswith("proxy_") for line in lines)
+
+
 def test_a_client_that_leaves_while_queued_frees_its_place_and_nothing_logs_an_error(serve_app):
     """Both places of the group held: a third client waits (told place 1) and closes its connection while it
     waits; a fourth that comes after is told place 1 (the ingress reads a waiting client, so the third's place
@@ -285,8 +303,10 @@ def test_a_client_that_leaves_while_queued_frees_its_place_and_nothing_logs_an_e
             await third.__aenter__()
             await third.start("p", png_url(), W, H, 2, seed=3)
             first_place = await queued_place(third)
+            held = await asyncio.to_thread(live_sessions)         # a, b and the third
             await third.ws.close()                                # gone while it waits
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(wait_until, lambda: live_sessions() < held, 30,
+                                    "the ingress to let the third client go")
             async with RealtimeClient(URL) as fourth:
                 await fourth.start("p", png_url(), W, H, 2, seed=4)
                 second_place = await queued_place(fourth)
@@ -296,15 +316,13 @@ def test_a_client_that_leaves_while_queued_frees_its_place_and_nothing_logs_an_e
         async with RealtimeClient(URL) as after:
             await after.start("p", png_url(), W, H, 1, seed=5)
             result = await after.receive_session()
-        await asyncio.sleep(1.0)                                  # what the ingress and the proxy log of it
         return first_place, second_place, result, logs
 
     first_place, second_place, result, logs = run(scenario())
     assert (first_place, second_place) == (1, 1) and result.error is None and result.done["chunks"] == 1
-    written = []
-    for path in _serve_logs():
-        with open(path, "rb") as f:
-            f.seek(logs.get(path, 0))
-            written += f.read().decode(errors="replace").splitlines()
+    # what the ingress and the proxy log of the five connections is written once the proxy logged their ends
+    wait_until(lambda: _websocket_ends(_written_since(logs)) >= 5, 30,
+               "the proxy's access lines of the five connections (both holders, the third, the fourth, the last)")
+    written = [line for lines in _written_since(logs).values() for line in lines]
     bad = [line for line in written if " ERROR " in line or "Traceback" in line or "GeneratorExit" in line]
     assert written and not bad, "\n".join(bad[:20])
