@@ -35,12 +35,11 @@ serve: install
 
 # In-process benchmarks (perf/README.md has the rest, incl. the WebSocket benchmark perf/realtime.py)
 perf: install
-	$(PY) -m perf.chunk_time
-	$(PY) -m perf.pipeline_time
-	$(PY) -m perf.sp_time
+	$(PY) -m perf.ab --switch camera_cache
 	$(PY) -m perf.ab --switch fixed_point_skip
+	$(PY) -m perf.sp_time
 	$(PY) -m perf.cost
-	$(PY) -m perf.flops
+	$(PY) -m perf.cost --preset lingbot-world-v2-14b --no-measure
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -63,7 +63,7 @@ def _second_frame(model, latents: torch.Tensor) -> torch.Tensor:
 
 
 def _relative(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(max |diff| / max |ref|, rms diff / rms ref), as perf/condition_dtype.py measures."""
+    """(max |diff| / max |ref|, rms diff / rms ref), as the bf16 condition encoder was judged (perf/README.md)."""
     diff = (got - ref).double()
     ref = ref.double()
     return (diff.abs().max() / ref.abs().max()).item(), (diff.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
