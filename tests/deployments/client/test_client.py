@@ -4,6 +4,7 @@ import asyncio
 import websockets
 
 from deployments.client import FramesClient, RealtimeClient
+from tests.waits import async_wait_until
 
 
 async def refuse(ws):
@@ -45,12 +46,14 @@ def test_a_start_without_fps_leaves_the_field_out_so_the_server_chooses():
         async def record(ws):
             seen.append(await ws.recv())
             await ws.close(1000)
+
+        async def recorded(starts: int):
+            await async_wait_until(lambda: len(seen) >= starts, 10, f"the server to record start {starts}")
         async with websockets.serve(record, "127.0.0.1", 0) as server:
             url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
             for kw in ({}, {"fps": 8.0}):
                 await send_start(url, kw)
-                while len(seen) < (1 if not kw else 2):
-                    await asyncio.sleep(0.01)
+                await recorded(1 if not kw else 2)
         return seen
 
     async def realtime(url, kw):

@@ -13,6 +13,7 @@ from deployments.group.rank import RankWorker
 from deployments.session.events import ChunkControls, RankRestore, SnapshotOwner
 from tests.deployments.group.rank_calls import opening
 from tests.deployments.group.standins import Remote
+from tests.waits import async_wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 RANK_METHODS = {name for name, _ in inspect.getmembers(RankWorker, inspect.isfunction) if not name.startswith("_")}
@@ -108,6 +109,6 @@ def test_stop_close_and_abort_are_told_to_every_rank():
         ranks.stop("s")
         ranks.abort("s", 3)
         ranks.close("s")
-        await asyncio.sleep(0.01)
+        await async_wait_until(lambda: len(seen) >= 6, 10, "the three calls to reach both ranks")
         return sorted(seen)
     assert _run(scenario()) == [(0, ("s",)), (0, ("s",)), (0, ("s", 3)), (1, ("s",)), (1, ("s",)), (1, ("s", 3))]

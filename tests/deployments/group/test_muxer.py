@@ -8,6 +8,7 @@ import pytest
 
 from deployments.group.muxer import Muxer
 from lingbot.io.video import read_frames
+from tests.waits import wait_until
 
 W, H = 832, 480
 
@@ -38,13 +39,29 @@ def test_out_of_order_chunks_are_encoded_in_order():
     assert read_frames(stream).shape == (33, H, W, 3)
 
 
+class _Turn(threading.Condition):
+    """The muxer's condition, counting the chunks that wait on it for their turn."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = 0
+
+    def wait(self, timeout=None):
+        self.waiting += 1                 # under the lock, which the wait gives up only after this
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+
 def test_close_releases_waiting_chunks_and_drops_late_ones():
     muxer = Muxer(W, H)
+    muxer.turn = _Turn()
     muxer.open("s", 16.0)
     got = {}
     waiter = threading.Thread(target=lambda: got.setdefault(1, muxer.encode("s", 1, _chunk(1), 0.0)))
     waiter.start()
-    time.sleep(0.1)
+    wait_until(lambda: muxer.turn.waiting, 10, "chunk 1 to wait for chunk 0")
     muxer.close("s")                                             # chunk 0 never came: the session ended
     waiter.join(timeout=10)
     assert got == {1: None}
