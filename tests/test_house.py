@@ -1,5 +1,6 @@
 """The house's rules, read from the sources (docs/architecture.md, "The layers"): imports go one way between
-rooms, no source file grows past 450 lines, and neither the engine nor the protocol clients import Ray.
+rooms, no source file grows past 450 lines (the tests' included), neither the engine nor the protocol clients
+import Ray, and no test module imports another (what tests share lives in support modules and conftest.py).
 
 A room is a subpackage or a top-level module of lingbot/, deployments/, perf/ or cluster/ (lingbot.io,
 lingbot.config, deployments.session, perf.soak, ...); a package's own __init__.py is the room of the
@@ -18,9 +19,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS_OF = ("lingbot", "deployments", "perf", "cluster")      # the packages whose rooms must not form a cycle
-SIZED = ("lingbot", "deployments", "perf")                     # the packages held to MAX_LINES per file
+SIZED = ("lingbot", "deployments", "perf", "tests")            # the packages held to MAX_LINES per file
 MAX_LINES = 450
 NO_RAY = ("lingbot", "deployments/client")                     # the engine, and a client of the protocols
+# test modules that still import another, each (importer, imported) until its move lands; each must still be
+# there (the check says when one is gone, so the entry goes too)
+NOT_YET_MOVED = {("tests/deployments/group/test_ladder.py", "tests.deployments.group.test_scheduler")}
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,45 @@ def test_no_source_file_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for package in SIZED for p in python_files(ROOT, package)
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"over {MAX_LINES} lines (split by concern): {long}"
+
+
+def imports_of_test_modules(root: Path) -> list[tuple[str, str, int]]:
+    """(importing file, imported test module, line) for every import of a test module (a `test_*.py` under
+    tests/) by another file there, in functions too; support modules and conftest.py are not test modules."""
+    files = python_files(root, "tests")
+    known = {module_of(root, p) for p in files}
+    found = []
+    for path in files:
+        module = module_of(root, path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for name, line in imported_modules(tree, module, path.name == "__init__.py", known):
+            if name in known and name != module and name.rsplit(".", 1)[-1].startswith("test_"):
+                found.append((str(path.relative_to(root)), name, line))
+    return sorted(set(found))
+
+
+def test_no_test_module_imports_another():
+    found = imports_of_test_modules(ROOT)
+    pairs = {(path, name) for path, name, _ in found}
+    assert not NOT_YET_MOVED - pairs, f"moved at last: drop them from NOT_YET_MOVED: {sorted(NOT_YET_MOVED - pairs)}"
+    imports = [f"{path}:{line} imports {name}" for path, name, line in found if (path, name) not in NOT_YET_MOVED]
+    assert imports == [], "move what they share to a support module or conftest.py:\n" + "\n".join(imports)
+
+
+def test_a_test_module_importing_another_is_named_wherever_the_import_is(tmp_path):
+    """The check itself, on a tree made for it: imports of a test module at the top, inside a function and as a
+    name of its package are found; of a support module or conftest.py, and a module's own name, are not."""
+    (tmp_path / "tests" / "a").mkdir(parents=True)
+    for name, text in [("tests/__init__.py", ""), ("tests/conftest.py", ""), ("tests/a/__init__.py", ""),
+                       ("tests/a/support.py", "from tests.a.test_x import y\n"),
+                       ("tests/a/test_x.py", "import os\n\nfrom tests.a import support\nfrom tests import conftest\n"),
+                       ("tests/a/test_y.py", "from tests.a.test_x import y\n\n\ndef f():\n    import tests.a.test_x\n"),
+                       ("tests/a/test_z.py", "from tests.a import test_y, support\n")]:
+        (tmp_path / name).write_text(text)
+    assert imports_of_test_modules(tmp_path) == [("tests/a/support.py", "tests.a.test_x", 1),
+                                             ("tests/a/test_y.py", "tests.a.test_x", 1),
+                                             ("tests/a/test_y.py", "tests.a.test_x", 5),
+                                             ("tests/a/test_z.py", "tests.a.test_y", 1)]
 
 
 def test_the_engine_and_the_clients_import_no_ray():
