@@ -37,14 +37,19 @@ MAX_INT_DIGITS = 40
 # a second of a core that the C decoders spend holding the GIL) is refused after a bounded amount of work. The
 # largest real messages are camera trajectories, 6 containers per video frame: 65,536 hold about 10,900 frames
 # (11 minutes at 16 fps); real maps hold a few dozen keys.
-MAX_CONTAINERS = 2 ** 16            # arrays and maps in one message
+MAX_CONTAINERS = 2 ** 16            # arrays and maps in one start message
+# Any later message (an interaction, a heartbeat, a stop) holds a few dozen: the most is an SGLang camera_actions
+# state event of MAX_TRANSITIONS (512) transitions, a map and a list each. 2,048 is far below what max_control_bytes
+# of empty arrays would build (43,000 in 128 KiB of JSON, 131,000 in 128 KiB of MessagePack: 40 ms of a core to
+# build and walk), so a session at its message rate cannot take the event loop from the others.
+MAX_CONTROL_CONTAINERS = 2 ** 11
 MAX_MAP_LEN = 256                   # keys in one map
 # text a client sends that is kept: a prompt is tokenized whole before the text encoder cuts it at 512 tokens
 # (umT5: about 4 characters each in English, 1 in Chinese), and it stays in the session's journal; an event id is
 # echoed in every chunk's metadata
 MAX_PROMPT_CHARS = 4096
 MAX_EVENT_ID_CHARS = 128
-INLINE_DECODE_BYTES = 64 * 2 ** 10  # larger messages (starts, with their image) decode in a worker thread
+INLINE_DECODE_BYTES = 16 * 2 ** 10  # larger messages (starts with their image, large controls) decode in a thread
 # First frames decoded at once in this process. One at the pixel cap (6.4 M pixels at 832x480) takes about
 # 150 MB (the decoded image, its RGB copy, uint8 and float arrays) and under a second of a core; starts parse in
 # worker threads (asyncio.to_thread), so a start beyond these waits for a slot in its thread, at most
@@ -70,16 +75,16 @@ def too_complex(what: str) -> ProtocolError:
     return ProtocolError(ErrorCode.TOO_COMPLEX, f"the message holds {what}", close=CLOSE_INVALID_DATA)
 
 
-def check_json_text(text: str) -> None:
-    """Refuse JSON text that could decode to more than MAX_CONTAINERS arrays and objects or hold more than
-    MAX_CONTAINERS keys, counted before it is decoded (an upper bound: brackets and colons in strings count too;
+def check_json_text(text: str, containers: int = MAX_CONTAINERS) -> None:
+    """Refuse JSON text that could decode to more than `containers` arrays and objects or hold more than
+    `containers` keys, counted before it is decoded (an upper bound: brackets and colons in strings count too;
     a real message has a few)."""
-    if text.count("[") + text.count("{") > MAX_CONTAINERS:
+    if text.count("[") + text.count("{") > containers:
         if _json_depth(text) > MAX_DEPTH:          # one deep nest is too deep before it is too many
             raise too_deep()
-        raise too_complex(f"more than {MAX_CONTAINERS} arrays and objects")
-    if text.count(":") > MAX_CONTAINERS:
-        raise too_complex(f"more than {MAX_CONTAINERS} keys")
+        raise too_complex(f"more than {containers} arrays and objects")
+    if text.count(":") > containers:
+        raise too_complex(f"more than {containers} keys")
 
 
 def _json_depth(text: str) -> int:
@@ -97,20 +102,20 @@ def json_object(pairs: list) -> dict:
     return dict(pairs)
 
 
-def msgpack_limits() -> dict:
+def msgpack_limits(containers: int = MAX_CONTAINERS) -> dict:
     """Keyword arguments of msgpack.unpackb for one client message: at most MAX_MAP_LEN keys per map and
-    MAX_CONTAINERS entries per array (the unpacker refuses such a header before reading on), and at most
-    MAX_CONTAINERS arrays and maps in all (counted by hooks as the unpacker builds them; past it the decode
-    stops with too_complex)."""
+    `containers` entries per array (the unpacker refuses such a header before reading on), and at most
+    `containers` arrays and maps in all (counted by hooks as the unpacker builds them; past it the decode stops
+    with too_complex)."""
     built = 0
 
     def count(container):
         nonlocal built
         built += 1
-        if built > MAX_CONTAINERS:
-            raise too_complex(f"more than {MAX_CONTAINERS} arrays and maps")
+        if built > containers:
+            raise too_complex(f"more than {containers} arrays and maps")
         return container
-    return {"max_array_len": MAX_CONTAINERS, "max_map_len": MAX_MAP_LEN, "list_hook": count, "object_hook": count}
+    return {"max_array_len": containers, "max_map_len": MAX_MAP_LEN, "list_hook": count, "object_hook": count}
 
 
 def bounded_int(text: str) -> int:

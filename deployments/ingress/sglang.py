@@ -25,6 +25,8 @@ from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly, error_message, pack
 from .parsing import (
     INLINE_DECODE_BYTES,
+    MAX_CONTAINERS,
+    MAX_CONTROL_CONTAINERS,
     MAX_PROMPT_CHARS,
     StartRules,
     ascii_int,
@@ -50,11 +52,12 @@ FORMATS = ("raw", "webp", "jpeg")
 START = StartRules(default_seed=42, decoder_field="init.decoder")
 
 
-def unpack(data: bytes, limit: int) -> dict:
-    """One client message -> a map with a string `type`; ProtocolError for anything else."""
+def unpack(data: bytes, limit: int, containers: int = MAX_CONTAINERS) -> dict:
+    """One client message -> a map with a string `type`; ProtocolError for anything else (past `limit` bytes, or
+    past `containers` arrays and maps: the decode stops there)."""
     check_size(len(data), limit)
     try:
-        msg = msgpack.unpackb(data, raw=False, **msgpack_limits())
+        msg = msgpack.unpackb(data, raw=False, **msgpack_limits(containers))
     except ProtocolError:                        # too_complex, from the limits' hooks
         raise
     except msgpack.StackError:                   # nested deeper than the decoder's stack: far past MAX_DEPTH
@@ -332,13 +335,13 @@ class SglangWire(WebSocketWire):
         self.session_id = ""
         self.event_id: Optional[int] = None      # the last client event applied, echoed with every chunk
 
-    async def receive(self, timeout: float, limit: int) -> dict:
-        message = await self.receive_raw(timeout)
-        if message.get("bytes") is None:
+    async def decode(self, raw: dict, limit: int, start: bool) -> dict:
+        if raw.get("bytes") is None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "send MessagePack maps as binary messages, not text")
-        if len(message["bytes"]) > INLINE_DECODE_BYTES:    # an init with its image: off the event loop
-            return await asyncio.to_thread(unpack, message["bytes"], limit)
-        return unpack(message["bytes"], limit)
+        containers = MAX_CONTAINERS if start else MAX_CONTROL_CONTAINERS
+        if len(raw["bytes"]) > INLINE_DECODE_BYTES:        # an init with its image, a large control: off the loop
+            return await asyncio.to_thread(unpack, raw["bytes"], limit, containers)
+        return unpack(raw["bytes"], limit, containers)
 
     def error_close(self, error: ProtocolError):
         if error.close == CLOSE_NORMAL:          # the session's own limits end it normally, with their reason

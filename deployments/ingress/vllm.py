@@ -19,6 +19,8 @@ from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly
 from .parsing import (
     INLINE_DECODE_BYTES,
+    MAX_CONTAINERS,
+    MAX_CONTROL_CONTAINERS,
     MAX_EVENT_ID_CHARS,
     MAX_PROMPT_CHARS,
     StartRules,
@@ -47,9 +49,11 @@ def _reject_constant(name: str):
     raise ProtocolError(ErrorCode.INVALID_JSON, f"{name} is not a number JSON allows")
 
 
-def parse_json(text: str, limit: int) -> dict:
+def parse_json(text: str, limit: int, containers: int = MAX_CONTAINERS) -> dict:
+    """One client message -> a JSON object with a string `type`, refused past `limit` bytes or `containers` arrays
+    and objects (counted on the text, before it is decoded)."""
     check_size(len(text.encode()), limit)
-    check_json_text(text)
+    check_json_text(text, containers)
     try:
         msg = json.loads(text, parse_constant=_reject_constant, parse_int=bounded_int, object_pairs_hook=json_object)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -213,14 +217,14 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
 class VllmWire(WebSocketWire):
     """`/v1/realtime/video`: JSON text messages, one binary fMP4 message per chunk."""
 
-    async def receive(self, timeout: float, limit: int) -> dict:
-        message = await self.receive_raw(timeout)
-        if message.get("bytes") is not None:
+    async def decode(self, raw: dict, limit: int, start: bool) -> dict:
+        if raw.get("bytes") is not None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "binary messages are not accepted from clients")
-        text = message.get("text") or ""
-        if len(text) > INLINE_DECODE_BYTES:                # a start with its image: off the event loop
-            return await asyncio.to_thread(parse_json, text, limit)
-        return parse_json(text, limit)
+        text = raw.get("text") or ""
+        containers = MAX_CONTAINERS if start else MAX_CONTROL_CONTAINERS
+        if len(text) > INLINE_DECODE_BYTES:                # a start with its image, a large control: off the loop
+            return await asyncio.to_thread(parse_json, text, limit, containers)
+        return parse_json(text, limit, containers)
 
     def keepalive_reply(self, msg: dict) -> Optional[dict]:
         return {"type": "session.pong", "t": msg.get("t")} if msg["type"] == "session.ping" else None

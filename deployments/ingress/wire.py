@@ -26,8 +26,9 @@ class WebSocketWire:
         else:
             await self.ws.send_json(data)
 
-    async def receive_raw(self, timeout: float) -> dict:
-        """The next ASGI message ("text" or "bytes"); ClientGone when the client closed or left."""
+    async def receive(self, timeout: float) -> dict:
+        """The next ASGI message ("text" or "bytes"), not decoded (the dialect's `decode`); ClientGone when the
+        client closed or left."""
         message = await asyncio.wait_for(self.ws.receive(), timeout=timeout)
         if message["type"] == "websocket.disconnect":
             raise ClientGone(message.get("code", 1000))

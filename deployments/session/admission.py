@@ -14,33 +14,10 @@ import asyncio
 import time
 from typing import Any, Optional
 
-from .codes import RETRYABLE, ErrorCode, ProtocolError
+from .codes import RETRYABLE, ErrorCode
 from .events import Admitted, SessionFailed, SessionRequest
-from .ports import STOP, ClientGone, GroupLink, Wire
+from .ports import GroupLink, Wire
 from .waiting import WaitingRoom, may_wait
-
-
-async def watch_client(next_message, control, limit: int, early: list) -> Optional[bool]:
-    """Read the client while its session waits for a group, so that one who leaves is seen at once (its place
-    in the queue goes, and nothing is sent to a closed connection: Serve's proxy logs that as an error).
-    Keepalives are answered (`next_message`); other messages are kept in `early` for the stream (read_controls
-    takes them first). True when the client stopped the session, None when it left or a refusal ended it."""
-    while True:
-        try:
-            msg = await next_message(time.monotonic() + 3600.0, limit)
-        except asyncio.TimeoutError:
-            continue
-        except ClientGone:
-            return None
-        if msg is None:
-            return None
-        try:
-            if control(msg) == STOP:
-                return True
-        except ProtocolError:
-            pass                                      # refused when read_controls takes it up
-        early.append(msg)
-
 
 WAIT_TICK_S = 0.5            # a waiting session's client is told its place this often (when it changed)
 

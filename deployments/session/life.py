@@ -34,7 +34,7 @@ import uuid
 from enum import Enum
 from typing import Optional
 
-from .admission import Admission, watch_client
+from .admission import Admission
 from .codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 from .events import (
     Admitted,
@@ -50,7 +50,7 @@ from .events import (
 from .ledger import ContinuityLedger
 from .phases import PhaseMachine
 from .ports import ACTIVITY, STOP, ClientGone, GroupLink, SessionMetrics, Wire
-from .rate import MessageRate
+from .reading import ClientReader, EarlyControls, watch_client
 from .requests import Interaction, StartRequest
 from .waiting import WaitingRoom
 
@@ -91,15 +91,17 @@ class SessionLife:
         self.chunks_sent = 0
         self.sequence = 0                       # interactions posted (their arrival order)
         self.last_interaction = self.started_at = time.monotonic()
-        self.rate = MessageRate(settings.max_messages_per_s, self.started_at)
         self.scripted = False                   # the camera follows an offline trajectory: no camera or key events
-        self.early: list[dict] = []             # client messages read while it waited for a group
+        # the interactions its client sent while it waited for a group (parsed, bounded)
+        self.early = EarlyControls(settings.max_queued_controls, settings.max_control_bytes)
         self.kept = False                       # a keeper was told to keep its snapshots (its end lets them go)
         self.resumes = 0                        # every resume (each has its own id at its group)
         self.faults = 0                         # resumes after a fault (at most max_resumes); a drain is not one
         self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
         self.failed_at: Optional[float] = None
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
+        self.reader = ClientReader(wire, settings, self._refuse_open, self.send_lock, self.started_at)
+        self.rate = self.reader.rate            # how fast the client may send (session/rate.py)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
         self.admission = Admission(self.session_id, wire, self.send_lock, groups, self.room, settings.admission_wait_s)
 
@@ -131,6 +133,11 @@ class SessionLife:
         self.enter(Phase.ENDED)
         await self.wire.close_with(error)
 
+    async def _refuse_open(self, error: ProtocolError) -> bool:
+        """refuse(error); whether the session goes on (a refusal that closes ends it)."""
+        await self.refuse(error)
+        return not self.ended
+
     async def send_or_stall(self, data) -> bool:
         """Send one message; False (and the session ended with stall_timeout) when it stays blocked for
         stall_timeout_s: the client stopped reading, or is gone without closing. A client that reads but has
@@ -144,30 +151,6 @@ class SessionLife:
             await self.refuse(ProtocolError(ErrorCode.STALL_TIMEOUT, f"the client read nothing for "
                                             f"{s.stall_timeout_s:g} s", close=CLOSE_POLICY))
             return False
-
-    async def next_message(self, deadline: float, limit: int) -> Optional[dict]:
-        """The next client message that needs handling, read until `deadline` (monotonic; raises
-        asyncio.TimeoutError after it). Keepalives are answered and bad messages refused here; None means a
-        refusal ended the session."""
-        while True:
-            try:
-                msg = await self.wire.receive(max(deadline - time.monotonic(), 0.001), limit)
-            except ProtocolError as e:
-                await self.refuse(e)
-                if self.ended:
-                    return None
-                continue
-            now = time.monotonic()
-            if not self.rate.take(now):                     # dropped; the client hears it once a second
-                refusal = self.rate.refusal(now)
-                if refusal is not None:
-                    await self.refuse(refusal)
-                continue
-            reply = self.wire.keepalive_reply(msg)
-            if reply is None:
-                return msg
-            async with self.send_lock:
-                await self.wire.send(reply)
 
     # ---- 1. waiting for the start --------------------------------------------------------------
     async def run(self, tenant: str, limits) -> None:
@@ -196,7 +179,7 @@ class SessionLife:
         deadline = time.monotonic() + s.start_timeout_s
         while True:
             try:
-                msg = await self.next_message(deadline, s.max_start_bytes)
+                msg = await self.reader.next_message(deadline, start=True)
             except asyncio.TimeoutError:
                 await self.refuse(ProtocolError(ErrorCode.START_TIMEOUT, f"no session start within "
                                                 f"{s.start_timeout_s:g} s of connecting", close=CLOSE_POLICY))
@@ -265,8 +248,7 @@ class SessionLife:
         return None if keeper is None else SnapshotOwner(keeper, self.session_id)
 
     async def _watch_client(self) -> Optional[bool]:
-        return await watch_client(self.next_message, lambda msg: self.wire.control(msg, self.sequence + 1),
-                                  self.settings.max_control_bytes, self.early)
+        return await watch_client(self.reader, self.wire.control, self.early, self.sequence + 1)
 
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
@@ -346,27 +328,29 @@ class SessionLife:
     async def read_controls(self) -> Optional[bool]:
         """Client messages during the session. Returns True when the client stopped the session, None when the
         session ended otherwise (disconnect or a timeout refusal)."""
-        s = self.settings
         while True:
-            until, _, _ = self._next_limit()
-            try:
-                msg = self.early.pop(0) if self.early else await self.next_message(until, s.max_control_bytes)
-            except asyncio.TimeoutError:
-                until, code, text = self._next_limit()       # an interaction may have moved the limit meanwhile
-                if time.monotonic() >= until:
-                    await self.refuse(self.wire.limit_error(code, text))
+            if self.early:                               # what came while it waited: parsed and checked already
+                control = self.early.take()
+            else:
+                until, _, _ = self._next_limit()
+                try:
+                    msg = await self.reader.next_message(until)
+                except asyncio.TimeoutError:
+                    until, code, text = self._next_limit()   # an interaction may have moved the limit meanwhile
+                    if time.monotonic() >= until:
+                        await self.refuse(self.wire.limit_error(code, text))
+                        return None
+                    continue
+                except ClientGone:
+                    self.enter(Phase.ENDED)
                     return None
-                continue
-            except ClientGone:
-                self.enter(Phase.ENDED)
-                return None
-            if msg is None:
-                return None
-            try:
-                control = self.wire.control(msg, self.sequence + 1)
-            except ProtocolError as e:
-                await self.refuse(e)
-                control = None
+                if msg is None:
+                    return None
+                try:
+                    control = self.wire.control(msg, self.sequence + 1)
+                except ProtocolError as e:
+                    await self.refuse(e)
+                    control = None
             if control == STOP:
                 return True
             if control == ACTIVITY:

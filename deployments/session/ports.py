@@ -23,8 +23,13 @@ class ClientGone(Exception):
 class Wire(Protocol):
     """One protocol dialect over one connection (deployments/ingress/vllm.py, sglang.py)."""
 
-    async def receive(self, timeout: float, limit: int) -> dict:
-        """The next message, decoded (ProtocolError when bad, ClientGone at the end, TimeoutError)."""
+    async def receive(self, timeout: float) -> Any:
+        """The next message as it arrived, not decoded yet (ClientGone at the end, TimeoutError)."""
+
+    async def decode(self, raw: Any, limit: int, start: bool) -> dict:
+        """A received message decoded and checked (ProtocolError when bad): at most `limit` bytes; as many containers
+        as a start may hold (`start`: a camera trajectory) or far fewer (any later message: a few dozen); a large
+        one decoded off the event loop."""
 
     async def send(self, data) -> None:
         """One message (a map or bytes) as it is."""

@@ -35,10 +35,11 @@ class Wire:
         self.incoming = collections.deque(messages)
         self.wait_until = None                   # the end of the wait at the front (from when it was first read)
         self.log: list = []
+        self.decodes: list[bool] = []            # each decoded message: was it read as a start?
 
-    async def receive(self, timeout, limit):
+    async def receive(self, timeout):
         """The next message, as a socket gives it: a read that is cancelled loses nothing (a wait at the front
-        goes on counting from when it was first read)."""
+        goes on counting from when it was first read). A ProtocolError in the script is what decoding it gives."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -59,9 +60,14 @@ class Wire:
             break
         if msg == "gone":
             raise ClientGone()
-        if isinstance(msg, ProtocolError):
-            raise msg
         return msg
+
+    async def decode(self, raw, limit, start):
+        """The received message decoded (its refusal raised), counted in `decodes`."""
+        self.decodes.append(start)
+        if isinstance(raw, ProtocolError):
+            raise raw
+        return raw
 
     async def send(self, data):
         self.log.append(("send", data))
@@ -80,7 +86,9 @@ class Wire:
             return STOP
         if msg["type"] == "beat":
             return ACTIVITY
-        return Interaction(msg["id"], keys=["w"])
+        if msg["type"] == "bad":
+            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, "unknown message type 'bad'")
+        return Interaction(msg["id"], keys=["w"], prompt=msg.get("prompt"))
 
     def queued(self, interaction):
         return {"queued": interaction.event_id}
