@@ -109,7 +109,7 @@ class ConditionCache:
 class ChunkEncoder:
     """One chunk of the causal encoder on this device, in the VAE's dtype: float32 in every preset.
 
-    Not bf16, by measurement (`python -m perf.condition_dtype --preset tiny --chunks 12 --dit`, CPU, random
+    Not bf16, by measurement (perf/README.md, "Condition encoder in bf16?"; tiny preset on CPU, random
     weights, 4 first frames): a bf16 copy of the encoder gives conditions off by max |d| 1.2-1.4e-2 (1.0-
     1.2e-2 of the largest value, rms 4.8e-3 relative), about 3x the rounding a bf16 DiT applies to the
     float32 condition anyway at its input (max 3.6-3.9e-3, rms 1.6e-3), and moves the DiT's chunk latents
