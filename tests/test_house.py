@@ -22,9 +22,6 @@ ROOMS_OF = ("lingbot", "deployments", "perf", "cluster")      # the packages who
 SIZED = ("lingbot", "deployments", "perf", "tests")            # the packages held to MAX_LINES per file
 MAX_LINES = 450
 NO_RAY = ("lingbot", "deployments/client")                     # the engine, and a client of the protocols
-# test modules that still import another, each (importer, imported) until its move lands; each must still be
-# there (the check says when one is gone, so the entry goes too)
-NOT_YET_MOVED = {("tests/deployments/group/test_ladder.py", "tests.deployments.group.test_scheduler")}
 
 
 @dataclass(frozen=True)
@@ -178,10 +175,7 @@ def imports_of_test_modules(root: Path) -> list[tuple[str, str, int]]:
 
 
 def test_no_test_module_imports_another():
-    found = imports_of_test_modules(ROOT)
-    pairs = {(path, name) for path, name, _ in found}
-    assert not NOT_YET_MOVED - pairs, f"moved at last: drop them from NOT_YET_MOVED: {sorted(NOT_YET_MOVED - pairs)}"
-    imports = [f"{path}:{line} imports {name}" for path, name, line in found if (path, name) not in NOT_YET_MOVED]
+    imports = [f"{path}:{line} imports {name}" for path, name, line in imports_of_test_modules(ROOT)]
     assert imports == [], "move what they share to a support module or conftest.py:\n" + "\n".join(imports)
 
 

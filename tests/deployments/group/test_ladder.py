@@ -11,7 +11,7 @@ from deployments.session.events import ModelFacts
 from deployments.settings import ServeSettings
 from lingbot.config import ConfigError, get_preset
 from lingbot.runtime.rungs import FULL, RUNGS
-from tests.deployments.group.test_scheduler import _state
+from tests.deployments.group.standins import scheduled
 
 STEPS = RUNGS[:3]                          # full, steps3, steps2
 RATIOS = (1.0, 0.81, 0.61)                # the cost model's at 14B (perf/rungs.py)
@@ -112,7 +112,7 @@ def _facts(decoders):
 
 
 def _session(sid, decoder=None, quality="auto"):
-    s = _state(sid, chunks=40)
+    s = scheduled(sid, chunks=40)
     s.start.decoder, s.start.quality = decoder, quality
     s.clock.first_delivery = time.monotonic() + 100.0      # well ahead of its viewer: the load alone decides
     return s

@@ -12,8 +12,6 @@ from lingbot.camera import CameraEvent
 from tests.deployments.group.standins import scheduled
 from tests.deployments.ingress.inputs import start
 
-_state = scheduled      # the name tests/deployments/group/test_ladder.py imports it by, until it imports standins
-
 
 def test_edf_and_pacing():
     sched = Scheduler(pacing_lead_s=0.5)
@@ -364,7 +362,7 @@ def test_the_plan_is_whole_its_rung_in_its_controls():
     into a plan after planning. Without a rung, a chunk runs the model's own configuration."""
     from deployments.group.ladder import ChunkRung
     from lingbot.runtime.rungs import rung
-    s = _state("a", chunks=4)
+    s = scheduled("a", chunks=4)
     warming = ChunkRung(rung("tiny_steps2"), "tae", "wan")
     plan = s.plan_next_chunk(warming, restarted=True)
     c = plan.controls
