@@ -8,6 +8,7 @@ import pytest
 from deployments.client import FramesClient, RealtimeClient
 from tests.deployments.clients import H, W, png, png_url, run
 from tests.deployments.conftest import PORT, TEST_SETTINGS
+from tests.waits import wait_until
 
 KEY3 = "test-key-3"
 FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120,
@@ -104,7 +105,6 @@ def test_soak_with_chaos_short(faults_app):
     and the raw frames of its inputs without a fault; afterwards no session is left live."""
     import random
     import threading
-    import time
 
     from perf.soak import INPUTS, Sampler, chaos, live_sessions, run_session, soak
     assert wait_for_group() < 120
@@ -125,8 +125,8 @@ def test_soak_with_chaos_short(faults_app):
     assert report["incomplete"] == 0 and report["mismatched"] == 0, (report["errors"], report)
     assert report["sessions"] >= 3 and report["chunks"] == 6 * report["sessions"]
     assert len(kills) >= 1 and report["resumed"] >= 1, (kills, report)
-    time.sleep(1.0)
-    assert live_sessions(f"http://127.0.0.1:{PORT}/faults") == 0
+    wait_until(lambda: live_sessions(f"http://127.0.0.1:{PORT}/faults") == 0, 30,
+               "every session of the soak to have left the faults app's ingress")
     roles = {r for _, rss in sampler.samples for r in rss}
     assert {"ingress", "group", "rank", "muxer", "mailbox", "keeper"} <= roles, roles
 
