@@ -68,7 +68,7 @@ def cluster_env(args: Optional[dict] = None) -> dict:
     from .settings import ServeSettings
     s = ServeSettings.from_args(args or {})
     return {**CLUSTER_ENV, **proxy_env(s.max_ingress_sessions * s.max_ingress_replicas, s.retry_after_s,
-                                       s.stall_timeout_s)}
+                                       s.stall_timeout_s, s.max_connections_per_address, s.trusted_proxies)}
 
 
 def prepare_environment(args: Optional[dict] = None) -> None:

@@ -119,36 +119,10 @@ def authorized(headers: dict, query: dict, keys: frozenset) -> bool:
     return presented_key(headers, query, keys) is not None
 
 
-def client_address(peer: str, forwarded_for: list[str], trusted: tuple) -> str:
-    """The client's address: the connection's own (`peer`), or, when that is a trusted proxy (`trusted`: the
-    trusted_proxies networks), the last address in X-Forwarded-For (`forwarded_for`: every such header line, in
-    order: a proxy may add a line of its own) that is not one. Each proxy appends the address it was reached
-    from, so walking from the right, the first untrusted hop is the one a trusted proxy saw; what a client wrote
-    to the left of it is never read. A hop's port (`1.2.3.4:5678`, `[::1]:443`) is dropped."""
-    if not trusted or not _within(peer, trusted):
-        return peer
-    hops = [_host(h) for line in forwarded_for for h in line.split(",") if h.strip()]
-    for hop in reversed(hops):
-        if not _within(hop, trusted):
-            return hop
-    return hops[0] if hops else peer
-
-
-def _host(hop: str) -> str:
-    hop = hop.strip()
-    if hop.startswith("["):                                 # [IPv6] or [IPv6]:port
-        return hop[1:].partition("]")[0]
-    if hop.count(":") == 1:                                 # IPv4:port (a bare IPv6 address has several)
-        return hop.partition(":")[0]
-    return hop
-
-
-def _within(address: str, networks: tuple) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip in n for n in networks)
+def too_many_connections(cap: int) -> ProtocolError:
+    """The refusal of a connection from an address that holds `cap` already (max_connections_per_address)."""
+    return ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, f"this address holds {cap} connections already "
+                         "(max_connections_per_address)", close=CLOSE_TRY_AGAIN, retry_after_s=5)
 
 
 def host_allowed(headers: dict, allowed: frozenset) -> bool:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
 from ray import serve
 
+from ..addresses import scope_address
 from ..detach import outside_the_request
 from ..memory import held_refs
 from ..metrics import Metrics
@@ -37,10 +38,10 @@ from .access import (
     TenantLimits,
     accepted_subprotocol,
     busy,
-    client_address,
     host_allowed,
     origin_allowed,
     presented_key,
+    too_many_connections,
 )
 from .census import GroupCensus
 from .fetch import ImageFetcher
@@ -127,12 +128,6 @@ class IngressMetrics:
 
     def unknown_fields(self, count: int) -> None:
         self.m.unknown_fields.inc(count)
-
-
-def _address(ws: WebSocket, trusted: tuple) -> str:
-    """The client's address (Serve's proxy passes the connection's own; behind trusted proxies, the one they
-    name: access.client_address)."""
-    return client_address(ws.client.host if ws.client else "?", ws.headers.getlist("x-forwarded-for"), trusted)
 
 
 @serve.ingress(app)
@@ -272,15 +267,14 @@ class Ingress:
             return ProtocolError(ErrorCode.UNAUTHORIZED, "a valid API key is required", close=CLOSE_POLICY), ""
         cap = self.settings.max_connections_per_address
         if cap and self.connections.get(address, 0) > cap:           # this one counted (_serve)
-            return ProtocolError(ErrorCode.TOO_MANY_CONNECTIONS, f"this address holds {cap} connections already "
-                                 "(max_connections_per_address)", close=CLOSE_TRY_AGAIN, retry_after_s=5), ""
+            return too_many_connections(cap), ""
         return None, f"key:{key}" if key else f"addr:{address}"
 
     async def _serve(self, wire) -> None:
         ws = wire.ws
         await ws.accept(subprotocol=accepted_subprotocol(dict(ws.headers)))
         self.live += 1
-        address = _address(ws, self.settings.trusted_proxy_networks)
+        address = scope_address(ws.scope, self.settings.trusted_proxy_networks)    # Serve's proxy passes the peer
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
             life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room)

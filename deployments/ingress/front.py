@@ -7,8 +7,12 @@ lets a list of ASGI middlewares wrap its proxy's app (`RAY_SERVE_HTTP_PROXY_CALL
 proxy starts); `middlewares()` is that callback. Its `ProxyDoor` counts the WebSockets of the two session routes
 it has passed on and not seen end, per route prefix (each app its own), and refuses one more beyond
 `max_websockets` itself, in the dialect of its route: accepted, then `server_busy` (close 1013, a
-`retry_after_s` of 1 to 1.5 times the setting), then closed, with no Ray call. Everything else (HTTP, the health
-routes) passes untouched.
+`retry_after_s` of 1 to 1.5 times the setting), then closed, with no Ray call. One client address holds at most
+`max_per_address` of them (the ingress's max_connections_per_address, the address read as the ingress reads it:
+behind trusted_proxies, from X-Forwarded-For): one more is refused too_many_connections the same way, so one
+address cannot fill the door before any key is checked. A place is freed as soon as the app behind closes the
+WebSocket (its refusal, or the session's end), not once the client has answered the close: a client that
+never does cannot hold it. Everything else (HTTP, the health routes) passes untouched.
 
 Its bound is the most WebSockets the app's ingress replicas hold together (max_ingress_sessions x
 max_ingress_replicas), so it refuses only what the ingress would certainly refuse: the WebSockets one proxy has
@@ -37,7 +41,8 @@ from typing import Optional
 from starlette.middleware import Middleware
 from starlette.websockets import WebSocket
 
-from .access import accepted_subprotocol, busy
+from ..addresses import parse_networks, scope_address
+from .access import accepted_subprotocol, busy, too_many_connections
 from .closing import CLOSE_TIMEOUT_S, close_quietly, error_message
 from .routes import SGLANG_ROUTE, VLLM_ROUTE
 
@@ -45,14 +50,18 @@ CALLBACK = "deployments.ingress.front.middlewares"       # RAY_SERVE_HTTP_PROXY_
 MAX_ENV = "LINGBOT_PROXY_MAX_WEBSOCKETS"
 RETRY_ENV = "LINGBOT_PROXY_RETRY_AFTER_S"
 STALL_ENV = "LINGBOT_PROXY_STALL_TIMEOUT_S"
+PER_ADDRESS_ENV = "LINGBOT_PROXY_MAX_PER_ADDRESS"
+TRUSTED_ENV = "LINGBOT_PROXY_TRUSTED_PROXIES"
 GONE = {"type": "websocket.disconnect", "code": 1006}      # what the app hears of a connection the guard cut
 DIALECTS = ((VLLM_ROUTE, "vllm"), (SGLANG_ROUTE, "sglang"))
 
 
-def proxy_env(max_websockets: int, retry_after_s: float, stall_timeout_s: float) -> dict:
+def proxy_env(max_websockets: int, retry_after_s: float, stall_timeout_s: float, max_per_address: int = 0,
+              trusted_proxies: str = "") -> dict:
     """The environment that installs the door in every proxy Ray starts (workers inherit it)."""
     return {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK, MAX_ENV: str(int(max_websockets)),
-            RETRY_ENV: f"{float(retry_after_s):g}", STALL_ENV: f"{float(stall_timeout_s):g}"}
+            RETRY_ENV: f"{float(retry_after_s):g}", STALL_ENV: f"{float(stall_timeout_s):g}",
+            PER_ADDRESS_ENV: str(int(max_per_address)), TRUSTED_ENV: trusted_proxies}
 
 
 def configured_bound(environ=os.environ) -> Optional[int]:
@@ -85,35 +94,62 @@ class ProxyDoor:
     """Pure ASGI middleware (see the module's docstring). `refused(code)` is told each refusal (the metric)."""
 
     def __init__(self, app, max_websockets: int, retry_after_s: float, stall_timeout_s: Optional[float] = None,
-                 refused: Optional[Callable[[str], None]] = None, rng: Optional[random.Random] = None):
+                 refused: Optional[Callable[[str], None]] = None, rng: Optional[random.Random] = None,
+                 max_per_address: int = 0, trusted: tuple = ()):
         if max_websockets < 1:
             raise ValueError(f"{MAX_ENV} must be at least 1, got {max_websockets}")
         self.app, self.max_websockets, self.retry_after_s = app, max_websockets, retry_after_s
         self.stall_timeout_s = stall_timeout_s         # None: sends are not bounded here
+        self.max_per_address, self.trusted = max_per_address, trusted      # 0: no bound per address
         self.refused = refused or (lambda code: None)
         self.rng = rng or random.Random()
-        self.open: dict[str, int] = {}          # route prefix (an app) -> its WebSockets passed on, not ended
+        self.open: dict[str, int] = {}          # route prefix (an app) -> its WebSockets passed on, not closed
+        self.by_address: dict[tuple[str, str], int] = {}    # (route prefix, client address) -> the same
 
     async def __call__(self, scope, receive, send):
         dialect, prefix = dialect_of(scope)
         if dialect is None:
             return await self.app(scope, receive, send)
-        held = self.open.get(prefix, 0)
-        error = busy(held + 1, self.max_websockets, self.retry_after_s, self.rng, who="this node's door")
+        place = (prefix, scope_address(scope, self.trusted))
+        error = busy(self.open.get(prefix, 0) + 1, self.max_websockets, self.retry_after_s, self.rng,
+                     who="this node's door")
+        if error is None and self.max_per_address and self.by_address.get(place, 0) >= self.max_per_address:
+            error = too_many_connections(self.max_per_address)
         if error is not None:
             self.refused(error.code.value)
             return await refuse(WebSocket(scope, receive, send), dialect, error)
-        self.open[prefix] = held + 1
+        free = self._take(place)
+
+        async def send_freeing(message):               # the app's close frees the place: the handshake may hang
+            if message.get("type") == "websocket.close":
+                free()
+            await send(message)
         try:
             if self.stall_timeout_s is None:
-                await self.app(scope, receive, send)
+                await self.app(scope, receive, send_freeing)
             else:
-                guard = StallGuard(receive, send, self.stall_timeout_s, lambda: self.refused("stall_timeout"))
+                guard = StallGuard(receive, send_freeing, self.stall_timeout_s,
+                                   lambda: self.refused("stall_timeout"))
                 await self.app(scope, guard.receive, guard.send)
         finally:
-            self.open[prefix] -= 1
-            if not self.open[prefix]:
-                del self.open[prefix]
+            free()
+
+    def _take(self, place: tuple[str, str]) -> Callable[[], None]:
+        """Count a passed-on WebSocket at `place`; returns what frees it (once, however often it is called)."""
+        held = ((self.open, place[0]), (self.by_address, place))
+        for counts, key in held:
+            counts[key] = counts.get(key, 0) + 1
+        taken = True
+
+        def free() -> None:
+            nonlocal taken
+            if taken:
+                taken = False
+                for counts, key in held:
+                    counts[key] -= 1
+                    if not counts[key]:
+                        del counts[key]
+        return free
 
 
 class StallGuard:
@@ -186,4 +222,6 @@ def middlewares() -> list:
     stall = os.environ.get(STALL_ENV)
     return [Middleware(ProxyDoor, max_websockets=int(os.environ[MAX_ENV]),
                        retry_after_s=float(os.environ.get(RETRY_ENV, "10")),
-                       stall_timeout_s=None if stall is None else float(stall), refused=_ray_refusals())]
+                       stall_timeout_s=None if stall is None else float(stall), refused=_ray_refusals(),
+                       max_per_address=int(os.environ.get(PER_ADDRESS_ENV, "0")),
+                       trusted=parse_networks(os.environ.get(TRUSTED_ENV, "")))]

@@ -7,7 +7,6 @@ the order the settings command shows them, `KEYS` maps each flat key to its conc
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlsplit
@@ -16,6 +15,8 @@ from lingbot.config import DECODERS, DTYPES, PRESETS, ConfigError, Preset, get_p
 from lingbot.io.video import H264_ENCODERS, H264Settings
 from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 from lingbot.runtime.rungs import LADDER
+
+from ..addresses import parse_networks
 
 ENV_PREFIX = "LINGBOT_"
 
@@ -346,8 +347,7 @@ class AccessSettings(SettingsConcern):
 
     @property
     def trusted_proxy_networks(self) -> tuple:
-        return tuple(ipaddress.ip_network(p.strip(), strict=False) for p in self.trusted_proxies.split(",")
-                     if p.strip())
+        return parse_networks(self.trusted_proxies)
 
 
 @dataclass(frozen=True)

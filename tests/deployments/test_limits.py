@@ -77,7 +77,7 @@ def test_the_client_behind_trusted_proxies_is_the_last_address_they_did_not_add(
     wrote to the left of it is never read; a hop's port is dropped."""
     import ipaddress
 
-    from deployments.ingress.access import client_address
+    from deployments.addresses import client_address
     from deployments.settings import ServeSettings
     from lingbot.config import ConfigError
     trusted = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128"))

@@ -15,7 +15,8 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route, WebSocketRoute
 
-from deployments.ingress.access import busy
+from deployments.addresses import parse_networks
+from deployments.ingress.access import busy, too_many_connections
 from deployments.ingress.closing import error_message
 from deployments.ingress.front import (
     CALLBACK,
@@ -32,6 +33,7 @@ from deployments.ingress.front import (
 )
 from deployments.ingress.routes import SGLANG_ROUTE, VLLM_ROUTE
 from deployments.local import cluster_env
+from tests.waits import async_wait_until
 
 
 async def _held(ws):
@@ -45,9 +47,18 @@ async def _held(ws):
         pass
 
 
+async def _refusing(ws):
+    """An app that refuses every session (as the ingress refuses a connection without its key: close 1008) and
+    returns seconds later (as Serve's proxy may, relaying the end of the replica's call after the close)."""
+    await ws.accept()
+    await ws.close(1008, "unauthorized")
+    await asyncio.sleep(3.0)
+
+
 def _app():
     sockets = [WebSocketRoute(path, _held) for path in (VLLM_ROUTE, SGLANG_ROUTE, "/app2" + VLLM_ROUTE, "/other")]
-    return Starlette(routes=[*sockets, Route("/healthz", lambda r: PlainTextResponse("ok"))])
+    return Starlette(routes=[*sockets, WebSocketRoute("/refusing" + VLLM_ROUTE, _refusing),
+                             Route("/healthz", lambda r: PlainTextResponse("ok"))])
 
 
 async def _serving(door_kwargs: dict):
@@ -113,6 +124,62 @@ def test_beyond_its_bound_a_session_websocket_is_refused_server_busy_in_its_dial
                 assert await ws.recv() == "in"
             await held[1].close()
         finally:
+            server.should_exit = True
+            await task
+    asyncio.run(scenario())
+
+
+def test_one_address_holds_its_share_of_the_door_and_a_trusted_proxy_names_the_client():
+    """max_per_address 2 behind a trusted proxy (127.0.0.1): a third WebSocket of one client address is refused
+    too_many_connections (1013, what the ingress sends for it) before any key is checked; another address gets
+    in; a closed one frees its address's place."""
+    async def scenario():
+        server, task, door, refused, base = await _serving(
+            {"max_websockets": 10, "retry_after_s": 10.0, "max_per_address": 2, "trusted": parse_networks("127.0.0.1")})
+        try:
+            def client(address):
+                return websockets.connect(base + VLLM_ROUTE, additional_headers={"X-Forwarded-For": address})
+            held = [await client("198.51.100.1"), await client("198.51.100.1"), await client("198.51.100.2")]
+            assert [await ws.recv() for ws in held] == ["in"] * 3
+            async with client("198.51.100.1") as ws:
+                message = json.loads(await ws.recv())
+                with pytest.raises(websockets.ConnectionClosed):
+                    await ws.recv()
+                assert (ws.close_code, ws.close_reason) == (1013, "too_many_connections")
+            assert message == too_many_connections(2).to_message() and refused == ["too_many_connections"]
+            assert door.by_address == {("", "198.51.100.1"): 2, ("", "198.51.100.2"): 1} and door.open == {"": 3}
+            await held[0].close()
+            await async_wait_until(lambda: door.by_address.get(("", "198.51.100.1")) == 1, 5, "the closed place freed")
+            async with client("198.51.100.1") as ws:
+                assert await ws.recv() == "in"
+            for ws in held[1:]:
+                await ws.close()
+        finally:
+            server.should_exit = True
+            await task
+    asyncio.run(scenario())
+
+
+def test_a_place_is_free_at_the_apps_close_though_the_client_never_answers_it():
+    """The app behind refuses a session (closes it) and returns only seconds later; the client completed the upgrade
+    but never reads or answers the close. Its place is free at the app's close, not held until the app returns
+    (a slow trickle of such clients could fill the door otherwise)."""
+    async def scenario():
+        server, task, door, _, base = await _serving({"max_websockets": 1, "retry_after_s": 10.0})
+        host, port = base.removeprefix("ws://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write((f"GET /refusing{VLLM_ROUTE} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                      "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                      "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        await writer.drain()
+        try:
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")    # then it reads nothing
+            await async_wait_until(lambda: door.open == {}, 1.0, "the refused socket's place freed at the app's close")
+            assert not writer.is_closing()                          # the client still holds its socket
+            async with websockets.connect(base + VLLM_ROUTE) as ws:  # and the door's one place is free for another
+                assert await ws.recv() == "in"
+        finally:
+            writer.close()
             server.should_exit = True
             await task
     asyncio.run(scenario())
