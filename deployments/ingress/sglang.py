@@ -338,7 +338,10 @@ class SglangWire(WebSocketWire):
     async def decode(self, raw: dict, limit: int, start: bool) -> dict:
         if raw.get("bytes") is None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "send MessagePack maps as binary messages, not text")
-        containers = MAX_CONTAINERS if start else MAX_CONTROL_CONTAINERS
+        # an init holds no more containers than a control (its largest part is a camera_actions script of
+        # MAX_SCRIPT_FRAMES): a client that sends junk before its init, which this dialect lets it retry, gets no
+        # more decoding per message than one that sends it later
+        containers = MAX_CONTROL_CONTAINERS
         if len(raw["bytes"]) > INLINE_DECODE_BYTES:        # an init with its image, a large control: off the loop
             return await asyncio.to_thread(unpack, raw["bytes"], limit, containers)
         return unpack(raw["bytes"], limit, containers)
