@@ -28,6 +28,7 @@ import yaml
 from deployments.client import RealtimeClient
 from deployments.local import TOKEN_FILE, cluster_env
 from tests.deployments.clients import H, W, png_url
+from tests.waits import async_wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -150,6 +151,15 @@ def cluster(tmp_path_factory):
                 pass
         psutil.wait_procs(procs, timeout=30)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def ingress_log() -> Path:
+    """The Serve log file of the app's ingress replica (the file its process holds open, on whichever node)."""
+    (ingress,) = state("actors", class_name="ServeReplica:lingbot:Ingress", state="ALIVE")
+    paths = sorted({f.path for f in psutil.Process(ingress["pid"]).open_files()
+                    if "replica_lingbot_Ingress" in f.path and f.path.endswith(".log")})
+    assert paths, "the ingress replica holds no Serve log file open"
+    return Path(paths[0])
 
 
 def url(port: int) -> str:
@@ -283,6 +293,13 @@ def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):
     tag = next(k for k in cluster[victim]["resources_total"] if k.startswith("worker_"))
     victim_raylet = [p for p in psutil.process_iter(["name", "cmdline"])
                      if p.info["name"] == "raylet" and tag in " ".join(p.info["cmdline"] or [])]
+    log = ingress_log()
+
+    def resuming_since(offset: int) -> bool:
+        """The ingress logged a session's group failing (it resumes it, waiting for a group) after `offset`."""
+        with open(log, "rb") as f:
+            f.seek(offset)
+            return b"its group failed after" in f.read()
 
     async def scenario():
         opened = [await open_session(HEAD_PROXY, seed=s) for s in (3, 4)]   # endless, one on each group
@@ -292,6 +309,7 @@ def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):
                 chunks += isinstance(await c.ws.recv(), bytes)
         by_node = {group_nodes[start["config"]["group"]]: c for c, start in opened}
         lost, survivor = by_node[victim], by_node[ingress_node]
+        logged = log.stat().st_size
         for proc in victim_raylet:
             proc.send_signal(signal.SIGKILL)
         after = []
@@ -301,9 +319,12 @@ def test_a_session_on_a_lost_node_resumes_on_the_other_group(cluster):
                 after.append(meta)
                 if len(after) == 2:
                     await lost.send({"type": "session.stop"})
+        streamed = []                         # the survivor's chunks since the kill
         waiting = asyncio.create_task(lost.receive_session(stop_two_chunks_after_the_resume, timeout=300))
-        surviving = asyncio.create_task(survivor.receive_session(timeout=300))
-        await asyncio.sleep(8.0)
+        surviving = asyncio.create_task(survivor.receive_session(lambda result, meta: streamed.append(meta),
+                                                                 timeout=300))
+        await async_wait_until(lambda: resuming_since(logged) and streamed, 120,
+                               "the ingress to resume the lost session while the other streams on", interval_s=0.5)
         assert not waiting.done() and not surviving.done()                   # one streams, one waits for a group
         await survivor.send({"type": "session.stop"})
         survivor_result = await asyncio.wait_for(surviving, 120)
