@@ -50,9 +50,15 @@ def ingress_grace_s(s: ServeSettings) -> float:
     return max(s.graceful_shutdown_timeout_s, s.start_timeout_s + s.max_queue_wait_s + s.max_lifetime_s)
 
 
-def build_app(args: dict | None = None, user_config: dict | None = None) -> Application:
+def build_app(args: dict | None = None) -> Application:
+    """serve_config.yaml's import_path (`serve run`, `serve deploy`): the app of its `args`. Serve takes a builder
+    of exactly one parameter, and merges the file's `deployments:` (the WorldGroup's user_config) in itself."""
+    return compose_app(args)
+
+
+def compose_app(args: dict | None = None, user_config: dict | None = None) -> Application:
     """The app of serve_config.yaml's `args`; `user_config` is the WorldGroup's from the file's `deployments:` where
-    the caller reads the file itself (deployments.local: `serve run` and `serve deploy` merge it in themselves)."""
+    the caller reads the file itself (deployments.local, `make serve`)."""
     s = ServeSettings.from_args(args)
     pinned = {key: getattr(s, key) for key in env_overrides() if key in LIVE_SETTINGS}
     settings = {key: value for key, value in s.to_dict().items() if key not in LIVE_SETTINGS}

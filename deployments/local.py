@@ -147,11 +147,11 @@ def main(argv=None) -> int:
     from ray import serve
     logging.getLogger("ray.serve").setLevel(logging.WARNING)    # the one line below says when it is ready
 
-    from .app import build_app
+    from .app import compose_app
     print(f"lingbot-serve: Ray's dashboard and control plane take the token in {TOKEN_FILE} (the ray and serve "
           "CLIs: RAY_AUTH_MODE=token)", flush=True)
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
-    serve.run(build_app(app.get("args"), group_user_config(app)), name=app.get("name", "lingbot"),
+    serve.run(compose_app(app.get("args"), group_user_config(app)), name=app.get("name", "lingbot"),
               route_prefix=app.get("route_prefix", "/"),
               logging_config={"enable_access_log": False})
     seconds = wait_ready(url, args.ready_timeout_s, since=started)

@@ -339,14 +339,19 @@ def test_the_environment_wins_over_the_files_user_config_too(monkeypatch):
         live_settings({"sp": 4}, {})
     assert group_user_config({"args": {}}) is None
     # what the app pins: the variable, read where the app is built, as the WorldGroup's second argument
-    from deployments.app import build_app
+    import inspect
+
+    from deployments.app import build_app, compose_app
+    assert len(inspect.signature(build_app).parameters) == 1     # what Serve's import_path takes (serve deploy)
     monkeypatch.setenv("LINGBOT_QUALITY_LADDER", "auto")
 
     def world_group(app):                       # the Ingress is bound to (WorldGroup, settings)
         return app._bound_deployment.init_args[0]._bound_deployment
 
-    group = world_group(build_app({}, user_config))
+    group = world_group(compose_app({}, user_config))
     assert group.name == "WorldGroup" and group.init_args[1] == {"quality_ladder": "auto"}
     assert group.user_config == {"quality_ladder": "off"}     # the file's, overridden in the group (reconfigure)
     monkeypatch.delenv("LINGBOT_QUALITY_LADDER")
-    assert world_group(build_app({}, user_config)).init_args[1] == {}
+    assert world_group(compose_app({}, user_config)).init_args[1] == {}
+    assert world_group(build_app({})).init_args[1] == {} and world_group(build_app({})).user_config == {
+        "quality_ladder": "off"}
