@@ -100,7 +100,7 @@ class SessionLife:
         self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
         self.failed_at: Optional[float] = None
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
-        self.reader = ClientReader(wire, settings, self._refuse_open, self.send_lock, self.started_at)
+        self.reader = ClientReader(wire, settings, self.send_lock, self.started_at)
         self.rate = self.reader.rate            # how fast the client may send (session/rate.py)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
         self.admission = Admission(self.session_id, wire, self.send_lock, groups, self.room, settings.admission_wait_s)
@@ -179,7 +179,7 @@ class SessionLife:
         deadline = time.monotonic() + s.start_timeout_s
         while True:
             try:
-                msg = await self.reader.next_message(deadline, start=True)
+                msg = await self.reader.next_message(deadline, self._refuse_open, start=True)
             except asyncio.TimeoutError:
                 await self.refuse(ProtocolError(ErrorCode.START_TIMEOUT, f"no session start within "
                                                 f"{s.start_timeout_s:g} s of connecting", close=CLOSE_POLICY))
@@ -248,7 +248,7 @@ class SessionLife:
         return None if keeper is None else SnapshotOwner(keeper, self.session_id)
 
     async def _watch_client(self) -> Optional[bool]:
-        return await watch_client(self.reader, self.wire.control, self.early, self.sequence + 1)
+        return await watch_client(self.reader, self.wire.control, self.early, self._refuse_open, self.sequence + 1)
 
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
@@ -334,7 +334,7 @@ class SessionLife:
             else:
                 until, _, _ = self._next_limit()
                 try:
-                    msg = await self.reader.next_message(until)
+                    msg = await self.reader.next_message(until, self._refuse_open)
                 except asyncio.TimeoutError:
                     until, code, text = self._next_limit()   # an interaction may have moved the limit meanwhile
                     if time.monotonic() >= until:

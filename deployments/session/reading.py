@@ -21,30 +21,32 @@ Refuse = Callable[[ProtocolError], Awaitable[bool]]     # refuse with a code; Fa
 
 
 class ClientReader:
-    """One client's messages, read for its session: `next_message`. `refuse` answers a bad message (and says
-    whether the session goes on); `send_lock` keeps a keepalive's answer out of a chunk's messages."""
+    """One client's messages, read for its session: `next_message`. `send_lock` keeps a keepalive's answer out of
+    a chunk's messages. It keeps no reference to the session (a cycle would leave an ended session, and the
+    references its lease holds, to the cyclic garbage collector)."""
 
-    def __init__(self, wire: Wire, settings, refuse: Refuse, send_lock: asyncio.Lock, now: float):
-        self.wire, self.settings, self.refuse, self.send_lock = wire, settings, refuse, send_lock
+    def __init__(self, wire: Wire, settings, send_lock: asyncio.Lock, now: float):
+        self.wire, self.settings, self.send_lock = wire, settings, send_lock
         self.rate = MessageRate(settings.max_messages_per_s, now)
 
-    async def next_message(self, deadline: float, start: bool = False) -> Optional[dict]:
+    async def next_message(self, deadline: float, refuse: Refuse, start: bool = False) -> Optional[dict]:
         """The next client message that needs handling (`start`: the session's start, with its bounds; else a later
         message, with far fewer containers allowed), read until `deadline` (monotonic; raises asyncio.TimeoutError
-        after it, ClientGone when the client left). None means a refusal ended the session."""
+        after it, ClientGone when the client left); `refuse` answers a bad one (and says whether the session goes
+        on). None means a refusal ended the session."""
         s = self.settings
         while True:
             raw = await self.wire.receive(max(deadline - time.monotonic(), 0.001))
             now = time.monotonic()
             if not self.rate.take(now):                     # dropped undecoded; the client hears it once a second
                 refusal = self.rate.refusal(now)
-                if refusal is not None and not await self.refuse(refusal):
+                if refusal is not None and not await refuse(refusal):
                     return None
                 continue
             try:
                 msg = await self.wire.decode(raw, s.max_start_bytes if start else s.max_control_bytes, start)
             except ProtocolError as e:
-                if not await self.refuse(e):
+                if not await refuse(e):
                     return None
                 continue
             reply = self.wire.keepalive_reply(msg)
@@ -92,7 +94,7 @@ class EarlyControls:
 
 
 async def watch_client(reader: ClientReader, control: Callable[[dict, int], Any], early: EarlyControls,
-                       first_seq: int) -> Optional[bool]:
+                       refuse: Refuse, first_seq: int) -> Optional[bool]:
     """Read the client while its session waits for a group, so that one who leaves is seen at once (its place in
     the queue goes, and nothing is sent to a closed connection: Serve's proxy logs that as an error). Each message
     is parsed at once (`control(msg, seq)`, its sequence counted from `first_seq`): a bad one is refused with its
@@ -100,7 +102,7 @@ async def watch_client(reader: ClientReader, control: Callable[[dict, int], Any]
     None when it left or a refusal ended it."""
     while True:
         try:
-            msg = await reader.next_message(time.monotonic() + 3600.0)
+            msg = await reader.next_message(time.monotonic() + 3600.0, refuse)
         except asyncio.TimeoutError:
             continue
         except ClientGone:
@@ -110,7 +112,7 @@ async def watch_client(reader: ClientReader, control: Callable[[dict, int], Any]
         try:
             parsed = control(msg, first_seq + len(early))
         except ProtocolError as e:
-            if not await reader.refuse(e):
+            if not await refuse(e):
                 return None
             continue
         if parsed == STOP:
@@ -118,5 +120,5 @@ async def watch_client(reader: ClientReader, control: Callable[[dict, int], Any]
         if parsed == ACTIVITY or not isinstance(parsed, Interaction):
             continue
         refusal = early.keep(parsed)
-        if refusal is not None and not await reader.refuse(refusal):
+        if refusal is not None and not await refuse(refusal):
             return None

@@ -68,3 +68,29 @@ def test_what_a_waiting_session_keeps_is_small_whatever_the_client_sends():
         early.keep(Interaction(f"e{i}", keys=["w", "a", "d"]))
     assert len(early) == 64 and early.bytes < 8 * 2 ** 10
     assert sum(sys.getsizeof(i) for i in early.kept) < 64 * 2 ** 10
+
+
+def test_an_ended_session_is_freed_without_the_cyclic_collector():
+    """Nothing a session's life builds points back at it (its reader holds no bound method of it): once it ended,
+    reference counting frees it, and with it the references its lease held, without waiting for the cyclic
+    garbage collector (a served test saw the ingress hold 8 object references more for 20 s and more)."""
+    import asyncio
+    import gc
+    import weakref
+
+    from deployments.session.life import SessionLife
+    from tests.deployments.session.standins import Limits, Metrics
+
+    async def scenario():
+        life = SessionLife(Wire([{"type": "start", "chunks": 1}, {"type": "ping"}]),
+                           Groups(Lease([admitted("g1"), chunk(0), SessionDone(1)])), SETTINGS, Metrics())
+        await asyncio.wait_for(life.run("t", Limits()), 30)
+        return weakref.ref(life)
+
+    gc.collect()
+    gc.disable()
+    try:
+        ended = asyncio.run(scenario())
+        assert ended() is None
+    finally:
+        gc.enable()
