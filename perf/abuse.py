@@ -167,15 +167,15 @@ async def door_run() -> dict:
             silent.append(ws)
         except Exception:
             refused += 1
-    passed = 0
-    for ws in silent:                       # what the door let through: the ingress holds them (not refused yet)
+    codes: dict = {}
+    for ws in silent:                       # how each was answered: its refusal's code, or "held" (none yet)
         try:
-            msg = await asyncio.wait_for(ws.recv(), 0.05)
-            passed += json.loads(msg).get("code") is None
+            code = json.loads(await asyncio.wait_for(ws.recv(), 2.0)).get("code") or "held"
         except asyncio.TimeoutError:
-            passed += 1
+            code = "held"
         except websockets.ConnectionClosed as e:
-            passed += e.rcvd is not None and e.rcvd.reason != "too_many_connections"
+            code = e.rcvd.reason if e.rcvd is not None else "closed"
+        codes[code] = codes.get(code, 0) + 1
     from deployments.client import RealtimeClient
     t0 = time.monotonic()
     async with RealtimeClient(VLLM, api_key=KEY) as c:
@@ -184,7 +184,7 @@ async def door_run() -> dict:
     first = result.arrivals[0] - t0 if result.arrivals else None
     for ws in silent:
         await ws.close()
-    return {"silent": 200, "upgrades_refused_or_failed": refused, "passed_to_the_ingress": passed,
+    return {"silent": 200, "upgrades_failed": refused, "answered": codes,
             "keyed_first_chunk_s": first, "keyed_error": result.error}
 
 
