@@ -55,7 +55,7 @@ log = logging.getLogger("ray.serve")
 STATIC = Path(__file__).parent / "static"
 STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
-app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None)
+app = FastAPI(title="lingbot-serve", docs_url=None, redoc_url=None, openapi_url=None)   # no schema of the routes served
 app.add_middleware(SecurityHeaders)          # CSP, nosniff, frame-ancestors, Referrer-Policy on every HTTP answer
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 from collections.abc import Callable
 from typing import Optional
 
@@ -86,7 +87,7 @@ def dialect_of(scope) -> tuple[Optional[str], str]:
     else (None, "")."""
     if scope.get("type") != "websocket":
         return None, ""
-    path = scope.get("path", "")
+    path = re.sub("/+", "/", scope.get("path", ""))      # //v1/realtime/video is the app's own route, counted so
     return next(((name, path[:-len(route)]) for route, name in DIALECTS if path.endswith(route)), (None, ""))
 
 

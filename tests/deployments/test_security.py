@@ -38,6 +38,7 @@ def test_every_http_answer_carries_the_security_headers(serve_app):
                                  ("/healthz", "GET", 200), ("/readyz", "GET", 200), ("/v1/config", "GET", 200),
                                  ("/health", "GET", 200), ("/version", "GET", 200), ("/models", "GET", 200),
                                  ("/static/nope.js", "GET", 404), ("/no/such/page", "GET", 404),
+                                 ("/openapi.json", "GET", 404), ("/docs", "GET", 404),     # no schema served
                                  ("/healthz", "POST", 405)]:
         got, headers = answer(path, method)
         assert got == status, (path, method)

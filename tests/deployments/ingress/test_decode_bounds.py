@@ -60,3 +60,4 @@ def test_the_largest_real_controls_pass():
         "camera_actions"]) == MAX_SCRIPT_FRAMES
     script = {"type": "session.interaction", "interaction": {"event_id": "e", "event": {"keys": ["wa"] * 512}}}
     assert decode(VllmWire(None, None), {"text": json.dumps(script)}, start=False)["interaction"]["event_id"] == "e"
+

@@ -337,3 +337,17 @@ def test_a_reader_cancelled_while_it_waits_leaves_no_task_behind():
 
     before, after = asyncio.run(scenario())
     assert after == before
+
+
+def test_a_close_reason_is_cut_to_what_a_close_frame_carries_never_inside_a_character():
+    from deployments.ingress.closing import MAX_REASON_BYTES, close_reason
+    assert close_reason("too_deep") == "too_deep"
+    cut = close_reason("prompt: " + "界" * 100)                   # 3 bytes a character
+    assert len(cut.encode()) <= MAX_REASON_BYTES == 123 and cut == "prompt: " + "界" * 38
+    assert len(close_reason("é" * 100).encode()) == 122
+
+
+def test_a_doubled_slash_counts_as_the_route_it_is():
+    from deployments.ingress.front import dialect_of
+    assert dialect_of({"type": "websocket", "path": "//v1/realtime/video"}) == ("vllm", "")
+    assert dialect_of({"type": "websocket", "path": "/app2//v1/realtime_video/generate"}) == ("sglang", "/app2")
