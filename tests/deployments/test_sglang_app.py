@@ -153,7 +153,7 @@ def test_bad_input_gets_its_error_and_nobody_else_notices(serve_app):
     streams on while a second session takes a few hundred malformed messages and still completes."""
     url = frames_url(serve_app)
     rng = random.Random(3)
-    junk = [m for m in mutations(rng)][::2]
+    junk = [m for m in mutations(rng)][::4]
 
     async def scenario():
         live = asyncio.create_task(session(serve_app, 6, seed=12))
@@ -165,9 +165,9 @@ def test_bad_input_gets_its_error_and_nobody_else_notices(serve_app):
             await client.init("p", png(), 4, 1)
 
             async def fuzz(c, result, chunk):
-                if chunk.index == 0:                  # at the allowed rate (max_messages_per_s 50, bursts of 100):
-                    for i, data in enumerate(junk):      # each one decoded and answered, none dropped undecoded
-                        await c.ws.send(data)
+                if chunk.index == 0:                  # 92 messages in all, within the rate's burst of 100 however
+                    for i, data in enumerate(junk):      # the proxy bunches them on a busy machine: each one decoded
+                        await c.ws.send(data)            # and answered, none dropped undecoded
                         if i % 40 == 39:
                             await asyncio.sleep(1.0)
                     await c.event("prompt", "", event_id=5)
