@@ -24,7 +24,6 @@ from ..session.ports import ACTIVITY
 from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly, error_message, pack
 from .parsing import (
-    INLINE_DECODE_BYTES,
     MAX_CONTAINERS,
     MAX_CONTROL_CONTAINERS,
     MAX_PROMPT_CHARS,
@@ -341,10 +340,7 @@ class SglangWire(WebSocketWire):
         # an init holds no more containers than a control (its largest part is a camera_actions script of
         # MAX_SCRIPT_FRAMES): a client that sends junk before its init, which this dialect lets it retry, gets no
         # more decoding per message than one that sends it later
-        containers = MAX_CONTROL_CONTAINERS
-        if len(raw["bytes"]) > INLINE_DECODE_BYTES:        # an init with its image, a large control: off the loop
-            return await asyncio.to_thread(unpack, raw["bytes"], limit, containers)
-        return unpack(raw["bytes"], limit, containers)
+        return await self._decoded(unpack, raw["bytes"], limit, MAX_CONTROL_CONTAINERS)
 
     def error_close(self, error: ProtocolError):
         if error.close == CLOSE_NORMAL:          # the session's own limits end it normally, with their reason

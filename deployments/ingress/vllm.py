@@ -18,7 +18,6 @@ from ..session.ports import STOP
 from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly
 from .parsing import (
-    INLINE_DECODE_BYTES,
     MAX_CONTAINERS,
     MAX_CONTROL_CONTAINERS,
     MAX_EVENT_ID_CHARS,
@@ -220,11 +219,8 @@ class VllmWire(WebSocketWire):
     async def decode(self, raw: dict, limit: int, start: bool) -> dict:
         if raw.get("bytes") is not None:
             raise ProtocolError(ErrorCode.UNSUPPORTED_MESSAGE, "binary messages are not accepted from clients")
-        text = raw.get("text") or ""
-        containers = MAX_CONTAINERS if start else MAX_CONTROL_CONTAINERS
-        if len(text) > INLINE_DECODE_BYTES:                # a start with its image, a large control: off the loop
-            return await asyncio.to_thread(parse_json, text, limit, containers)
-        return parse_json(text, limit, containers)
+        return await self._decoded(parse_json, raw.get("text") or "", limit,
+                                   MAX_CONTAINERS if start else MAX_CONTROL_CONTAINERS)
 
     def keepalive_reply(self, msg: dict) -> Optional[dict]:
         return {"type": "session.pong", "t": msg.get("t")} if msg["type"] == "session.ping" else None

@@ -10,6 +10,7 @@ from fastapi import WebSocket
 from ..session.codes import ProtocolError
 from ..session.ports import ClientGone
 from .closing import close_quietly
+from .parsing import INLINE_DECODE_BYTES
 
 
 class WebSocketWire:
@@ -33,6 +34,14 @@ class WebSocketWire:
         if message["type"] == "websocket.disconnect":
             raise ClientGone(message.get("code", 1000))
         return message
+
+    @staticmethod
+    async def _decoded(decode, payload, limit: int, containers: int) -> dict:
+        """decode(payload, limit, containers): off the event loop when the payload is large (a start with its image,
+        a large control), at once otherwise."""
+        if len(payload) > INLINE_DECODE_BYTES:
+            return await asyncio.to_thread(decode, payload, limit, containers)
+        return decode(payload, limit, containers)
 
     def error_close(self, error: ProtocolError) -> tuple[Optional[object], str]:
         """(message to send before the close, or None; the close reason) for a refusal that closes."""
