@@ -101,7 +101,6 @@ class SessionLife:
         self.failed_at: Optional[float] = None
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
         self.reader = ClientReader(wire, settings, self.send_lock, self.started_at)
-        self.rate = self.reader.rate            # how fast the client may send (session/rate.py)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
         self.admission = Admission(self.session_id, wire, self.send_lock, groups, self.room, settings.admission_wait_s)
 

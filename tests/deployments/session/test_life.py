@@ -111,7 +111,7 @@ def test_a_flood_of_messages_is_dropped_past_the_rate_and_the_client_told_once_a
     life, _, _ = live(wire, groups, settings)
     pongs = [e for e in wire.log if e == ("send", {"pong": True})]
     # the start took one token, the flood 19 (20 if the bucket refilled one while it was read), the late ping one
-    assert 40 <= life.rate.dropped <= 41 and len(pongs) == 61 - life.rate.dropped
+    assert 40 <= life.reader.rate.dropped <= 41 and len(pongs) == 61 - life.reader.rate.dropped
     assert wire.log.count(("error", ErrorCode.RATE_LIMITED)) == 1 and wire.log[-1] == ("done", False, 1)
     assert life.metrics.refusals == [ErrorCode.RATE_LIMITED]
 

@@ -31,7 +31,7 @@ def test_a_dropped_message_is_never_decoded():
     wire = Wire([{"type": "start", "chunks": 1}, *[{"type": "ping"}] * 60])
     groups = Groups(Lease([admitted("g1"), 0.8, chunk(0), SessionDone(1)]))
     life, _, _ = live(wire, groups, settings)
-    assert len(wire.decodes) == 61 - life.rate.dropped and 40 <= life.rate.dropped <= 41
+    assert len(wire.decodes) == 61 - life.reader.rate.dropped and 40 <= life.reader.rate.dropped <= 41
     assert wire.decodes[0] is True and not any(wire.decodes[1:])         # the start's bounds, then a control's
 
 
