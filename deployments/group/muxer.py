@@ -31,6 +31,7 @@ class _Stream:
     def __init__(self, encoder):
         self.encoder = encoder                # FragmentedMp4Encoder or FrameBatcher
         self.next_index = 0
+        self.keyframe_wanted = False          # the next chunk starts where a decoder can (a viewer joined)
 
 
 class Muxer:
@@ -79,16 +80,28 @@ class Muxer:
                 raise RuntimeError(f"chunk {index} of session {session_id} waited {ORDER_TIMEOUT_S:g} s for "
                                    f"chunk {stream.next_index}")
         t1 = time.perf_counter()
+        with self.turn:
+            keyframe, stream.keyframe_wanted = stream.keyframe_wanted, False
         try:
             if isinstance(stream.encoder, FrameBatcher):
+                if keyframe:
+                    stream.encoder.last = None        # delta-gzip: the chunk's first batch stands alone
                 data, batches = b"", tuple(stream.encoder.batches(frames))
             else:
-                data, batches = stream.encoder.encode_chunk(frames), ()
+                data, batches = stream.encoder.encode_chunk(frames, keyframe), ()
         finally:
             with self.turn:
                 stream.next_index = index + 1
                 self.turn.notify_all()
         return Fragment(index, data, int(frames.shape[0]), time.perf_counter() - t1, t0 - sent_at, batches)
+
+    def want_keyframe(self, session_id: str) -> None:
+        """The session's next chunk to be encoded starts with a keyframe (an IDR; a delta-gzip batch that stands
+        alone): a viewer joined its stream, or fell behind and skips to the next one."""
+        with self.turn:
+            stream = self.streams.get(session_id)
+            if stream is not None:
+                stream.keyframe_wanted = True
 
     def _turn_of(self, session_id: str, index: int) -> bool:
         stream = self.streams.get(session_id)

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO, Optional, Union
 
 import av
 import numpy as np
@@ -31,8 +31,9 @@ class H264Settings:
         if self.encoder == "h264_nvenc":
             preset = self.preset if self.preset in {f"p{i}" for i in range(1, 8)} else "p1"
             # delay 0: no frames held back in NVENC's output queue (a chunk's fragment must hold all its frames)
+            # forced-idr: a keyframe asked for (a viewer joining) is an IDR, where a decoder may start
             return {"preset": preset, "tune": "ull", "zerolatency": "1", "delay": "0", "bf": "0", "rc": "vbr",
-                    "cq": str(self.crf)}
+                    "cq": str(self.crf), "forced-idr": "1"}
         return {"crf": str(self.crf), "preset": self.preset, "tune": "zerolatency"}
 
 
@@ -219,13 +220,16 @@ class FragmentedMp4Encoder:
         self._sequence, self._next_pts, self._sent_init = fragments, frames * self.frame_duration, True
         self.frames_encoded = frames
 
-    def encode_chunk(self, frames: np.ndarray) -> bytes:
-        """uint8 RGB [F, H, W, 3] -> (init segment +) one fragment holding these F frames."""
+    def encode_chunk(self, frames: np.ndarray, keyframe: bool = False) -> bytes:
+        """uint8 RGB [F, H, W, 3] -> (init segment +) one fragment holding these F frames; `keyframe`: its first
+        frame an IDR (a viewer joining the stream starts there)."""
         packets = []
-        for rgb in frames:
+        for i, rgb in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
             frame.pts = self.frames_encoded
             frame.time_base = self.stream.codec_context.time_base
+            if keyframe and i == 0:
+                frame.pict_type = av.video.frame.PictureType.I
             packets += self.stream.encode(frame)
             self.frames_encoded += 1
         self._next_pts += len(packets) * self.frame_duration
@@ -234,3 +238,66 @@ class FragmentedMp4Encoder:
             out = self.init_segment + out
             self._sent_init = True
         return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading what FragmentedMp4Encoder wrote: where its init segment ends, whether a fragment starts with a keyframe
+# ---------------------------------------------------------------------------------------------------
+def mp4_boxes(data: bytes, start: int = 0, end: Optional[int] = None) -> list[tuple[bytes, int, int]]:
+    """The boxes between `start` and `end` of `data`, one level: (type, offset of the box, offset after it).
+    ValueError where a size runs past the end (a truncated or foreign stream)."""
+    end = len(data) if end is None else end
+    boxes, i = [], start
+    while i + 8 <= end:
+        size = int.from_bytes(data[i:i + 4], "big")
+        if size < 8 or i + size > end:
+            raise ValueError(f"an MP4 box at byte {i} claims {size} bytes; {end - i} are left")
+        boxes.append((bytes(data[i + 4:i + 8]), i, i + size))
+        i += size
+    if i != end:
+        raise ValueError(f"{end - i} bytes after the last MP4 box")
+    return boxes
+
+
+def split_init_segment(data: bytes) -> tuple[bytes, bytes]:
+    """(the init segment: ftyp + moov, the fragments after it) of a stream's first bytes; (b"", data) where it
+    holds no init segment (a later chunk's fragment)."""
+    boxes = mp4_boxes(data)
+    cut = 0
+    for kind, _, after in boxes:
+        if kind not in (b"ftyp", b"moov"):
+            break
+        cut = after
+    return bytes(data[:cut]), bytes(data[cut:])
+
+
+def fragment_starts_with_keyframe(data: bytes) -> bool:
+    """Whether the first sample of the first fragment (moof + mdat) in `data` is a sync sample (a decoder can
+    start there): the sample flags of its track run, else of its track fragment header."""
+    moof = next(((s, e) for kind, s, e in mp4_boxes(data) if kind == b"moof"), None)
+    if moof is None:
+        return False
+    traf = next(((s, e) for kind, s, e in mp4_boxes(data, moof[0] + 8, moof[1]) if kind == b"traf"), None)
+    if traf is None:
+        return False
+    default_flags = None
+    for kind, s, _ in mp4_boxes(data, traf[0] + 8, traf[1]):
+        flags = int.from_bytes(data[s + 9:s + 12], "big")
+        if kind == b"tfhd":
+            at = s + 16                                    # after the version/flags word and the track id
+            at += 8 * bool(flags & 0x01) + 4 * bool(flags & 0x02) + 4 * bool(flags & 0x08) + 4 * bool(flags & 0x10)
+            if flags & 0x20:
+                default_flags = int.from_bytes(data[at:at + 4], "big")
+        elif kind == b"trun":
+            at = s + 16 + 4 * bool(flags & 0x01)           # after sample_count and the data offset
+            if flags & 0x04:                               # first_sample_flags
+                sample = int.from_bytes(data[at:at + 4], "big")
+            elif flags & 0x400:                            # per-sample flags: the first entry's
+                at += 4 * bool(flags & 0x4) + 4 * bool(flags & 0x100) + 4 * bool(flags & 0x200)
+                sample = int.from_bytes(data[at:at + 4], "big")
+            elif default_flags is not None:
+                sample = default_flags
+            else:
+                return False
+            return not sample & 0x00010000                 # sample_is_non_sync_sample clear
+    return False
