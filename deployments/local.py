@@ -67,8 +67,10 @@ def cluster_env(args: Optional[dict] = None) -> dict:
     from .ingress.front import proxy_env
     from .settings import ServeSettings
     s = ServeSettings.from_args(args or {})
+    from .ingress.pacing_door import PacerLimits
+    viewers = PacerLimits(s.viewer_queue_chunks, s.viewer_queue_bytes, s.viewer_max_skips)
     return {**CLUSTER_ENV, **proxy_env(s.max_ingress_sessions * s.max_ingress_replicas, s.retry_after_s,
-                                       s.stall_timeout_s, s.max_connections_per_address, s.trusted_proxies)}
+                                       s.stall_timeout_s, s.max_connections_per_address, s.trusted_proxies, viewers)}
 
 
 def prepare_environment(args: Optional[dict] = None) -> None:

@@ -30,12 +30,24 @@ class Metrics:
         self.resumes = m.Counter("lingbot_session_resumes_total", "sessions continued on another group after a "
                                  "fault or while their group was stopped (outcome: resumed, failed; reason: fault, "
                                  "drain)", tag_keys=("outcome", "reason"))
+        self.viewers = m.Gauge("lingbot_viewers", "viewers watching shared sessions at an ingress replica")
+        self.video_bytes = m.Counter("lingbot_video_bytes_total", "video bytes sent to clients, by role (owner: the "
+                                     "session's own client; viewer: a shared session's)", tag_keys=("role",))
+        self.viewer_skips = viewer_skips_counter()
         self.device_util = m.Gauge("lingbot_rank_device_utilization",
                                    "device utilisation per rank, percent (GPU: kernel time; CPU: of one core)",
                                    tag_keys=("group", "rank"))
         self.device_memory = m.Gauge("lingbot_rank_device_memory_bytes",
                                      "device memory used per rank (GPU: device memory; CPU: resident memory)",
                                      tag_keys=("group", "rank"))
+
+
+def viewer_skips_counter():
+    """Viewers that fell behind and skipped to the next keyframe, by where their queue was (ingress; door: Serve's
+    proxy, deployments/ingress/pacing_door.py). A viewer cut for it is a refusal (viewer_too_slow)."""
+    from ray.util import metrics as m
+    return m.Counter("lingbot_viewer_skips_total", "viewers that fell behind and skipped to a keyframe",
+                     tag_keys=("where",))
 
 
 def refusals_counter():

@@ -49,6 +49,10 @@ class FramesClient(WebSocketClient):
         import msgpack
         await self._send(msgpack.packb(message, use_bin_type=True))
 
+    async def share(self, on: bool = True) -> None:
+        """Make the session watchable (the server answers a `shared` map with the watch id and path), or stop."""
+        await self.send({"type": "share" if on else "unshare"})
+
     async def init(self, prompt: str, first_frame, max_chunks: Optional[int] = None, seed: int = 0,
                    fps: Optional[float] = None, size: Optional[str] = None, actions: Optional[list] = None,
                    output_format: str = "raw", quality: Optional[int] = None, max_width: Optional[int] = None,

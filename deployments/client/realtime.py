@@ -1,5 +1,6 @@
 """The client of the first protocol (`/v1/realtime/video`): JSON messages (session.start with the image as a
-data: URL, session.interaction, session.ping) out; JSON metadata and fMP4 bytes per chunk back."""
+data: URL, session.interaction, session.ping, session.share) out; JSON metadata and fMP4 bytes per chunk back.
+The same client watches a shared session (`/v1/realtime/watch/{watch_id}`): `receive_session` reads it."""
 from __future__ import annotations
 
 import asyncio
@@ -24,10 +25,11 @@ class SessionResult:
     error: Optional[dict] = None
     close_code: Optional[int] = None
     started_at: float = 0.0
+    init: bytes = b""                                       # a viewer's: the fMP4 init segment, before its chunks
 
     @property
     def video(self) -> bytes:
-        return b"".join(self.data)
+        return self.init + b"".join(self.data)
 
 
 class RealtimeClient(WebSocketClient):
@@ -64,6 +66,10 @@ class RealtimeClient(WebSocketClient):
             body["transition_chunks"] = transition_chunks
         await self.send({"type": "session.interaction", "interaction": body})
 
+    async def share(self, on: bool = True) -> None:
+        """session.share (the server answers session.shared with the watch id and path), or session.unshare."""
+        await self.send({"type": "session.share" if on else "session.unshare"})
+
     async def keepalive(self) -> None:
         """session.ping, as the protocol asks of clients that only watch."""
         await self.send({"type": "session.ping", "t": time.time()})
@@ -78,11 +84,14 @@ class RealtimeClient(WebSocketClient):
     async def _receive(self, on_chunk, timeout: float) -> SessionResult:
         import websockets
         result = SessionResult(started_at=time.monotonic())
-        pending_meta = None
+        pending_meta, init_next = None, False
         deadline = time.monotonic() + timeout
         try:
             while True:
                 raw = await asyncio.wait_for(self.ws.recv(), timeout=max(0.01, deadline - time.monotonic()))
+                if isinstance(raw, bytes) and init_next:        # a viewer's init segment (announced by video.init)
+                    result.init, init_next = raw, False
+                    continue
                 if isinstance(raw, bytes):
                     result.data.append(raw)
                     result.arrivals.append(time.monotonic())
@@ -95,8 +104,10 @@ class RealtimeClient(WebSocketClient):
                 msg = json.loads(raw)
                 result.messages.append(msg)
                 kind = msg.get("type")
-                if kind == "video.start":
+                if kind in ("video.start", "watch.start"):
                     result.start = msg
+                elif kind == "video.init":
+                    init_next = True
                 elif kind == "video.chunk_metadata":
                     pending_meta = msg
                 elif kind == "session.done":

@@ -113,7 +113,7 @@ class Leases:
                 return
             outbox = self.chunks.add(session)
             self.metrics.active_sessions.set(len(self.chunks.sessions), tags={"group": self.id})
-            yield Admitted(self.id, self.mailbox, mime, self.capacity, self.model)
+            yield Admitted(self.id, self.mailbox, mime, self.capacity, self.model, self.muxer)
             if resume is not None and not session.replay:
                 yield Resumed(0, 0.0, session.next_chunk)   # nothing to replay: it continues at once
             if resume is not None and start.chunks is not None and resume.next_index >= start.chunks:

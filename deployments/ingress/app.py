@@ -26,6 +26,7 @@ from ..addresses import scope_address
 from ..detach import outside_the_request
 from ..memory import held_refs
 from ..metrics import Metrics
+from ..session.audience import Stage
 from ..session.codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 from ..session.events import ModelFacts, SessionRequest
 from ..session.life import SessionLife
@@ -48,8 +49,9 @@ from .fetch import ImageFetcher
 from .front import check_bound
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
-from .routes import SGLANG_ROUTE, VLLM_ROUTE
+from .routes import SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES
 from .vllm import VllmWire
+from .watch import serve_viewer
 
 log = logging.getLogger("ray.serve")
 STATIC = Path(__file__).parent / "static"
@@ -107,6 +109,9 @@ class ServeGroups:
     async def growth(self) -> Growth:
         return await self.census.growth()
 
+    def want_keyframe(self, muxer, session_id: str) -> None:
+        outside_the_request(muxer.want_keyframe.remote, session_id)
+
 
 class IngressMetrics:
     """The session layer's SessionMetrics on Ray's metrics."""
@@ -129,6 +134,15 @@ class IngressMetrics:
     def unknown_fields(self, count: int) -> None:
         self.m.unknown_fields.inc(count)
 
+    def video_bytes(self, role: str, count: int) -> None:
+        self.m.video_bytes.inc(count, tags={"role": role})
+
+    def viewers(self, count: int) -> None:
+        self.m.viewers.set(count)
+
+    def skipped(self, count: int) -> None:
+        self.m.viewer_skips.inc(count, tags={"where": "ingress"})
+
 
 @serve.ingress(app)
 class Ingress:
@@ -141,6 +155,7 @@ class Ingress:
                                                   s.image_fetch_max_bytes)
         self.metrics = IngressMetrics()
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
+        self.stage = Stage(s.max_viewers)        # the shared sessions at this replica, by watch id
         self.live = 0
         self.rng = random.Random()                # the jitter of server_busy's retry_after_s
         self.connections: dict[str, int] = {}    # open WebSocket connections per client address
@@ -163,7 +178,8 @@ class Ingress:
         hold and the sessions they belong to; all of a finished session's are gone."""
         keeper = await self.groups.keeper()
         kept = {} if keeper is None else await keeper.census.remote()
-        return {"live_sessions": self.live, "object_refs": held_refs(), "keeper_object_refs": kept.get("object_refs"),
+        return {"live_sessions": self.live, "object_refs": held_refs(), "shared_sessions": len(self.stage.audiences),
+                "viewers": self.stage.viewers, "keeper_object_refs": kept.get("object_refs"),
                 "keeper_keys": kept.get("keys"), "keeper_sessions": kept.get("sessions")}
 
     @app.get("/readyz")
@@ -245,9 +261,17 @@ class Ingress:
     async def realtime_sglang(self, ws: WebSocket):
         await self._serve(sglang.SglangWire(ws, self.settings, self.fetcher))
 
-    def _check_access(self, ws: WebSocket, address: str) -> tuple[Optional[ProtocolError], str]:
+    @app.websocket(WATCH_ROUTES["vllm"] + "/{watch_id}")
+    async def watch(self, ws: WebSocket, watch_id: str):
+        await self._serve(VllmWire(ws, self.settings), watch_id)
+
+    @app.websocket(WATCH_ROUTES["sglang"] + "/{watch_id}")
+    async def watch_sglang(self, ws: WebSocket, watch_id: str):
+        await self._serve(sglang.SglangWire(ws, self.settings), watch_id)
+
+    def _check_access(self, ws: WebSocket, address: str, watching: bool = False) -> tuple[Optional[ProtocolError], str]:
         """(the refusal of the access checks, or None; the tenant: the presented key, else the client's
-        `address`)."""
+        `address`). A viewer (`watching`) needs a key only where spectators_need_key."""
         full = busy(self.live, self.settings.max_ingress_sessions, self.settings.retry_after_s, self.rng)
         if full is not None:                     # first: shedding a crowd costs nothing else
             return full, ""
@@ -262,7 +286,8 @@ class Ingress:
         if not origin_allowed(headers, self.settings.allowed_origin_set):
             return ProtocolError(ErrorCode.ORIGIN_NOT_ALLOWED, f"pages from {headers.get('origin')} may not open "
                                  "sessions here (allowed_origins)", close=CLOSE_POLICY), ""
-        key = presented_key(headers, dict(ws.query_params), self.settings.api_key_set)
+        keys = self.settings.api_key_set if not watching or self.settings.spectators_need_key else frozenset()
+        key = presented_key(headers, dict(ws.query_params), keys)
         if key is None:
             return ProtocolError(ErrorCode.UNAUTHORIZED, "a valid API key is required", close=CLOSE_POLICY), ""
         cap = self.settings.max_connections_per_address
@@ -270,17 +295,20 @@ class Ingress:
             return too_many_connections(cap), ""
         return None, f"key:{key}" if key else f"addr:{address}"
 
-    async def _serve(self, wire) -> None:
+    async def _serve(self, wire, watch_id: Optional[str] = None) -> None:
+        """A session's connection, or a viewer's (`watch_id`: with a key only where spectators_need_key)."""
         ws = wire.ws
         await ws.accept(subprotocol=accepted_subprotocol(dict(ws.headers)))
         self.live += 1
         address = scope_address(ws.scope, self.settings.trusted_proxy_networks)    # Serve's proxy passes the peer
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
-            life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room)
-            refusal, tenant = self._check_access(ws, address)
+            life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room, self.stage)
+            refusal, tenant = self._check_access(ws, address, watching=watch_id is not None)
             if refusal is not None:
                 await life.refuse(refusal)
+            elif watch_id is not None:
+                await serve_viewer(wire, self.stage, self.settings, watch_id, self.metrics)
             else:
                 await life.run(tenant, self.limits)
         except (ClientGone, WebSocketDisconnect):      # the client left (while reading, or while we sent)
@@ -294,4 +322,3 @@ class Ingress:
             self.connections[address] -= 1
             if not self.connections[address]:
                 del self.connections[address]
-

@@ -45,7 +45,8 @@ from starlette.websockets import WebSocket
 from ..addresses import parse_networks, scope_address
 from .access import accepted_subprotocol, busy, too_many_connections
 from .closing import CLOSE_TIMEOUT_S, close_quietly, error_message
-from .routes import SGLANG_ROUTE, VLLM_ROUTE
+from .pacing_door import PacerLimits, ViewerPacer
+from .routes import SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES
 
 CALLBACK = "deployments.ingress.front.middlewares"       # RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
 MAX_ENV = "LINGBOT_PROXY_MAX_WEBSOCKETS"
@@ -53,16 +54,19 @@ RETRY_ENV = "LINGBOT_PROXY_RETRY_AFTER_S"
 STALL_ENV = "LINGBOT_PROXY_STALL_TIMEOUT_S"
 PER_ADDRESS_ENV = "LINGBOT_PROXY_MAX_PER_ADDRESS"
 TRUSTED_ENV = "LINGBOT_PROXY_TRUSTED_PROXIES"
+VIEWER_ENV = "LINGBOT_PROXY_VIEWER_QUEUE"                  # chunks,bytes,skips (pacing_door.PacerLimits)
 GONE = {"type": "websocket.disconnect", "code": 1006}      # what the app hears of a connection the guard cut
 DIALECTS = ((VLLM_ROUTE, "vllm"), (SGLANG_ROUTE, "sglang"))
+WATCHES = re.compile("(.*)(" + "|".join(f"(?:{re.escape(r)})" for r in WATCH_ROUTES.values()) + ")/[^/]+")
 
 
 def proxy_env(max_websockets: int, retry_after_s: float, stall_timeout_s: float, max_per_address: int = 0,
-              trusted_proxies: str = "") -> dict:
+              trusted_proxies: str = "", viewers: Optional[PacerLimits] = None) -> dict:
     """The environment that installs the door in every proxy Ray starts (workers inherit it)."""
     return {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK, MAX_ENV: str(int(max_websockets)),
             RETRY_ENV: f"{float(retry_after_s):g}", STALL_ENV: f"{float(stall_timeout_s):g}",
-            PER_ADDRESS_ENV: str(int(max_per_address)), TRUSTED_ENV: trusted_proxies}
+            PER_ADDRESS_ENV: str(int(max_per_address)), TRUSTED_ENV: trusted_proxies,
+            VIEWER_ENV: (viewers or PacerLimits()).to_env()}
 
 
 def configured_bound(environ=os.environ) -> Optional[int]:
@@ -82,12 +86,20 @@ def check_bound(max_ingress_sessions: int, max_ingress_replicas: int, environ=os
                           "with the environment of this config (deployments/local.py, cluster/render.py)")
 
 
+def is_watch(scope) -> bool:
+    """Whether `scope` is a WebSocket to a viewer's route."""
+    return scope.get("type") == "websocket" and WATCHES.fullmatch(re.sub("/+", "/", scope.get("path", ""))) is not None
+
+
 def dialect_of(scope) -> tuple[Optional[str], str]:
-    """("vllm" or "sglang", the app's route prefix) for a WebSocket to a session route (under any route prefix),
-    else (None, "")."""
+    """("vllm" or "sglang", the app's route prefix) for a WebSocket to a session or watch route (under any route
+    prefix), else (None, "")."""
     if scope.get("type") != "websocket":
         return None, ""
     path = re.sub("/+", "/", scope.get("path", ""))      # //v1/realtime/video is the app's own route, counted so
+    watch = WATCHES.fullmatch(path)
+    if watch is not None:
+        return next(name for name, route in WATCH_ROUTES.items() if route == watch.group(2)), watch.group(1)
     return next(((name, path[:-len(route)]) for route, name in DIALECTS if path.endswith(route)), (None, ""))
 
 
@@ -96,12 +108,15 @@ class ProxyDoor:
 
     def __init__(self, app, max_websockets: int, retry_after_s: float, stall_timeout_s: Optional[float] = None,
                  refused: Optional[Callable[[str], None]] = None, rng: Optional[random.Random] = None,
-                 max_per_address: int = 0, trusted: tuple = ()):
+                 max_per_address: int = 0, trusted: tuple = (), viewers: Optional[PacerLimits] = None,
+                 skipped: Optional[Callable[[], None]] = None):
         if max_websockets < 1:
             raise ValueError(f"{MAX_ENV} must be at least 1, got {max_websockets}")
         self.app, self.max_websockets, self.retry_after_s = app, max_websockets, retry_after_s
         self.stall_timeout_s = stall_timeout_s         # None: sends are not bounded here
         self.max_per_address, self.trusted = max_per_address, trusted      # 0: no bound per address
+        self.viewers = viewers                          # a viewer's queue here (pacing_door.py); None: none
+        self.skipped = skipped or (lambda: None)        # told each viewer's skip (the metric)
         self.refused = refused or (lambda code: None)
         self.rng = rng or random.Random()
         self.open: dict[str, int] = {}          # route prefix (an app) -> its WebSockets passed on, not closed
@@ -125,14 +140,25 @@ class ProxyDoor:
             if message.get("type") == "websocket.close":
                 free()
             await send(message)
+        pacer = None
         try:
             if self.stall_timeout_s is None:
                 await self.app(scope, receive, send_freeing)
-            else:
-                guard = StallGuard(receive, send_freeing, self.stall_timeout_s,
-                                   lambda: self.refused("stall_timeout"))
+                return
+            guard = StallGuard(receive, send_freeing, self.stall_timeout_s, lambda: self.refused("stall_timeout"))
+            if self.viewers is None or not is_watch(scope):
                 await self.app(scope, guard.receive, guard.send)
+                return
+
+            def too_slow() -> None:
+                self.refused("viewer_too_slow")
+                guard.abort()
+            pacer = ViewerPacer(guard.send, self.viewers, too_slow, self.skipped)
+            await self.app(scope, guard.receive, pacer.send)
+            await pacer.finish(self.stall_timeout_s)    # what is still queued: the last chunks, the end, the close
         finally:
+            if pacer is not None:
+                pacer.close()
             free()
 
     def _take(self, place: tuple[str, str]) -> Callable[[], None]:
@@ -171,11 +197,15 @@ class StallGuard:
         try:
             await asyncio.wait_for(self._send(message), self.timeout_s)
         except asyncio.TimeoutError:
-            self.cut.set()
             self.stalled()
-            transport = getattr(getattr(self._receive, "__self__", None), "transport", None)
-            if transport is not None:
-                transport.abort()
+            self.abort()
+
+    def abort(self) -> None:
+        """Cut the connection (the app hears the client gone; later sends are dropped)."""
+        self.cut.set()
+        transport = getattr(getattr(self._receive, "__self__", None), "transport", None)
+        if transport is not None:
+            transport.abort()
 
     async def receive(self):
         if self.cut.is_set():
@@ -210,6 +240,12 @@ def refusal_frame(dialect: str, error) -> tuple:
     return error_message(error), error.message
 
 
+def _ray_skips() -> Callable[[], None]:
+    from ..metrics import viewer_skips_counter
+    counter = viewer_skips_counter()
+    return lambda: counter.inc(tags={"where": "door"})
+
+
 def _ray_refusals() -> Callable[[str], None]:
     from ..metrics import refusals_counter
     counter = refusals_counter()
@@ -225,4 +261,6 @@ def middlewares() -> list:
                        retry_after_s=float(os.environ.get(RETRY_ENV, "10")),
                        stall_timeout_s=None if stall is None else float(stall), refused=_ray_refusals(),
                        max_per_address=int(os.environ.get(PER_ADDRESS_ENV, "0")),
-                       trusted=parse_networks(os.environ.get(TRUSTED_ENV, "")))]
+                       trusted=parse_networks(os.environ.get(TRUSTED_ENV, "")),
+                       viewers=PacerLimits.from_env(os.environ[VIEWER_ENV]) if os.environ.get(VIEWER_ENV) else None,
+                       skipped=_ray_skips())]

@@ -313,8 +313,12 @@ class StartRules:
     def paced(self, value: Any, what: str) -> bool:
         """realtime_output_pacing (`what` names where it was read): False delivers each chunk as soon as it is
         made; absent or null: paced."""
+        return self.flag(value, what, True)
+
+    def flag(self, value: Any, what: str, default: bool) -> bool:
+        """A true-or-false field (`what` names where it was read); absent or null: `default`."""
         if value is None:
-            return True
+            return default
         if not isinstance(value, bool):
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"{what} must be true or false, got {type(value).__name__}",
                                 close=self.close)

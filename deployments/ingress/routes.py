@@ -1,4 +1,6 @@
-"""The session routes: the WebSocket path of each protocol, which the ingress serves and the door in Serve's proxy
-(front.py) counts."""
+"""The session routes: the WebSocket path of each protocol and of its viewers, which the ingress serves and the
+door in Serve's proxy (front.py) counts."""
 VLLM_ROUTE = "/v1/realtime/video"                 # the first protocol's WebSocket (vllm.py)
 SGLANG_ROUTE = "/v1/realtime_video/generate"      # the second's (sglang.py)
+# a shared session's viewers, by the owner's protocol (viewing.py): the route, then "/" and the watch id
+WATCH_ROUTES = {"vllm": "/v1/realtime/watch", "sglang": "/v1/realtime_video/watch"}

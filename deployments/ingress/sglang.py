@@ -20,7 +20,7 @@ from lingbot.io.frames import DEFAULT_COMPRESSION, FrameBatch, FrameFormat
 
 from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
-from ..session.ports import ACTIVITY
+from ..session.ports import ACTIVITY, SHARE, UNSHARE
 from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly, error_message, pack
 from .parsing import (
@@ -40,6 +40,7 @@ from .parsing import (
     too_deep,
     unknown_fields,
 )
+from .viewing import SglangViewing
 from .wire import WebSocketWire
 
 SPLIT_BYTES = 64 * 2 ** 10          # a payload this big or bigger follows its header as a binary frame of its own
@@ -134,7 +135,7 @@ INIT_FIELDS = frozenset({"type", "model", "prompt", "first_frame", "size", "fps"
                          "num_inference_steps", "guidance_scale", "max_chunks", "condition_inputs",
                          "realtime_output_format", "output_compression", "realtime_preview_max_width",
                          "delta_reference", "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
-                         "realtime_causal_kv_cache_num_frames", "quality"})
+                         "realtime_causal_kv_cache_num_frames", "quality", "spectators"})
 ACCEPTED_AND_IGNORED: dict[str, str] = {}
 
 
@@ -182,11 +183,12 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
         msg.get("realtime_causal_sink_size"), msg.get("realtime_causal_kv_cache_num_frames"), "init",
         geometry.latent_frames, model_window)
     quality = START.quality(msg.get("quality"), "init field 'quality'", rungs)
+    spectators = START.flag(msg.get("spectators"), "init field 'spectators'", False)
     output = parse_output(msg)
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
                         fps, seed, None, script, msg.get("model"), output=output, decoder=decoder, paced=paced,
-                        window=window, quality=quality,
+                        window=window, quality=quality, spectators=spectators,
                         unknown_fields=unknown_fields(msg, INIT_FIELDS | frozenset(ACCEPTED_AND_IGNORED)))
 
 
@@ -322,10 +324,11 @@ def ms(seconds: float) -> int:
 
 
 # ---- the connection -------------------------------------------------------------------------------
-class SglangWire(WebSocketWire):
+class SglangWire(SglangViewing, WebSocketWire):
     """MessagePack maps in binary messages; frames raw, delta-gzip, WebP or JPEG in batches, then a chunk_stats
     map per chunk. A bad init or event gets an error and the connection goes on; the end of the session is the
-    close (1000 "generation complete")."""
+    close (1000 "generation complete"). Its viewers' messages: viewing.py."""
+    batch_messages = staticmethod(batch_messages)
 
     def __init__(self, ws, settings, fetcher=None):
         super().__init__(ws, settings, fetcher)
@@ -365,6 +368,8 @@ class SglangWire(WebSocketWire):
         return pack({"type": "queued", "position": position, "eta_s": eta_s})
 
     def control(self, msg: dict, seq: int):
+        if msg["type"] in ("share", "unshare"):
+            return SHARE if msg["type"] == "share" else UNSHARE
         interaction = parse_event(msg, seq)
         return ACTIVITY if interaction is None else interaction      # a heartbeat: the client is here
 

@@ -14,7 +14,7 @@ from lingbot.config import ChunkGeometry
 
 from ..session.codes import CLOSE_NORMAL, CLOSE_POLICY, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
-from ..session.ports import STOP
+from ..session.ports import SHARE, STOP, UNSHARE
 from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly
 from .parsing import (
@@ -37,6 +37,7 @@ from .parsing import (
     too_deep,
     unknown_fields,
 )
+from .viewing import VllmViewing
 from .wire import WebSocketWire
 
 # ---- the parser -----------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ START_FIELDS = frozenset({"type", "model", "prompt", "image_reference", "width",
                           "seed", "extra_params"})
 EXTRA_FIELDS = frozenset({"flow_shift", "camera_action_script", "camera_trajectory", "endless", "profile_stages",
                           "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
-                          "realtime_causal_kv_cache_num_frames", "quality"})
+                          "realtime_causal_kv_cache_num_frames", "quality", "spectators"})
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
@@ -150,10 +151,11 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         extra.get("realtime_causal_sink_size"), extra.get("realtime_causal_kv_cache_num_frames"), "extra_params",
         geometry.latent_frames, model_window)
     quality = START.quality(extra.get("quality"), "extra_params.quality", rungs)
+    spectators = START.flag(extra.get("spectators"), "extra_params.spectators", False)
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
-                        decoder=decoder, paced=paced, window=window, quality=quality,
+                        decoder=decoder, paced=paced, window=window, quality=quality, spectators=spectators,
                         unknown_fields=unknown_fields(msg, START_FIELDS) + unknown_fields(extra, EXTRA_FIELDS,
                                                                                           "extra_params."))
 
@@ -213,8 +215,8 @@ def _parse_event(body: dict, event_id: str) -> Interaction:
 
 
 # ---- the connection -------------------------------------------------------------------------------
-class VllmWire(WebSocketWire):
-    """`/v1/realtime/video`: JSON text messages, one binary fMP4 message per chunk."""
+class VllmWire(VllmViewing, WebSocketWire):
+    """`/v1/realtime/video`: JSON text messages, one binary fMP4 message per chunk (its viewers': viewing.py)."""
 
     async def decode(self, raw: dict, limit: int, start: bool) -> dict:
         if raw.get("bytes") is not None:
@@ -253,6 +255,8 @@ class VllmWire(WebSocketWire):
         kind = msg["type"]
         if kind == "session.stop":
             return STOP
+        if kind in ("session.share", "session.unshare"):
+            return SHARE if kind == "session.share" else UNSHARE
         if kind == "session.interaction":
             return parse_interaction(msg)
         if kind == "session.start":

@@ -10,6 +10,7 @@ from fastapi import WebSocket
 from ..session.codes import ProtocolError
 from ..session.ports import ClientGone
 from .closing import close_quietly
+from .pacing_door import VIEWER_MARK
 from .parsing import INLINE_DECODE_BYTES
 
 
@@ -24,8 +25,16 @@ class WebSocketWire:
     async def send(self, data) -> None:
         if isinstance(data, (bytes, bytearray)):
             await self.ws.send_bytes(data)
+        elif isinstance(data, str):               # rendered once already (a viewer's message)
+            await self.ws.send_text(data)
         else:
             await self.ws.send_json(data)
+
+    async def send_marked(self, data, mark: dict) -> None:
+        """One message of a viewer's chunk, with the mark the door in Serve's proxy reads (pacing_door.py); any
+        other server ignores the extra key."""
+        key = "bytes" if isinstance(data, (bytes, bytearray)) else "text"
+        await self.ws.send({"type": "websocket.send", key: data, VIEWER_MARK: mark})
 
     async def receive(self, timeout: float) -> dict:
         """The next ASGI message ("text" or "bytes"), not decoded (the dialect's `decode`); ClientGone when the

@@ -58,6 +58,12 @@ class ErrorCode(StrEnum):
     TOO_MANY_SESSIONS = "too_many_sessions"
     TOO_MANY_CONNECTIONS = "too_many_connections"    # an address holds max_connections_per_address (1013)
     RATE_LIMITED = "rate_limited"                    # a key's starts, or a session's messages, too fast
+    # spectators (deployments/session/audience.py, deployments/ingress/watch.py)
+    WATCH_NOT_FOUND = "watch_not_found"              # no shared session has this watch id (unknown, ended, unshared)
+    TOO_MANY_VIEWERS = "too_many_viewers"            # max_viewers_per_session, or the replica's max_viewers (1013)
+    VIEWER_TOO_SLOW = "viewer_too_slow"              # a viewer fell behind viewer_max_skips times (1008)
+    VIEWER_READ_ONLY = "viewer_read_only"            # a viewer sent something other than a keepalive (stays open)
+    SHARING_OFF = "sharing_off"                      # session.share where max_viewers_per_session is 0
     # time limits
     START_TIMEOUT = "start_timeout"
     STALL_TIMEOUT = "stall_timeout"

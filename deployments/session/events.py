@@ -152,6 +152,7 @@ class Admitted:
     mime: str
     capacity: int
     facts: Optional[ModelFacts] = None
+    muxer: Any = None              # the group's Muxer actor: asked for a keyframe when a viewer joins (sharing.py)
 
 
 @dataclass(frozen=True)

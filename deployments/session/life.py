@@ -35,6 +35,7 @@ from enum import Enum
 from typing import Optional
 
 from .admission import Admission
+from .audience import Stage
 from .codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
 from .events import (
     Admitted,
@@ -49,9 +50,10 @@ from .events import (
 )
 from .ledger import ContinuityLedger
 from .phases import PhaseMachine
-from .ports import ACTIVITY, STOP, ClientGone, GroupLink, SessionMetrics, Wire
+from .ports import ACTIVITY, SHARE, STOP, UNSHARE, ClientGone, GroupLink, SessionMetrics, Wire
 from .reading import ClientReader, EarlyControls, watch_client
 from .requests import Interaction, StartRequest
+from .sharing import Sharing
 from .waiting import WaitingRoom
 
 log = logging.getLogger("ray.serve")
@@ -78,7 +80,7 @@ class SessionLife:
     """One session at the ingress, whichever protocol: its phase, its ledger and the flows between them."""
 
     def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics,
-                 room: Optional[WaitingRoom] = None):
+                 room: Optional[WaitingRoom] = None, stage: Optional[Stage] = None):
         self.wire = wire
         self.groups = groups
         self.settings = settings
@@ -103,6 +105,7 @@ class SessionLife:
         self.reader = ClientReader(wire, settings, self.send_lock, self.started_at)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
         self.admission = Admission(self.session_id, wire, self.send_lock, groups, self.room, settings.admission_wait_s)
+        self.sharing = Sharing(self.session_id, wire, groups, stage, settings)   # its viewers, while shared
 
     @property
     def phase(self) -> Phase:
@@ -167,6 +170,7 @@ class SessionLife:
             finally:
                 limits.release(tenant)
         finally:
+            self.sharing.end(self.chunks_sent, True)   # (where the stream did not end normally: its viewers too)
             if self.admission.lease is not None:
                 self.admission.lease.cancel()    # every path (done, stop, refusal, disconnect) ends the lease
             if self.kept:                         # and frees its snapshots at the keeper
@@ -229,6 +233,8 @@ class SessionLife:
         self.metrics.admitted()
         self.started_at = time.monotonic()
         await self.wire.send_admitted(first, start, self.session_id)
+        if start.spectators if self.early.share is None else self.early.share:
+            await self.share_or_unshare(SHARE)
         reader = asyncio.create_task(self.read_controls())
         try:
             stopped = await self.pump(reader)
@@ -237,6 +243,7 @@ class SessionLife:
         if stopped is not None and not self.ended:
             self.admission.lease.cancel()
             self.enter(Phase.ENDED)
+            self.sharing.end(self.chunks_sent, stopped)
             await self.wire.finish(stopped, self.chunks_sent)
 
     async def snapshot_owner(self) -> Optional[SnapshotOwner]:
@@ -252,6 +259,7 @@ class SessionLife:
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
         self.mailbox = admitted.mailbox
+        self.sharing.streaming_on(admitted, self.start, self.group_sid)
         if admitted.facts is not None:               # (as the session's own window sees them, if it has one)
             self.ledger.facts = admitted.facts.windowed(self.start.window)
 
@@ -280,6 +288,8 @@ class SessionLife:
                         sent = await self.wire.send_chunk(event, self.chunks_sent, self.send_or_stall)
                     if not sent:
                         return None
+                    self.sharing.delivered(event, self.chunks_sent)
+                    self.metrics.video_bytes("owner", len(event.data) + sum(len(b.payload) for b in event.batches))
                     self.chunks_sent += 1
                     self.ledger.delivered(event, self.start.fps)
                 elif isinstance(event, Resumed):
@@ -352,7 +362,9 @@ class SessionLife:
                     control = None
             if control == STOP:
                 return True
-            if control == ACTIVITY:
+            if control in (SHARE, UNSHARE):
+                await self.share_or_unshare(control)
+            elif control == ACTIVITY:
                 self.last_interaction = time.monotonic()
             elif isinstance(control, Interaction) and await self.post(control):
                 ack = self.wire.queued(control)
@@ -361,6 +373,12 @@ class SessionLife:
                         await self.wire.send(ack)
             if self.ended:
                 return None
+
+    async def share_or_unshare(self, control: str) -> None:
+        async with self.send_lock:
+            refusal = await self.sharing.share() if control == SHARE else await self.sharing.unshare()
+        if refusal is not None:
+            await self.refuse(refusal)
 
     async def post(self, interaction: Interaction) -> bool:
         """Send a client's interaction to its group (refused while the camera follows a path, and past

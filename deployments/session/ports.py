@@ -14,6 +14,8 @@ from .waiting import Growth
 
 STOP = "stop"                  # Wire.control: the client stops the session
 ACTIVITY = "activity"          # Wire.control: a message that only says the client is there (a heartbeat)
+SHARE = "share"                # Wire.control: the owner makes the session watchable (session.audience.py)
+UNSHARE = "unshare"            # Wire.control: the owner ends its sharing (every viewer is told)
 
 
 class ClientGone(Exception):
@@ -73,6 +75,20 @@ class Wire(Protocol):
     async def finish(self, stopped: bool, chunks: int) -> None:
         """The session ended by itself (stopped False) or at the client's request: last words and the close."""
 
+    # sharing (sharing.py): the owner's news, and the viewers' messages rendered once for all of them
+    dialect: str                   # "vllm" or "sglang": a shared session is watched on its protocol's watch route
+
+    def shared_message(self, watch_id: Optional[str], viewers: int) -> Any:
+        """The owner told its session is watchable at `watch_id` (None: no longer shared)."""
+
+    def viewer_header(self, admitted: Admitted, start: StartRequest) -> dict:
+        """What a viewer is told first about the stream (size, rate, mime or frame format; nothing the owner
+        sent)."""
+
+    def viewer_chunk(self, event: ChunkReady, transport_index: int, fragment: bytes, watch_id: str) -> tuple:
+        """One chunk's messages for every viewer (`fragment`: its fMP4 part without the init segment), ready to
+        send: metadata without event ids or controls, then the video."""
+
 
 class GroupLink(Protocol):
     """The ingress's way to the groups."""
@@ -95,6 +111,9 @@ class GroupLink(Protocol):
     async def growth(self) -> Growth:
         """The groups running and starting, and a measured group start (whether a waiting session may wait)."""
 
+    def want_keyframe(self, muxer: Any, session_id: str) -> None:
+        """Ask the session's encoder for a keyframe at its next chunk (told, not awaited)."""
+
 
 class SessionMetrics(Protocol):
     def refused(self, code: str) -> None: ...
@@ -102,3 +121,4 @@ class SessionMetrics(Protocol):
     def chunk_interval(self, seconds: float) -> None: ...
     def resumed(self, outcome: str, reason: str) -> None: ...
     def unknown_fields(self, count: int) -> None: ...
+    def video_bytes(self, role: str, count: int) -> None: ...

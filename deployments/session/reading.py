@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
 from .codes import ErrorCode, ProtocolError
-from .ports import ACTIVITY, STOP, ClientGone, Wire
+from .ports import ACTIVITY, SHARE, STOP, UNSHARE, ClientGone, Wire
 from .rate import MessageRate
 from .requests import Interaction
 
@@ -66,6 +66,7 @@ class EarlyControls:
         self.max_count, self.max_bytes = max_count, max_bytes
         self.kept: deque[Interaction] = deque()
         self.bytes = 0
+        self.share: Optional[bool] = None        # session.share / unshare while it waited: the last one applies
 
     def __len__(self) -> int:
         return len(self.kept)
@@ -117,6 +118,9 @@ async def watch_client(reader: ClientReader, control: Callable[[dict, int], Any]
             continue
         if parsed == STOP:
             return True
+        if parsed in (SHARE, UNSHARE):
+            early.share = parsed == SHARE
+            continue
         if parsed == ACTIVITY or not isinstance(parsed, Interaction):
             continue
         refusal = early.keep(parsed)

@@ -33,6 +33,7 @@ class StartRequest:
     paced: bool = True                        # False: each chunk as soon as it is made (realtime_output_pacing)
     window: Optional[tuple[int, int]] = None  # its own K/V window (sink, window chunks); None: the model's
     quality: str = "auto"                     # auto: the ladder's choice; else a rung pinned (extra_params.quality)
+    spectators: bool = False                  # shared from its start (extra_params.spectators; session.share later)
     unknown_fields: tuple[str, ...] = ()      # start fields this server does not know (ignored; counted, logged)
 
 

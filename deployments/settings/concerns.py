@@ -1,9 +1,9 @@
 """Every serving setting, declared once: its flat key (the field's name: serve_config.yaml's args key, and
 LINGBOT_<KEY> in the environment), type, default, meaning and bounds, in one small frozen dataclass per concern
-(model, placement, capacity, pace, continuity, drain, encoding, access, limits, health) with the checks of that
-concern. The concerns are sections of ServeSettings (serve.py), which inherits every field and is the one object
-read everywhere (`settings.drain_lead_s`); a concern is never built or read on its own. `CONCERNS` lists them in
-the order the settings command shows them, `KEYS` maps each flat key to its concern."""
+(model, placement, capacity, pace, continuity, drain, encoding, access, limits, spectators, health) with the
+checks of that concern. The concerns are sections of ServeSettings (serve.py), which inherits every field and
+is the one object read everywhere (`settings.drain_lead_s`); a concern is never built or read on its own.
+`CONCERNS` lists them in the order the settings command shows them, `KEYS` maps each flat key to its concern."""
 from __future__ import annotations
 
 import dataclasses
@@ -385,11 +385,26 @@ class HealthSettings(SettingsConcern):
     metrics_interval_s: float = setting(5.0, "how often a group exports its metrics", above=0)
 
 
+@dataclass(frozen=True)
+class SpectatorSettings(SettingsConcern):
+    """Viewers of shared sessions (deployments/session/audience.py): how many, and how far one may fall behind."""
+    max_viewers_per_session: int = setting(100, "viewers one shared session may have at one ingress replica (0: "
+                                                "sessions cannot be shared)", at_least=0)
+    max_viewers: int = setting(1000, "viewers one ingress replica serves in all", at_least=0)
+    spectators_need_key: bool = setting(True, "with api_keys, a viewer presents a key too (never in the watch URL)")
+    viewer_queue_chunks: int = setting(4, "chunks a viewer may hold unsent; past it (or viewer_queue_bytes) it "
+                                          "skips to the next keyframe", at_least=1)
+    viewer_queue_bytes: int = setting(16 * 2 ** 20, "bytes a viewer may hold unsent", at_least=1)
+    viewer_max_skips: int = setting(3, "a viewer that skipped this often is cut (viewer_too_slow)", at_least=1)
+    viewer_keyframe_chunks: int = setting(4, "while a shared session has viewers, a keyframe at least every this many "
+                                             "chunks (where a viewer that skipped starts again)", at_least=1)
+
+
 # the concerns by name, in the order describe() and the settings command list them
 CONCERNS: dict[str, type[SettingsConcern]] = {
     "model": ModelSettings, "placement": PlacementSettings, "capacity": CapacitySettings, "pace": PacingSettings,
     "continuity": ContinuitySettings, "drain": DrainSettings, "encoding": EncoderSettings, "access": AccessSettings,
-    "limits": SessionLimits, "health": HealthSettings,
+    "limits": SessionLimits, "spectators": SpectatorSettings, "health": HealthSettings,
 }
 # flat key -> (its concern's name, its field), in the concerns' order
 KEYS: dict[str, tuple[str, dataclasses.Field]] = {

@@ -2,7 +2,8 @@
 
 Ray start-up dominates, so the cluster lives for the whole package; the port is fixed, so Serve tests
 run serially. Settings are the embedded default with short timeouts and one group of 2 sessions; both frame decoders are
-loaded (the Wan decoder the default), so a session may pick the tiny one."""
+loaded, the tiny one the default as on any CPU deployment (a chunk costs about half the Wan decoder's), so a
+session may pick the Wan one."""
 
 import pytest
 
@@ -13,11 +14,12 @@ URL = f"ws://127.0.0.1:{PORT}/v1/realtime/video"
 HTTP = f"http://127.0.0.1:{PORT}"
 TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2, min_groups=1, max_groups=1,
                      start_timeout_s=3, admission_wait_s=3, retry_after_s=7, stall_timeout_s=8,
-                     pacing_lead_s=8, graceful_shutdown_timeout_s=5, decoder="wan,tae",
+                     pacing_lead_s=8, graceful_shutdown_timeout_s=5, decoder="tae,wan",
                      quality_floor="tiny_steps2",   # every rung may be pinned (the decoder rungs too)
                      max_in_flight_chunks=2,        # the GPU default, so the overlap is tested here too
                      max_fps=120.0,                 # sessions that ask for 120 fps run flat out
                      max_sessions_per_key=0, max_starts_per_minute_per_key=0,   # every test comes from one address
+                     max_viewers_per_session=4,     # test_spectators.py: the fifth viewer is refused
                      trusted_proxies="127.0.0.1")   # (so a test can name another client in X-Forwarded-For)
 
 

@@ -48,6 +48,9 @@ NEW_DEFAULTS = {**DRAIN_DEFAULTS, "max_header_bytes": 16 * 2 ** 10, "dtype": Non
 NEW_DEFAULTS.update(snapshot_interval_chunks=1, snapshot_host_budget_gib=None)
 # the door: a session's fps at most the deployment's; clients behind trusted proxies
 NEW_DEFAULTS.update(max_fps=None, trusted_proxies="")
+# spectators: viewers of shared sessions, their bounds and queues
+NEW_DEFAULTS.update(max_viewers_per_session=100, max_viewers=1000, spectators_need_key=True, viewer_queue_chunks=4,
+                    viewer_queue_bytes=16 * 2 ** 20, viewer_max_skips=3, viewer_keyframe_chunks=4)
 
 
 def test_settings_validation(monkeypatch):

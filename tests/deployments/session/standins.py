@@ -180,6 +180,10 @@ class Groups:
 class Metrics:
     def __init__(self):
         self.refusals, self.resumes, self.unknown = [], [], 0
+        self.bytes: dict[str, int] = {}
+
+    def video_bytes(self, role, count):
+        self.bytes[role] = self.bytes.get(role, 0) + count
 
     def unknown_fields(self, count):
         self.unknown += count
