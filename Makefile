@@ -21,8 +21,10 @@ install: $(VENV)/.installed
 lint: install
 	$(PY) -m ruff check .
 
+# Two pytest processes side by side: the modules that run Ray in one, in file order; the rest beside them
+# (tests/side_by_side.py). A failure in either exits non-zero.
 test: lint browser
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m tests.side_by_side -q --durations=40 tests
 
 # The browser tests drive Debian's Chromium (root installs it; elsewhere install `chromium` yourself).
 browser:

@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny preset, its random model and text encoder (built once per test session)."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from lingbot.config import get_preset
 from lingbot.io.weights import build_random_text_encoder, build_random_transformer
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("LINGBOT_TEST_THREADS", "2")))
 
 
 @pytest.fixture(scope="session")
@@ -104,3 +105,37 @@ def pytest_sessionfinish(session, exitstatus):
     if path and _PROFILE:
         with open(path, "w") as f:
             json.dump(_PROFILE, f, indent=1)
+
+
+# ---- two processes side by side (`make test` runs `python -m tests.side_by_side`): `--ray only` runs the modules
+# that run Ray (a Serve app, a local cluster), in file order, as the suite always ran them (one at a time: fixed
+# ports, one package app); `--ray none` runs the others beside them. Each process runs its modules in order, so a
+# module's fixtures are made once. A module that starts a Ray of its own on ports no other module uses (its own
+# GCS, dashboard, agent and proxy ports) runs beside the others too: BESIDE.
+_USES_RAY = re.compile(r"^\s*(import ray|from ray|from deployments\.local|from perf\.local)|ray\.init\(|serve_app",
+                       re.M)
+BESIDE = ("cluster/test_multinode.py",)
+_RAY_MODULES: dict = {}
+
+
+def uses_ray(path) -> bool:
+    """Whether the module at `path` runs in the `--ray only` process."""
+    if path not in _RAY_MODULES:
+        text = str(path)
+        _RAY_MODULES[path] = text.endswith(".py") and not text.endswith(BESIDE) and \
+            bool(_USES_RAY.search(open(path).read()))
+    return _RAY_MODULES[path]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--ray", choices=("all", "only", "none"), default="all",
+                     help="run all modules, only those that run Ray, or none of those (tests/side_by_side.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    which = config.getoption("--ray")
+    if which == "all":
+        return
+    want = which == "only"
+    config.hook.pytest_deselected(items=[item for item in items if uses_ray(item.path) != want])
+    items[:] = [item for item in items if uses_ray(item.path) == want]

@@ -17,7 +17,7 @@ def orbit_trajectory(frames):
 
 
 def in_process_frames(chunks, seed, prompt, flow_shift=None, trajectory_json=None, prompt_change=None,
-                      controls=None, decoder="wan", rungs=None):
+                      controls=None, decoder="tae", rungs=None):
     """The same session through the in-process pipeline (SP-1): the frames the served one should show.
     `prompt_change`: (chunk, text, transition_chunks) applied at that chunk; `controls`: per chunk; `rungs`: per
     chunk, (denoising steps, decoder) (the tiny decoder beside the session's own)."""

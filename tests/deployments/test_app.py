@@ -127,7 +127,7 @@ def test_the_peers_descriptions_of_the_server(serve_app):
     def get(path):
         with urllib.request.urlopen(f"{HTTP}{path}", timeout=30) as r:
             return r.status, r.read()
-    facts, settings = ModelFacts.of(get_preset("tiny"), True, ("wan", "tae")), ServeSettings(**TEST_SETTINGS)
+    facts, settings = ModelFacts.of(get_preset("tiny"), True, ("tae", "wan")), ServeSettings(**TEST_SETTINGS)
     assert get("/health") == (200, b"")
     assert json.loads(get("/version")[1]) == {"version": metadata.version("lingbot-serve")}
     models = json.loads(get("/models")[1])
@@ -140,7 +140,7 @@ def test_the_peers_descriptions_of_the_server(serve_app):
     assert {k: info["realtime"][k] for k in ("width", "height", "fps", "max_fps", "frames_per_chunk",
                                              "first_chunk_frames", "num_inference_steps", "decoders")} == {
         "width": W, "height": H, "fps": 16.0, "max_fps": 120.0, "frames_per_chunk": 12, "first_chunk_frames": 9,
-        "num_inference_steps": facts.steps, "decoders": ["wan", "tae"]}
+        "num_inference_steps": facts.steps, "decoders": ["tae", "wan"]}
     listed = json.loads(get("/v1/models")[1])
     (card,) = listed["data"]
     assert listed["object"] == "list" and card["id"] == "lingbot-world" and card["object"] == "model"

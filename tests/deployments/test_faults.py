@@ -65,7 +65,7 @@ def test_a_rank_killed_mid_session_the_sessions_resume_with_identical_frames(fau
     async def pair(kill_after=None):
         async with FramesClient(frames_url, api_key=KEY3) as raw, RealtimeClient(URL, api_key=KEY3) as fmp4:
             await raw.init("a quiet street", png(), 8, 3, actions=actions, decoder="tae")   # the tiny decoder's cache
-            await fmp4.start("a quiet street", png_url(), W, H, 8, seed=3, script=script)
+            await fmp4.start("a quiet street", png_url(), W, H, 8, seed=3, script=script, decoder="wan")
 
             async def kill(result, chunk):
                 if kill_after is not None and len(result.chunks) == kill_after:

@@ -36,7 +36,7 @@ def test_the_ladder_switched_on_takes_a_session_behind_down_to_the_floor_and_adm
 
     async def scenario():
         async with RealtimeClient(serve_app) as fast:
-            await fast.start("p", png_url(), W, H, None, seed=1, fps=120.0)
+            await fast.start("p", png_url(), W, H, None, seed=1, fps=120.0, decoder="wan")
             first = []
             while len(first) < 2:                            # two chunks run: the group measured its cost
                 msg = await fast.ws.recv()
@@ -77,7 +77,7 @@ def test_a_wan_session_pinned_to_a_decoder_rung_shows_the_tiny_decoders_frames_o
         ("tiny_steps2", 2)] * 2
     frames = read_frames(served.video).astype(float)
     rungs = [(None, "tae")] * 3 + [(2, "tae")] * 2
-    expected = through_h264(in_process_frames(5, rungs=rungs, **base))
+    expected = through_h264(in_process_frames(5, rungs=rungs, decoder="wan", **base))
     assert frames.shape == expected.shape == (57, H, W, 3) and np.abs(frames - expected).mean() < 0.25
-    wan = through_h264(in_process_frames(5, rungs=[(None, None)] * 3 + [(2, None)] * 2, **base))
+    wan = through_h264(in_process_frames(5, rungs=[(None, None)] * 3 + [(2, None)] * 2, decoder="wan", **base))
     assert np.abs(frames - wan).mean() > 2.0
