@@ -23,9 +23,8 @@ from typing import Optional
 
 import torch
 
-from lingbot.camera import CameraRig, Controls
+from lingbot.runtime.journal import apply, open_world
 from lingbot.runtime.pipeline import WorldSession
-from lingbot.runtime.rungs import rung_decoders
 from lingbot.runtime.snapshot import HostCopier, restore_snapshots
 
 from ..memory import Trimmer, held_refs, keep_large_blocks_mapped
@@ -152,12 +151,8 @@ class RankWorker:
         sid, start = call.session_id, call.start
         if self._is_stopped(sid):
             return None
-        preset = self.pipeline.runner.preset
-        rig = CameraRig.default(preset.width, preset.height, start.trajectory)
-        own = self.pipeline.decoder_name(start.decoder)
-        world = self.pipeline.new_session(start.image, start.prompt, start.seed, rig=rig, flow_shift=start.flow_shift,
-                                          decoder=own, window=start.window,
-                                          switch_to=rung_decoders(own, tuple(self.pipeline.decoders)))
+        world = open_world(self.pipeline, start.image, start.prompt, start.seed, start.trajectory, start.flow_shift,
+                           start.decoder, start.window)
         if restored:
             try:
                 restore_snapshots(world, *restored, self.rank, self.world_size)
@@ -249,10 +244,7 @@ class RankWorker:
             raise RuntimeError(f"session {call.session_id} is at chunk {world.chunk_index}, asked for {call.index}")
         t0 = time.perf_counter()
         self.snapshots.before_chunk(call.session_id, world, call.index)
-        prompt = None if controls.prompt is None else (controls.prompt, controls.prompt_transition_chunks)
-        warm = None if controls.prewarm is None else world.decoding.prewarm(controls.prewarm, call.index)
-        chunk = world.step(Controls(keys=controls.keys, camera=controls.camera), should_stop=should_stop,
-                           prompt=prompt, profile=controls.profile, steps=controls.steps, decoder=controls.decoder)
+        chunk, warm = apply(world, controls, call.index, should_stop)
         if chunk is None:
             return ChunkReply(stopped=True)
         reply = ChunkReply(stopped=False, timings=chunk.timings, engine_s=time.perf_counter() - t0, warm=warm)

@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
-from lingbot.camera import CameraEvent
 from lingbot.config import ChunkGeometry, Preset
 from lingbot.io.frames import FrameBatch
-from lingbot.runtime.rungs import rung_name
+from lingbot.runtime.journal import ChunkControls
 from lingbot.runtime.snapshot import chunks_to_restore
 
 from .codes import ErrorCode
@@ -88,25 +87,6 @@ class RankRestore:
     slots: tuple[str, ...]
     state: str
     owner: Optional[SnapshotOwner] = None
-
-
-@dataclass
-class ChunkControls:
-    """What every rank applies to one chunk."""
-    keys: Optional[tuple[str, ...]] = None
-    camera: Optional[CameraEvent] = None
-    prompt: Optional[str] = None
-    prompt_transition_chunks: int = 0
-    profile: bool = False          # synchronise the device at stage boundaries (exact stage times)
-    steps: Optional[int] = None    # a cheaper rung's denoising forwards (lingbot/runtime/rungs.py); None: all.
-    #                                Journaled with the rest, so a replay runs the chunk as it ran.
-    decoder: Optional[str] = None  # a decoder rung's frame decoder (None: the session's own); journaled too
-    prewarm: Optional[str] = None  # a decoder to warm ahead of a switch up (frames unchanged; decoding.py)
-
-    @property
-    def quality(self) -> str:
-        """The name of the rung the chunk runs at (`full`: the top)."""
-        return rung_name(self.steps, self.decoder)
 
 
 @dataclass(frozen=True)
