@@ -34,6 +34,10 @@ class Metrics:
         self.video_bytes = m.Counter("lingbot_video_bytes_total", "video bytes sent to clients, by role (owner: the "
                                      "session's own client; viewer: a shared session's)", tag_keys=("role",))
         self.viewer_skips = viewer_skips_counter()
+        self.recordings = m.Counter("lingbot_recordings_total", "session recordings by outcome (written; empty: no "
+                                    "chunk; disk, slow_disk: stopped by the disk; failed: a server fault)",
+                                    tag_keys=("outcome",))
+        self.recording_bytes = m.Counter("lingbot_recording_bytes_total", "bytes of the recordings written (MP4)")
         self.device_util = m.Gauge("lingbot_rank_device_utilization",
                                    "device utilisation per rank, percent (GPU: kernel time; CPU: of one core)",
                                    tag_keys=("group", "rank"))

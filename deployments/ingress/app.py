@@ -31,6 +31,7 @@ from ..session.codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, E
 from ..session.events import ModelFacts, SessionRequest
 from ..session.life import SessionLife
 from ..session.ports import ClientGone
+from ..session.recording import Recordings
 from ..session.requests import Interaction
 from ..session.waiting import Growth, WaitingRoom
 from ..settings import ServeSettings
@@ -49,7 +50,8 @@ from .fetch import ImageFetcher
 from .front import check_bound
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
-from .routes import SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES
+from .recordings import serve_recording
+from .routes import RECORDING_ROUTE, SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES
 from .vllm import VllmWire
 from .watch import serve_viewer
 
@@ -143,6 +145,11 @@ class IngressMetrics:
     def skipped(self, count: int) -> None:
         self.m.viewer_skips.inc(count, tags={"where": "ingress"})
 
+    def recorded(self, outcome: str, count: int) -> None:
+        self.m.recordings.inc(tags={"outcome": outcome})
+        if count:                                # (Ray's counters take no zero increments)
+            self.m.recording_bytes.inc(count)
+
 
 @serve.ingress(app)
 class Ingress:
@@ -156,6 +163,7 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.stage = Stage(s.max_viewers)        # the shared sessions at this replica, by watch id
+        self.recordings = Recordings.from_settings(s, self.metrics)     # None: recordings_dir cannot be used
         self.live = 0
         self.rng = random.Random()                # the jitter of server_busy's retry_after_s
         self.connections: dict[str, int] = {}    # open WebSocket connections per client address
@@ -252,6 +260,14 @@ class Ingress:
                 "default_chunks": s.default_chunks, "dtype": facts.dtype, "random_weights": facts.random_weights,
                 "decoders": list(facts.decoders)}
 
+    @app.get(RECORDING_ROUTE + "/{recording_id}")
+    async def recording(self, request: Request, recording_id: str):
+        return await serve_recording(self.recordings, request, recording_id, self.settings.api_key_set)
+
+    @app.get(RECORDING_ROUTE + "/{recording_id}/journal")
+    async def recording_journal(self, request: Request, recording_id: str):
+        return await serve_recording(self.recordings, request, recording_id, self.settings.api_key_set, journal=True)
+
     # ---- WebSocket ----------------------------------------------------------------------------
     @app.websocket(VLLM_ROUTE)
     async def realtime(self, ws: WebSocket):
@@ -303,7 +319,7 @@ class Ingress:
         address = scope_address(ws.scope, self.settings.trusted_proxy_networks)    # Serve's proxy passes the peer
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
-            life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room, self.stage)
+            life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room, self.stage, self.recordings)
             refusal, tenant = self._check_access(ws, address, watching=watch_id is not None)
             if refusal is not None:
                 await life.refuse(refusal)

@@ -135,7 +135,7 @@ INIT_FIELDS = frozenset({"type", "model", "prompt", "first_frame", "size", "fps"
                          "num_inference_steps", "guidance_scale", "max_chunks", "condition_inputs",
                          "realtime_output_format", "output_compression", "realtime_preview_max_width",
                          "delta_reference", "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
-                         "realtime_causal_kv_cache_num_frames", "quality", "spectators"})
+                         "realtime_causal_kv_cache_num_frames", "quality", "spectators", "record"})
 ACCEPTED_AND_IGNORED: dict[str, str] = {}
 
 
@@ -185,6 +185,9 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     quality = START.quality(msg.get("quality"), "init field 'quality'", rungs)
     spectators = START.flag(msg.get("spectators"), "init field 'spectators'", False)
     output = parse_output(msg)
+    if START.flag(msg.get("record"), "init field 'record'", False):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "init field 'record': recordings keep the H.264 stream of "
+                            "/v1/realtime/video; this protocol's frames are not recorded")
     image = first_frame(msg.get("first_frame"), width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, None if chunks is None else geometry.video_frames(chunks),
                         fps, seed, None, script, msg.get("model"), output=output, decoder=decoder, paced=paced,

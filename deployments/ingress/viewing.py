@@ -17,7 +17,7 @@ from ..session.codes import CLOSE_NORMAL
 from ..session.events import Admitted, ChunkReady
 from ..session.requests import StartRequest
 from .closing import close_quietly, pack
-from .routes import WATCH_ROUTES
+from .routes import RECORDING_ROUTE, WATCH_ROUTES
 
 
 def watch_path(dialect: str, watch_id: str) -> str:
@@ -35,6 +35,12 @@ class VllmViewing:
             return {"type": "session.unshared"}
         return {"type": "session.shared", "watch_id": watch_id, "watch_url": watch_path(self.dialect, watch_id),
                 "viewers": viewers}
+
+    @staticmethod
+    def recording_message(recording_id: str) -> dict:
+        url = f"{RECORDING_ROUTE}/{recording_id}"
+        return {"type": "session.recording", "recording_id": recording_id, "recording_url": url,
+                "journal_url": f"{url}/journal"}
 
     def viewer_header(self, admitted: Admitted, start: StartRequest) -> str:
         config = {"width": start.width, "height": start.height, "fps": start.fps, "mime": admitted.mime,

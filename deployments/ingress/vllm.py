@@ -68,7 +68,7 @@ START_FIELDS = frozenset({"type", "model", "prompt", "image_reference", "width",
                           "seed", "extra_params"})
 EXTRA_FIELDS = frozenset({"flow_shift", "camera_action_script", "camera_trajectory", "endless", "profile_stages",
                           "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
-                          "realtime_causal_kv_cache_num_frames", "quality", "spectators"})
+                          "realtime_causal_kv_cache_num_frames", "quality", "spectators", "record"})
 
 
 def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, default_chunks: int,
@@ -152,12 +152,13 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
         geometry.latent_frames, model_window)
     quality = START.quality(extra.get("quality"), "extra_params.quality", rungs)
     spectators = START.flag(extra.get("spectators"), "extra_params.spectators", False)
+    record = START.flag(extra.get("record"), "extra_params.record", None)
     image = decode_image(url, width, height, fetcher)
     return StartRequest(prompt, image, width, height, chunks, num_frames, fps, seed,
                         None if shift is None else float(shift), script, msg.get("model"), profile, trajectory,
                         decoder=decoder, paced=paced, window=window, quality=quality, spectators=spectators,
-                        unknown_fields=unknown_fields(msg, START_FIELDS) + unknown_fields(extra, EXTRA_FIELDS,
-                                                                                          "extra_params."))
+                        record=record, unknown_fields=unknown_fields(msg, START_FIELDS)
+                        + unknown_fields(extra, EXTRA_FIELDS, "extra_params."))
 
 
 def parse_interaction(msg: dict) -> Interaction:

@@ -64,6 +64,9 @@ class ErrorCode(StrEnum):
     VIEWER_TOO_SLOW = "viewer_too_slow"              # a viewer fell behind viewer_max_skips times (1008)
     VIEWER_READ_ONLY = "viewer_read_only"            # a viewer sent something other than a keepalive (stays open)
     SHARING_OFF = "sharing_off"                      # session.share where max_viewers_per_session is 0
+    RECORDING_NOT_FOUND = "recording_not_found"      # GET /v1/recordings: unknown, expired, not finished or not yours
+    RECORDING_UNAVAILABLE = "recording_unavailable"  # record asked where recordings_dir cannot be written (kept on)
+    RANGE_NOT_SATISFIABLE = "range_not_satisfiable"  # a Range header past a recording's end (416)
     # time limits
     START_TIMEOUT = "start_timeout"
     STALL_TIMEOUT = "stall_timeout"

@@ -21,8 +21,8 @@ included (docs/architecture.md, "A session's life").
 5. ENDED: done, stopped by the client, refused (every closing refusal ends the session), or the client left.
    Leaving any phase cancels the lease, which frees the session's state on its group within one step.
 
-Plain Python: no Ray, no Starlette. The ingress gives it a `Wire` (one per protocol dialect) and a
-`GroupLink` (Serve's handle, the mailbox, the snapshot keeper); tests give it their own.
+Plain Python: no Ray, no Starlette. The ingress gives it a `Wire` (one per protocol dialect) and a `GroupLink`
+(Serve's handle, the mailbox, the snapshot keeper); tests give it their own. Its viewers and recording: outputs.py.
 """
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ from .events import (
     SnapshotOwner,
 )
 from .ledger import ContinuityLedger
+from .outputs import Outputs
 from .phases import PhaseMachine
 from .ports import ACTIVITY, SHARE, STOP, UNSHARE, ClientGone, GroupLink, SessionMetrics, Wire
 from .reading import ClientReader, EarlyControls, watch_client
 from .requests import Interaction, StartRequest
-from .sharing import Sharing
 from .waiting import WaitingRoom
 
 log = logging.getLogger("ray.serve")
@@ -80,7 +80,7 @@ class SessionLife:
     """One session at the ingress, whichever protocol: its phase, its ledger and the flows between them."""
 
     def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics,
-                 room: Optional[WaitingRoom] = None, stage: Optional[Stage] = None):
+                 room: Optional[WaitingRoom] = None, stage: Optional[Stage] = None, recordings=None):
         self.wire = wire
         self.groups = groups
         self.settings = settings
@@ -105,7 +105,7 @@ class SessionLife:
         self.reader = ClientReader(wire, settings, self.send_lock, self.started_at)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
         self.admission = Admission(self.session_id, wire, self.send_lock, groups, self.room, settings.admission_wait_s)
-        self.sharing = Sharing(self.session_id, wire, groups, stage, settings)   # its viewers, while shared
+        self.outputs = Outputs(self.session_id, wire, groups, stage, recordings, settings)  # viewers, recording
 
     @property
     def phase(self) -> Phase:
@@ -136,8 +136,7 @@ class SessionLife:
         await self.wire.close_with(error)
 
     async def _refuse_open(self, error: ProtocolError) -> bool:
-        """refuse(error); whether the session goes on (a refusal that closes ends it)."""
-        await self.refuse(error)
+        await self.refuse(error)                 # whether the session goes on (a refusal that closes ends it)
         return not self.ended
 
     async def send_or_stall(self, data) -> bool:
@@ -161,6 +160,7 @@ class SessionLife:
             start = await self.wait_for_start()
             if start is None:
                 return
+            self.outputs.tenant = tenant
             refusal = limits.admit(tenant, time.monotonic())
             if refusal is not None:
                 await self.refuse(refusal)
@@ -170,7 +170,7 @@ class SessionLife:
             finally:
                 limits.release(tenant)
         finally:
-            self.sharing.end(self.chunks_sent, True)   # (where the stream did not end normally: its viewers too)
+            self.outputs.ended(self.chunks_sent)   # (where the stream did not end normally: its viewers too)
             if self.admission.lease is not None:
                 self.admission.lease.cancel()    # every path (done, stop, refusal, disconnect) ends the lease
             if self.kept:                         # and frees its snapshots at the keeper
@@ -233,8 +233,9 @@ class SessionLife:
         self.metrics.admitted()
         self.started_at = time.monotonic()
         await self.wire.send_admitted(first, start, self.session_id)
-        if start.spectators if self.early.share is None else self.early.share:
-            await self.share_or_unshare(SHARE)
+        share = start.spectators if self.early.share is None else self.early.share
+        for refusal in await self.outputs.open(first, start, share, self.send_lock):
+            await self.refuse(refusal)
         reader = asyncio.create_task(self.read_controls())
         try:
             stopped = await self.pump(reader)
@@ -243,7 +244,7 @@ class SessionLife:
         if stopped is not None and not self.ended:
             self.admission.lease.cancel()
             self.enter(Phase.ENDED)
-            self.sharing.end(self.chunks_sent, stopped)
+            await self.outputs.end(self.chunks_sent, stopped)
             await self.wire.finish(stopped, self.chunks_sent)
 
     async def snapshot_owner(self) -> Optional[SnapshotOwner]:
@@ -259,7 +260,7 @@ class SessionLife:
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
         self.mailbox = admitted.mailbox
-        self.sharing.streaming_on(admitted, self.start, self.group_sid)
+        self.outputs.streaming_on(admitted, self.start, self.group_sid)
         if admitted.facts is not None:               # (as the session's own window sees them, if it has one)
             self.ledger.facts = admitted.facts.windowed(self.start.window)
 
@@ -285,10 +286,10 @@ class SessionLife:
                         self.metrics.chunk_interval(now - last)
                     last = now
                     async with self.send_lock:
-                        sent = await self.wire.send_chunk(event, self.chunks_sent, self.send_or_stall)
+                        sent = await self.wire.send_chunk(event, self.chunks_sent, self.send_or_stall) and \
+                            await self.outputs.delivered(event, self.chunks_sent, self.send_or_stall)
                     if not sent:
                         return None
-                    self.sharing.delivered(event, self.chunks_sent)
                     self.metrics.video_bytes("owner", len(event.data) + sum(len(b.payload) for b in event.batches))
                     self.chunks_sent += 1
                     self.ledger.delivered(event, self.start.fps)
@@ -376,7 +377,8 @@ class SessionLife:
 
     async def share_or_unshare(self, control: str) -> None:
         async with self.send_lock:
-            refusal = await self.sharing.share() if control == SHARE else await self.sharing.unshare()
+            sharing = self.outputs.sharing
+            refusal = await sharing.share() if control == SHARE else await sharing.unshare()
         if refusal is not None:
             await self.refuse(refusal)
 

@@ -81,6 +81,10 @@ class Wire(Protocol):
     def shared_message(self, watch_id: Optional[str], viewers: int) -> Any:
         """The owner told its session is watchable at `watch_id` (None: no longer shared)."""
 
+    def recording_message(self, recording_id: str) -> Any:
+        """The owner told its session is recorded, to be fetched by `recording_id` once it ended (the first
+        protocol's wire only: the second protocol's sessions are not recorded)."""
+
     def viewer_header(self, admitted: Admitted, start: StartRequest) -> dict:
         """What a viewer is told first about the stream (size, rate, mime or frame format; nothing the owner
         sent)."""
@@ -122,3 +126,4 @@ class SessionMetrics(Protocol):
     def resumed(self, outcome: str, reason: str) -> None: ...
     def unknown_fields(self, count: int) -> None: ...
     def video_bytes(self, role: str, count: int) -> None: ...
+    def recorded(self, outcome: str, count: int) -> None: ...

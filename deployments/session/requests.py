@@ -34,6 +34,7 @@ class StartRequest:
     window: Optional[tuple[int, int]] = None  # its own K/V window (sink, window chunks); None: the model's
     quality: str = "auto"                     # auto: the ladder's choice; else a rung pinned (extra_params.quality)
     spectators: bool = False                  # shared from its start (extra_params.spectators; session.share later)
+    record: Optional[bool] = None             # recorded (extra_params.record); None: the deployment's record_sessions
     unknown_fields: tuple[str, ...] = ()      # start fields this server does not know (ignored; counted, logged)
 
 

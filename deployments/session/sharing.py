@@ -10,7 +10,7 @@ Plain Python: no Ray, no Starlette."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from lingbot.io.video import fragment_starts_with_keyframe, split_init_segment
 
@@ -39,6 +39,7 @@ class Sharing:
         self.admitted: Optional[Admitted] = None
         self.start = None                    # the session's start, once it streams
         self.since_keyframe = 0              # chunks since the last one a viewer could start at
+        self.told_viewers = 0                # the viewer count the owner was last told
 
     @property
     def viewers(self) -> int:
@@ -61,6 +62,7 @@ class Sharing:
             self.audience = self.stage.open(self.wire.dialect, header, self.init,
                                             self.settings.max_viewers_per_session, self._want_keyframe)
             log.info("session %s: shared", self.session_id)
+        self.told_viewers = self.viewers
         await self.wire.send(self.wire.shared_message(self.audience.watch_id, self.viewers))
         return None
 
@@ -74,8 +76,9 @@ class Sharing:
         if self.admitted is not None and self.admitted.muxer is not None:
             self.groups.want_keyframe(self.admitted.muxer, self.group_sid)
 
-    def delivered(self, event: ChunkReady, transport_index: int) -> None:
-        """A chunk the owner got: to every viewer (never waits)."""
+    def delivered(self, event: ChunkReady, transport_index: int) -> Any:
+        """A chunk the owner got: to every viewer (never waits). The owner's `shared` message again when the number
+        of viewers changed since it was last told (its page shows it), else None."""
         init, fragment = b"", event.data
         if event.data and (not self.init or self.audience is not None):
             try:
@@ -87,13 +90,17 @@ class Sharing:
             if self.audience is not None:
                 self.audience.init = init
         if self.audience is None:
-            return
+            return None
         messages = self.wire.viewer_chunk(event, transport_index, fragment, self.audience.watch_id)
         keyframe = chunk_starts_with_keyframe(event, fragment)
         self.audience.publish(SharedChunk(event.index, keyframe, messages, sum(len(m) for m in messages)))
         self.since_keyframe = 0 if keyframe else self.since_keyframe + 1
         if self.audience.viewers and self.since_keyframe >= self.settings.viewer_keyframe_chunks - 1:
             self.audience.want_keyframe()    # (where a viewer the proxy's door skipped starts again)
+        if self.viewers == self.told_viewers:
+            return None
+        self.told_viewers = self.viewers
+        return self.wire.shared_message(self.audience.watch_id, self.viewers)
 
     def end(self, chunks: int, stopped: bool, unshared: bool = False) -> None:
         """The session is over (or unshared): its viewers are told, its watch id dies."""

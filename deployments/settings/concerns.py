@@ -400,11 +400,27 @@ class SpectatorSettings(SettingsConcern):
                                              "chunks (where a viewer that skipped starts again)", at_least=1)
 
 
+@dataclass(frozen=True)
+class RecordingSettings(SettingsConcern):
+    """Recordings of sessions (deployments/session/recording.py): where they go, how long and how much is kept."""
+    record_sessions: bool = setting(False, "record every session of the first protocol unless its start says "
+                                           "extra_params.record: false")
+    recordings_dir: str = setting("~/lingbot-recordings", "where recordings are stored: a folder, or an fsspec URL "
+                                                         "(s3://bucket/prefix with s3fs installed, memory:// in tests)")
+    recording_keep_s: float = setting(7 * 86400.0, "a recording is deleted this long after it was written",
+                                      above=0)
+    recordings_max_bytes: int = setting(10 * 2 ** 30, "the recordings kept in all; past it the oldest go first",
+                                        at_least=0)
+    recording_spool_bytes: int = setting(64 * 2 ** 20, "a session's video waiting to be written; past it (a disk "
+                                                       "too slow) its recording stops", at_least=1)
+
+
 # the concerns by name, in the order describe() and the settings command list them
 CONCERNS: dict[str, type[SettingsConcern]] = {
     "model": ModelSettings, "placement": PlacementSettings, "capacity": CapacitySettings, "pace": PacingSettings,
     "continuity": ContinuitySettings, "drain": DrainSettings, "encoding": EncoderSettings, "access": AccessSettings,
-    "limits": SessionLimits, "spectators": SpectatorSettings, "health": HealthSettings,
+    "limits": SessionLimits, "spectators": SpectatorSettings, "recordings": RecordingSettings,
+    "health": HealthSettings,
 }
 # flat key -> (its concern's name, its field), in the concerns' order
 KEYS: dict[str, tuple[str, dataclasses.Field]] = {

@@ -22,6 +22,7 @@ from .concerns import (
     ModelSettings,
     PacingSettings,
     PlacementSettings,
+    RecordingSettings,
     SessionLimits,
     SpectatorSettings,
     check_bounds,
@@ -35,8 +36,9 @@ ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 # the concerns as bases, the last first: a dataclass takes its bases' fields from the end of the list, so the
 # fields run in the concerns' order (CONCERNS), as to_dict() and describe() list them
 @dataclass(frozen=True)
-class ServeSettings(HealthSettings, SpectatorSettings, SessionLimits, AccessSettings, EncoderSettings, DrainSettings,
-                    ContinuitySettings, PacingSettings, CapacitySettings, PlacementSettings, ModelSettings):
+class ServeSettings(HealthSettings, RecordingSettings, SpectatorSettings, SessionLimits, AccessSettings,
+                    EncoderSettings, DrainSettings, ContinuitySettings, PacingSettings, CapacitySettings,
+                    PlacementSettings, ModelSettings):
     """Every serve setting, one field per flat key (serve_config.yaml's args, LINGBOT_<KEY>, ServeSettings(**flat),
     to_dict()), declared with its default, meaning and bounds by its concern (concerns.py). Building it checks
     the bounds, then each concern's own checks, then what spans concerns."""

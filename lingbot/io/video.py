@@ -126,6 +126,29 @@ def read_frames(source: Union[str, Path, bytes]) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
+def remux_faststart(source: Union[str, Path], target: Union[str, Path], fps: float) -> int:
+    """A fragmented MP4 stream (init segment + fragments, as FragmentedMp4Encoder writes them) -> one plain MP4
+    with its index before the media (faststart: a player starts before the whole file arrived). The H.264 packets
+    are copied, never re-encoded; frame i is timed i / fps. Returns the frames written."""
+    rate = frame_rate(fps)
+    with av.open(str(source)) as src, av.open(str(target), "w", format="mp4",
+                                              options={"movflags": "+faststart"}) as out:
+        stream = src.streams.video[0]
+        copy = out.add_stream_from_template(stream)
+        ticks = max(1, round(1 / (stream.time_base * rate)))     # one frame in the stream's time base
+        frames = 0
+        for packet in src.demux(stream):
+            if packet.size == 0:                # the demuxer's flush packet
+                continue
+            packet.stream = copy
+            packet.pts = packet.dts = frames * ticks     # no B-frames: decode order is display order
+            packet.duration = ticks
+            packet.time_base = stream.time_base
+            out.mux(packet)
+            frames += 1
+    return frames
+
+
 # ---------------------------------------------------------------------------------------------------
 # fragmented MP4 for streaming: one moof + mdat per chunk, written as soon as the chunk is encoded
 # ---------------------------------------------------------------------------------------------------

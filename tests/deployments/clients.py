@@ -5,8 +5,11 @@ import asyncio
 import base64
 import io
 import json
+import socket
+from urllib.parse import urlsplit
 
 import numpy as np
+import websockets
 from PIL import Image
 
 from deployments.client import FramesClient, RealtimeClient, image_data_url
@@ -112,3 +115,15 @@ async def frames_session(url, chunks, seed=0, prompt="a forest path", on_chunk=N
             if on_chunk is not None:
                 await on_chunk(client, result, chunk)
         return await client.receive_session(hook)
+
+
+# ---- viewers -------------------------------------------------------------------------------------
+async def stalled_viewer(watch_url: str):
+    """A viewer that never reads (a 4 KiB receive buffer, no reads): once the kernel's buffers are full, its chunks
+    wait at the server, which skips it to keyframes and then cuts it. The open connection."""
+    where = urlsplit(watch_url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((where.hostname, where.port))
+    return await websockets.connect(watch_url, sock=sock, compression=None, max_queue=1, ping_interval=None,
+                                    max_size=2 ** 28)

@@ -5,6 +5,8 @@ run serially. Settings are the embedded default with short timeouts and one grou
 loaded, the tiny one the default as on any CPU deployment (a chunk costs about half the Wan decoder's), so a
 session may pick the Wan one."""
 
+import tempfile
+
 import pytest
 
 PORT = 18765
@@ -20,6 +22,7 @@ TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2
                      max_fps=120.0,                 # sessions that ask for 120 fps run flat out
                      max_sessions_per_key=0, max_starts_per_minute_per_key=0,   # every test comes from one address
                      max_viewers_per_session=4,     # test_spectators.py: the fifth viewer is refused
+                     recordings_dir=tempfile.mkdtemp(prefix="lingbot-test-recordings-"),
                      trusted_proxies="127.0.0.1")   # (so a test can name another client in X-Forwarded-For)
 
 

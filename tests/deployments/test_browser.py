@@ -13,10 +13,13 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
          "--autoplay-policy=no-user-gesture-required"]
 
 
-async def open_page(playwright, path: str = "/"):
-    """Headless Chromium on the app's page (at `path`), once it has loaded the served config. Wait predicates are
-    functions ("() => ..."): Playwright evaluates a bare expression with eval, which the page's CSP forbids."""
-    browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS, ignore_default_args=["--headless"])
+async def open_page(playwright, path: str = "/", browser=None):
+    """Headless Chromium (a new one, or another page of `browser`) on the app's page (at `path`), once it has loaded
+    the served config. Wait predicates are functions ("() => ..."): Playwright evaluates a bare expression with
+    eval, which the page's CSP forbids."""
+    if browser is None:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS,
+                                                   ignore_default_args=["--headless"])
     page = await browser.new_page()
     await page.add_init_script("window.cspViolations = []; document.addEventListener('securitypolicyviolation', "
                                "e => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));")
@@ -124,3 +127,48 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
     latencies, errors, frames, started = keys
     assert errors == [] and frames == 93 and started[:1] == [1]
     assert all(ms > 0 for ms in latencies)
+
+
+def test_a_shared_session_plays_on_two_viewer_pages(serve_app):
+    """The owner's page starts an endless session and shares it (the button): the watch link appears; two pages
+    opened with it play the session watch-only (no controls shown), their first fragment starts with a keyframe,
+    and the owner's page shows 2 viewers. The owner stops: both viewers are told the session ended."""
+    from playwright.async_api import async_playwright
+
+    from lingbot.io.video import fragment_starts_with_keyframe
+
+    async def scenario():
+        async with async_playwright() as p:
+            browser, owner = await open_page(p)
+            await owner.check("#endless")
+            await owner.click("#start")
+            await owner.wait_for_function("() => window.lingbot.chunks >= 1", timeout=90000)
+            await owner.click("#share")
+            await owner.wait_for_function("() => window.lingbot.sharing.link !== ''", timeout=30000)
+            link = await owner.evaluate("() => window.lingbot.sharing.link")
+            viewers = [(await open_page(p, link.removeprefix(HTTP), browser))[1] for _ in range(2)]
+            await owner.wait_for_function("() => document.getElementById('s-viewers').textContent === '2'",
+                                          timeout=60000)
+            seen = []
+            for viewer in viewers:
+                await viewer.wait_for_function("() => window.lingbot.sharing.fragments >= 3 && "
+                                               "document.getElementById('video').currentTime > 0.3", timeout=90000)
+                seen.append(await viewer.evaluate("""() => ({first: window.lingbot.sharing.firstFragment,
+                    controls: getComputedStyle(document.getElementById('owner-controls')).display,
+                    frames: document.getElementById('video').getVideoPlaybackQuality().totalVideoFrames,
+                    errors: window.lingbot.errors, csp: window.cspViolations})"""))
+            await owner.click("#stop")
+            for viewer in viewers:
+                await viewer.wait_for_function("() => document.getElementById('status').textContent"
+                                               ".startsWith('the session ended')", timeout=60000)
+            owned = await owner.evaluate("() => ({errors: window.lingbot.errors, csp: window.cspViolations})")
+            await browser.close()
+            return link, seen, owned
+
+    link, seen, owned = asyncio.run(scenario())
+    assert link.startswith(f"{HTTP}/?watch=") and len(link.partition("=")[2]) == 32       # 192 bits, base64url
+    assert owned == {"errors": [], "csp": []}
+    for viewer in seen:
+        assert viewer["errors"] == [] and viewer["csp"] == [] and viewer["controls"] == "none"
+        assert fragment_starts_with_keyframe(bytes(viewer["first"]))
+        assert viewer["frames"] >= 1

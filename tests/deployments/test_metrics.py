@@ -1,11 +1,14 @@
 """The served app's Prometheus metrics: the counters move by exactly what happened, and every series the Grafana
 dashboard (cluster/grafana) queries is exported."""
+import asyncio
 import json
 import urllib.error
 import urllib.request
 
-from tests.deployments.clients import expect_error, run, session
+from deployments.client import FramesClient
+from tests.deployments.clients import expect_error, frames_url, png, run, session, stalled_viewer
 from tests.deployments.observe import metric, scrape, settled
+from tests.waits import wait_until
 
 
 def test_metrics_count_what_happened(serve_app):
@@ -44,23 +47,42 @@ def test_metrics_count_what_happened(serve_app):
 
 
 def test_grafana_dashboard_queries_only_exported_metrics(serve_app):
-    """Every series the dashboard (cluster/grafana) queries is on a running app's metrics endpoint. A
-    120 fps session outruns the tiny model, so the stall counter is exported too."""
+    """Every series the dashboard (cluster/grafana) queries is on a running app's metrics endpoint once the app did
+    what each one counts: a recorded 120 fps session (it outruns the tiny model, so stalls are counted too), a bad
+    message, and a viewer that stops reading an endless shared session of raw frames until it was skipped."""
     import re
-    import time
     from pathlib import Path
 
     from tests.deployments.conftest import METRICS_PORT
     dashboard = json.loads((Path(__file__).parents[2] / "cluster/grafana/lingbot-dashboard.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"\b(ray_lingbot_\w+)", target["expr"])}
-    assert len(queried) >= 9
-    assert run(session(serve_app, 3, fps=120)).done["chunks"] == 3
+    assert len(queried) >= 14
+    assert run(session(serve_app, 3, fps=120, record=True)).done["chunks"] == 3
     run(expect_error(serve_app, ["{not json"], "invalid_json"))
-    deadline, exported = time.monotonic() + 60, set()
-    while time.monotonic() < deadline and not queried <= exported:
+
+    async def skipped_viewer():
+        async with FramesClient(frames_url(serve_app)) as owner:
+            await owner.init("a forest path", png(), None, 3, fps=120.0, spectators=True, decoder="tae")
+            viewer = []
+
+            async def on_chunk(result, chunk):
+                shared = [m for m in result.messages if m["type"] == "shared"]
+                if shared and not viewer:
+                    viewer.append(await stalled_viewer(serve_app.split("/v1/")[0] + shared[0]["watch_url"]))
+                skips = metric(await asyncio.to_thread(scrape, METRICS_PORT), "lingbot_viewer_skips_total")
+                if skips >= 1 or len(result.chunks) >= 150:
+                    await owner.ws.close()                  # the owner leaves: its endless session ends
+            owned = await owner.receive_session(on_chunk, timeout=300)
+            await viewer[0].close()
+            return len(owned.chunks)
+    chunks = run(skipped_viewer())
+    assert chunks < 150, "the viewer that stopped reading was never skipped"
+    exported: set = set()
+
+    def all_exported() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
-            exported = {line.split("{")[0].split(" ")[0] for line in r.read().decode().splitlines()
-                        if line and not line.startswith("#")}
-        time.sleep(2)
-    assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
+            exported.update(line.split("{")[0].split(" ")[0] for line in r.read().decode().splitlines()
+                            if line and not line.startswith("#"))
+        return queried <= exported
+    wait_until(all_exported, 60, f"every queried series exported; missing: {sorted(queried - exported)}", 2)

@@ -51,6 +51,9 @@ NEW_DEFAULTS.update(max_fps=None, trusted_proxies="")
 # spectators: viewers of shared sessions, their bounds and queues
 NEW_DEFAULTS.update(max_viewers_per_session=100, max_viewers=1000, spectators_need_key=True, viewer_queue_chunks=4,
                     viewer_queue_bytes=16 * 2 ** 20, viewer_max_skips=3, viewer_keyframe_chunks=4)
+# recordings: off unless asked, kept a week and 10 GiB at most
+NEW_DEFAULTS.update(record_sessions=False, recordings_dir="~/lingbot-recordings", recording_keep_s=7 * 86400.0,
+                    recordings_max_bytes=10 * 2 ** 30, recording_spool_bytes=64 * 2 ** 20)
 
 
 def test_settings_validation(monkeypatch):

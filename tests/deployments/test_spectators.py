@@ -11,7 +11,7 @@ import websockets
 
 from deployments.client import FramesClient, RealtimeClient
 from lingbot.io.video import fragment_starts_with_keyframe, read_frames, split_init_segment
-from tests.deployments.clients import H, W, frames_url, png, png_url, run
+from tests.deployments.clients import H, W, frames_url, png, png_url, run, stalled_viewer
 from tests.deployments.conftest import METRICS_PORT, PORT, TEST_SETTINGS
 from tests.deployments.observe import metric, scrape
 from tests.waits import wait_until
@@ -185,8 +185,6 @@ def test_a_viewer_that_stops_reading_is_skipped_then_cut_and_the_owner_streams_o
     the third skip cuts it (the door's viewer_too_slow), long before the stall timeout would, while the owner's
     endless session streams on with every chunk in order, and a reading viewer beside it is not touched. Then the
     ingress holds no viewer."""
-    import socket
-
     from perf.soak import census
 
     async def scenario():
@@ -198,11 +196,7 @@ def test_a_viewer_that_stops_reading_is_skipped_then_cut_and_the_owner_streams_o
                 shared = [m for m in result.messages if m["type"] == "shared"]
                 if shared and "slow" not in state:
                     url = BASE + shared[0]["watch_url"]
-                    sock = socket.socket()
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                    sock.connect(("127.0.0.1", PORT))
-                    state["slow"] = await websockets.connect(url, sock=sock, compression=None, max_queue=1,
-                                                             ping_interval=None, max_size=2 ** 28)
+                    state["slow"] = await stalled_viewer(url)
                     state["reader"] = FramesClient(url)
                     await state["reader"].__aenter__()
                     state["reading"] = asyncio.create_task(state["reader"].receive_session(timeout=300))

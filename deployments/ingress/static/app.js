@@ -172,7 +172,7 @@ function sendHeldKeys() {
 }
 
 function press(key, down) {
-  if (!KEYS.has(key)) return;
+  if (!KEYS.has(key) || (state.sharing && state.sharing.watching)) return;     // a viewer only watches
   const had = state.held.has(key);
   if (down) state.held.add(key); else state.held.delete(key);
   document.querySelectorAll(`[data-key="${key}"]`).forEach((b) => b.classList.toggle("held", down));
@@ -359,6 +359,9 @@ function start() {
       state.running = true;
       setStatus(`session ${msg.request_id.slice(0, 8)}`);
       setupMedia(msg.config.mime);
+      state.canShare(true);
+    } else if (msg.type === "session.shared" || msg.type === "session.unshared") {
+      state.onShared(msg);
     } else if (msg.type === "video.chunk_metadata") {
       pendingMeta = msg;
     } else if (msg.type === "session.queued") {
@@ -376,6 +379,7 @@ function start() {
   };
   ws.onclose = (e) => {
     state.running = false;
+    state.canShare(false);
     $("start").disabled = false; $("stop").disabled = true;
     if (e.code !== 1000 && e.code !== 1005) log(`connection closed (${e.code}${e.reason ? ": " + e.reason : ""})`);
     const ms = state.mediaSource;

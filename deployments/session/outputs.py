@@ -1,0 +1,87 @@
+"""Where a session's chunks go besides its owner: its viewers while shared (sharing.py) and its recording
+(recording.py). The session's life (life.py) hands each delivered chunk here once; neither ever waits on it.
+
+Plain Python: no Ray, no Starlette."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+from lingbot.io.frames import FMP4
+
+from .audience import Stage
+from .codes import ErrorCode, ProtocolError
+from .events import Admitted, ChunkReady
+from .recording import Recorder, Recordings
+from .requests import StartRequest
+from .sharing import Sharing
+
+log = logging.getLogger("ray.serve")
+
+FINISH_WAIT_S = 10.0      # a session's end waits this long for its recording to be stored (then it is stored later)
+
+
+class Outputs:
+    def __init__(self, session_id: str, wire, groups, stage: Optional[Stage], recordings: Optional[Recordings],
+                 settings):
+        self.wire, self.groups, self.settings = wire, groups, settings
+        self.sharing = Sharing(session_id, wire, groups, stage, settings)
+        self.recordings = recordings
+        self.recorder: Optional[Recorder] = None
+        self.tenant = ""                  # who started the session (access.py): its recording is theirs
+
+    def streaming_on(self, admitted: Admitted, start: StartRequest, group_sid: str) -> None:
+        self.sharing.streaming_on(admitted, start, group_sid)
+
+    async def open(self, admitted: Admitted, start: StartRequest, share: bool,
+                   send_lock: asyncio.Lock) -> list[ProtocolError]:
+        """The session streams for the first time: recorded if it asked to be (or the deployment records every
+        session), shared if it asked; the owner told of each (under `send_lock`). The refusals (none closes the
+        session)."""
+        async with send_lock:
+            return await self._open(admitted, start, share)
+
+    async def _open(self, admitted: Admitted, start: StartRequest, share: bool) -> list[ProtocolError]:
+        refusals = []
+        record = self.settings.record_sessions if start.record is None else start.record
+        if record and start.output == FMP4:
+            if self.recordings is None:
+                if start.record:
+                    refusals.append(ProtocolError(ErrorCode.RECORDING_UNAVAILABLE, "this deployment cannot write "
+                                                  "recordings now (recordings_dir); the session goes on unrecorded"))
+            else:
+                facts = admitted.facts if admitted.facts is not None else await self.groups.facts()
+                self.recorder = self.recordings.begin(start, facts, self.tenant)
+                await self.wire.send(self.wire.recording_message(self.recorder.id))
+        if share:
+            refusal = await self.sharing.share()
+            if refusal is not None:
+                refusals.append(refusal)
+        return refusals
+
+    async def delivered(self, event: ChunkReady, transport_index: int, send) -> bool:
+        """A chunk the owner got: to its viewers and its recording (neither waits); the owner told how many watch
+        when that changed (`send`: the session's bounded send). False when that send found the owner gone."""
+        told = self.sharing.delivered(event, transport_index)
+        if self.recorder is not None:
+            self.recorder.delivered(event)
+        return told is None or await send(told)
+
+    async def end(self, chunks: int, stopped: bool) -> None:
+        """The session ended as it should (done or stopped): viewers told; its recording stored before the owner
+        is told (at most FINISH_WAIT_S: a slow store finishes it later), so that it can be fetched at once."""
+        self.sharing.end(chunks, stopped)
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.recordings.finish_later(recorder)), FINISH_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("recording %s: still being stored after %g s", recorder.id, FINISH_WAIT_S)
+
+    def ended(self, chunks: int) -> None:
+        """Every end, the abrupt ones too (the client left, a refusal, a fault): what end() did not do yet."""
+        self.sharing.end(chunks, True)
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            self.recordings.finish_later(recorder)
