@@ -33,7 +33,8 @@ PER_PROCESS = 250           # viewers per load generator process
 def settings(viewers: int) -> dict:
     return {"preset": "tiny", "device": "cpu", "sp": 2, "min_groups": 1, "max_groups": 1,
             "max_sessions_per_group": 2, "max_viewers_per_session": viewers + 20, "max_viewers": viewers + 20,
-            "max_ingress_sessions": viewers + 40, "max_connections_per_address": 0, "max_sessions_per_key": 0,
+            "max_ingress_sessions": viewers + 40, "max_ingress_connections": max(1024, viewers + 100),
+            "max_connections_per_address": 0, "max_sessions_per_key": 0,
             "max_starts_per_minute_per_key": 0, "spectators_need_key": False}
 
 
