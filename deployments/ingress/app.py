@@ -51,6 +51,7 @@ from .front import check_bound
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
 from .recordings import serve_recording
+from .relay import Relay
 from .routes import RECORDING_ROUTE, SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES
 from .vllm import VllmWire
 from .watch import serve_viewer
@@ -162,7 +163,7 @@ class Ingress:
                                                   s.image_fetch_max_bytes)
         self.metrics = IngressMetrics()
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
-        self.stage = Stage(s.max_viewers)        # the shared sessions at this replica, by watch id
+        self.stage = Stage(s.max_viewers, Relay())   # shared sessions here by watch id; others' through the relay
         self.recordings = Recordings.from_settings(s, self.metrics)     # None: recordings_dir cannot be used
         self.live = 0
         self.rng = random.Random()                # the jitter of server_busy's retry_after_s
@@ -187,8 +188,9 @@ class Ingress:
         keeper = await self.groups.keeper()
         kept = {} if keeper is None else await keeper.census.remote()
         return {"live_sessions": self.live, "object_refs": held_refs(), "shared_sessions": len(self.stage.audiences),
-                "viewers": self.stage.viewers, "keeper_object_refs": kept.get("object_refs"),
-                "keeper_keys": kept.get("keys"), "keeper_sessions": kept.get("sessions")}
+                "viewers": self.stage.viewers, "relay": self.stage.relay.census(),
+                "keeper_object_refs": kept.get("object_refs"), "keeper_keys": kept.get("keys"),
+                "keeper_sessions": kept.get("sessions")}
 
     @app.get("/readyz")
     async def readyz(self):

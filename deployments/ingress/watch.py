@@ -35,15 +35,17 @@ async def serve_viewer(wire, stage: Stage, settings, watch_id: str, metrics) -> 
     """One viewer from its handshake (accepted, access checked) to its close; `metrics` (the ingress's) told the
     viewers at this replica, the bytes sent and the skips."""
     audience = stage.find(watch_id, wire.dialect)
+    if audience is None and stage.relay is not None:     # shared at another replica: mirrored here
+        audience = await stage.relay.mirror(watch_id, wire.dialect, stage)
     if audience is None:
         await wire.close_with(not_found())
         return
-    if stage.viewers >= settings.max_viewers:
-        await wire.close_with(too_many(settings, f"this server has {settings.max_viewers} viewers already"))
-        return
-    viewer = audience.join(viewer_limits(settings))
+    viewer = None if stage.viewers >= settings.max_viewers else audience.join(viewer_limits(settings))
     if viewer is None:
-        await wire.close_with(too_many(settings, f"this session has {audience.max_viewers} viewers already"))
+        stage.left(audience)
+        await wire.close_with(too_many(settings, f"this server has {settings.max_viewers} viewers already"
+                                       if stage.viewers >= settings.max_viewers else
+                                       f"this session has {audience.max_viewers} viewers already"))
         return
     metrics.viewers(stage.viewers)
     lock = asyncio.Lock()                            # a keepalive's answer never splits a chunk's messages
@@ -54,6 +56,7 @@ async def serve_viewer(wire, stage: Stage, settings, watch_id: str, metrics) -> 
     finally:
         reader.cancel()
         audience.leave(viewer)
+        stage.left(audience)
         metrics.viewers(stage.viewers)
         if viewer.skips:
             metrics.skipped(viewer.skips)

@@ -9,8 +9,9 @@ skip, counted), and one that skipped `max_skips` times is cut. The owner's pace 
 viewer does reaches the owner's session or its group, except that a viewer joining or skipping asks the
 owner's encoder for a keyframe at its next chunk (`on_keyframe_wanted`, at most one request a chunk).
 
-A watch id is 192 random bits (`secrets`), never derived from the session id; unknown, stale and unshared ids
-are answered alike.
+A watch id is the sharing replica's relay tag and 192 random bits (`secrets`), never derived from the session id;
+unknown, stale and unshared ids are answered alike. With a relay (deployments/ingress/relay.py) a replica's stage
+also mirrors the sessions other replicas share, for its own viewers.
 
 Plain Python: no Ray, no Starlette."""
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Audience:
     bytes_out: int = 0                 # bytes queued for viewers
     _asked: bool = False               # a keyframe is asked for and not published yet
     ended: Optional[Ended] = None
+    mirror: bool = False               # another replica's shared session, fed through its relay (ingress/relay.py)
 
     def join(self, limits: ViewerLimits) -> Optional[Viewer]:
         """A new viewer (None when the session has max_viewers already). It asks for a keyframe."""
@@ -158,17 +160,22 @@ class Audience:
             viewer.finish(ended)
 
 
-def new_watch_id() -> str:
-    """192 random bits, URL-safe (32 characters)."""
-    return secrets.token_urlsafe(24)
+def new_watch_id(prefix: str = "") -> str:
+    """`prefix` (the replica's relay tag: where the session is shared) and 192 random bits, URL-safe (32
+    characters)."""
+    return prefix + secrets.token_urlsafe(24)
 
 
 class Stage:
-    """The shared sessions of one ingress replica, by watch id, and its bound on viewers in all."""
+    """The shared sessions of one ingress replica, by watch id, and its bound on viewers in all. With a `relay`
+    (deployments/ingress/relay.py) viewers at other replicas watch this replica's sessions and this replica's
+    viewers watch theirs: it is told what the owners share, publish and end here, and it mirrors other replicas'
+    sessions into this stage."""
 
-    def __init__(self, max_viewers: int):
+    def __init__(self, max_viewers: int, relay: Any = None):
         self.max_viewers = max_viewers
         self.audiences: dict[str, Audience] = {}
+        self.relay = relay
 
     @property
     def viewers(self) -> int:
@@ -176,9 +183,30 @@ class Stage:
 
     def open(self, dialect: str, header: dict, init: bytes, max_viewers: int,
              on_keyframe_wanted: Callable[[], None]) -> Audience:
-        audience = Audience(new_watch_id(), dialect, header, init, max_viewers, on_keyframe_wanted)
+        audience = Audience(new_watch_id(self.relay.tag if self.relay else ""), dialect, header, init, max_viewers,
+                            on_keyframe_wanted)
         self.audiences[audience.watch_id] = audience
+        if self.relay is not None:
+            self.relay.opened(audience)
         return audience
+
+    def publish(self, audience: Audience, chunk: SharedChunk) -> None:
+        """An owner's chunk to its viewers here and, through the relay, at other replicas (never waits)."""
+        audience.publish(chunk)
+        if self.relay is not None:
+            self.relay.published(audience, chunk)
+
+    def init_known(self, audience: Audience, init: bytes) -> None:
+        audience.init = init
+        if self.relay is not None:
+            self.relay.init_known(audience)
+
+    def left(self, audience: Audience) -> None:
+        """A viewer left: a mirror without viewers stops (its subscription at the owner's replica ends)."""
+        if audience.mirror and not audience.viewers and self.audiences.get(audience.watch_id) is audience:
+            del self.audiences[audience.watch_id]
+            if self.relay is not None:
+                self.relay.unmirror(audience)
 
     def find(self, watch_id: str, dialect: str) -> Optional[Audience]:
         """The live audience of `watch_id` on that protocol's route; None for any other (unknown, ended,
@@ -189,4 +217,7 @@ class Stage:
     def close(self, audience: Audience, ended: Ended) -> None:
         """The audience's end: every viewer is told, the watch id dies."""
         audience.end(ended)
-        self.audiences.pop(audience.watch_id, None)
+        if self.audiences.get(audience.watch_id) is audience:
+            del self.audiences[audience.watch_id]
+        if self.relay is not None and not audience.mirror:
+            self.relay.closed(audience, ended)

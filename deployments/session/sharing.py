@@ -88,12 +88,12 @@ class Sharing:
         if init and not self.init:
             self.init = init
             if self.audience is not None:
-                self.audience.init = init
+                self.stage.init_known(self.audience, init)
         if self.audience is None:
             return None
         messages = self.wire.viewer_chunk(event, transport_index, fragment, self.audience.watch_id)
         keyframe = chunk_starts_with_keyframe(event, fragment)
-        self.audience.publish(SharedChunk(event.index, keyframe, messages, sum(len(m) for m in messages)))
+        self.stage.publish(self.audience, SharedChunk(event.index, keyframe, messages, sum(len(m) for m in messages)))
         self.since_keyframe = 0 if keyframe else self.since_keyframe + 1
         if self.audience.viewers and self.since_keyframe >= self.settings.viewer_keyframe_chunks - 1:
             self.audience.want_keyframe()    # (where a viewer the proxy's door skipped starts again)

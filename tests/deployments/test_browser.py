@@ -166,7 +166,7 @@ def test_a_shared_session_plays_on_two_viewer_pages(serve_app):
             return link, seen, owned
 
     link, seen, owned = asyncio.run(scenario())
-    assert link.startswith(f"{HTTP}/?watch=") and len(link.partition("=")[2]) == 32       # 192 bits, base64url
+    assert link.startswith(f"{HTTP}/?watch=") and len(link.partition("=")[2]) == 40     # a tag, 192 bits base64url
     assert owned == {"errors": [], "csp": []}
     for viewer in seen:
         assert viewer["errors"] == [] and viewer["csp"] == [] and viewer["controls"] == "none"

@@ -91,8 +91,8 @@ def test_a_recorded_session_is_served_as_an_mp4_and_its_journal_replays_bitwise(
 
 
 def test_recording_ids_that_lead_nowhere_are_answered_alike_and_the_second_protocol_is_told(serve_app):
-    """An id never made and malformed ones (not 32 lowercase hex digits) all answer 404 recording_not_found with the same
-    body; a start of the second protocol asking to be recorded is refused (invalid_field) and may try again."""
+    """An id never made and malformed ones (not 32 lowercase hex digits) all answer 404 recording_not_found with the
+    same body; a start of the second protocol asking to be recorded is refused (invalid_field) and may try again."""
     from deployments.client import FramesClient
     answers = [get(f"/v1/recordings/{rid}") for rid in (secrets.token_hex(16), "not-an-id", "A" * 32, "a" * 64)]
     assert {status for status, _, _ in answers} == {404}

@@ -3,6 +3,7 @@ bytes from a keyframe on (a late one joins at a keyframe the owner's encoder mak
 the owner's unshare reach every viewer with their codes, and a watch id that leads nowhere is refused alike
 whether it ever existed or not."""
 import asyncio
+import inspect
 import json
 
 import msgpack
@@ -81,7 +82,7 @@ def test_viewers_get_the_owners_fragments_from_a_keyframe_and_the_end(serve_app)
     start, shared, owned, results, too_many = run(scenario())
     assert owned.error is None and owned.done == {"type": "session.done", "chunks": chunks, "stopped": False}
     watch_id = shared["watch_id"]
-    assert len(watch_id) == 32 and shared["watch_url"] == f"/v1/realtime/watch/{watch_id}"
+    assert len(watch_id) == 40 and shared["watch_url"] == f"/v1/realtime/watch/{watch_id}"
     assert start["request_id"] not in watch_id
     init = split_init_segment(owned.data[0])[0]
     own = fragments(owned)
@@ -229,3 +230,75 @@ def test_a_viewer_that_stops_reading_is_skipped_then_cut_and_the_owner_streams_o
     wait_until(lambda: census("lingbot")["ingress"]["viewers"] == 0, 30, "the viewers to have left the ingress")
     wait_until(lambda: metric(scrape(METRICS_PORT), "lingbot_refusals_total", code="viewer_too_slow") >= 1, 30,
                "the door to count its cut (viewer_too_slow, not the stall timeout)")
+
+
+def test_a_viewer_at_another_replica_watches_through_one_subscription(serve_app):
+    """Two ingress replicas' stages, each with its relay and its post (real Ray actors). A watch id leads to the
+    replica that handed it out (its tag); another replica mirrors that session once however many of its viewers
+    watch (one subscription at the post), the owner's replica publishes to its post once it knows a replica
+    subscribes, and a keyframe those viewers want reaches the owner. Both viewers get the init segment and every
+    chunk from the first keyframe, the end with its fields; ids of no replica, of no session there and of the
+    other protocol lead nowhere; a mirror whose last viewer left ends its subscription."""
+    import ray
+
+    from deployments.ingress.relay import Relay
+    from deployments.session.audience import Ended, SharedChunk, Stage, ViewerLimits
+
+    async def until(check, what):
+        """`check()` (a value, or an awaitable of one) every 0.1 s until true; AssertionError after 30 s."""
+        for _ in range(300):
+            value = check()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"waited 30 s for {what}")
+
+    async def subscribers(relay, watch_id):
+        return (await relay.post.census.remote()).get(watch_id, 0)
+
+    async def no_subscribers(relay, watch_id):
+        return not await subscribers(relay, watch_id)
+
+    async def scenario():
+        here, there = Stage(10, Relay()), Stage(10, Relay())
+        keyframes = []
+        owner = here.open("vllm", {"type": "watch.start"}, b"", 5, lambda: keyframes.append(1))
+        assert owner.watch_id.startswith(here.relay.tag) and len(owner.watch_id) == 40
+        nowhere = [await there.relay.mirror(w, d, there) for w, d in [
+            ("zzzzzzzz" + "A" * 32, "vllm"), (here.relay.tag + "A" * 32, "vllm"), (owner.watch_id, "sglang")]]
+        mirror = await there.relay.mirror(owner.watch_id, "vllm", there)
+        viewers = [mirror.join(ViewerLimits(8)), there.find(owner.watch_id, "vllm").join(ViewerLimits(8))]
+        await until(lambda: owner.watch_id in here.relay.subscribed and keyframes,
+                    "the owner's replica to learn of the subscriber and its keyframe request")
+        one_subscription = await subscribers(here.relay, owner.watch_id)
+        here.init_known(owner, b"INIT")
+        chunks = [SharedChunk(i, i in (1, 4), (json.dumps({"i": i}), bytes([i]) * 100), 108) for i in range(6)]
+        for chunk in chunks:
+            here.publish(owner, chunk)
+        got = [[await asyncio.wait_for(v.next(), 30) for _ in range(5)] for v in viewers]
+        here.close(owner, Ended(6, False))
+        ends = [await asyncio.wait_for(v.next(), 30) for v in viewers]
+        await until(lambda: owner.watch_id not in there.audiences, "the mirror to end")
+        # a mirror whose viewers all leave ends its subscription at the owner's replica
+        second = here.open("vllm", {"type": "watch.start"}, b"", 5, lambda: None)
+        other = await there.relay.mirror(second.watch_id, "vllm", there)
+        await until(lambda: subscribers(here.relay, second.watch_id), "the second subscription")
+        viewer = other.join(ViewerLimits(8))
+        other.leave(viewer)
+        there.left(other)
+        await until(lambda: second.watch_id not in there.relay.mirrors, "the mirror to stop")
+        await until(lambda: no_subscribers(here.relay, second.watch_id), "the post to drop the subscription")
+        here.close(second, Ended(0, True))
+        for relay in (here.relay, there.relay):
+            ray.kill(relay.post)
+        return nowhere, mirror, one_subscription, got, ends
+
+    nowhere, mirror, one_subscription, got, ends = run(scenario())
+    assert nowhere == [None, None, None]
+    assert one_subscription == 1 and mirror.init == b"INIT" and mirror.mirror
+    for chunks in got:
+        assert [c.index for c in chunks] == [1, 2, 3, 4, 5]                 # from the first keyframe on
+        assert [c.messages for c in chunks] == [(json.dumps({"i": i}), bytes([i]) * 100) for i in range(1, 6)]
+    assert ends == [Ended(6, False), Ended(6, False)]
