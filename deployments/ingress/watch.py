@@ -124,12 +124,7 @@ async def _read_viewer(wire, settings, lock: asyncio.Lock) -> None:
             await wire.send_error(error)
         return True
     while True:
-        try:
-            msg = await reader.next_message(time.monotonic() + 3600.0, refuse)
-        except asyncio.TimeoutError:
-            continue
-        except ClientGone:
-            return
+        msg = await reader.next_or_gone(refuse)
         if msg is None:
             return
         try:

@@ -55,6 +55,17 @@ class ClientReader:
             async with self.send_lock:
                 await self.wire.send(reply)
 
+    async def next_or_gone(self, refuse: Refuse) -> Optional[dict]:
+        """The next message that needs handling, however long it takes; None when the client left or a refusal
+        ended the session."""
+        while True:
+            try:
+                return await self.next_message(time.monotonic() + 3600.0, refuse)
+            except asyncio.TimeoutError:
+                continue
+            except ClientGone:
+                return None
+
 
 class EarlyControls:
     """The interactions a client sends while its session waits for a group, kept for the stream in their order:
@@ -102,12 +113,7 @@ async def watch_client(reader: ClientReader, control: Callable[[dict, int], Any]
     code, an interaction kept in `early` (or refused past its bounds). True when the client stopped the session,
     None when it left or a refusal ended it."""
     while True:
-        try:
-            msg = await reader.next_message(time.monotonic() + 3600.0, refuse)
-        except asyncio.TimeoutError:
-            continue
-        except ClientGone:
-            return None
+        msg = await reader.next_or_gone(refuse)
         if msg is None:
             return None
         try:
