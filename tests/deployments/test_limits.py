@@ -372,7 +372,12 @@ def test_restarted_chunks_show_the_frames_of_their_controls(strict_app):
             await client.__aexit__()
 
     result = run(scenario())
-    assert result.error is None and result.done["chunks"] == chunks
+    assert result.done["chunks"] == chunks
+    # strict_app queues at most 2 interactions: on a loaded machine a chunk may come late and a third wait, which is
+    # refused (too_many_controls) and never started; the frames below follow the events that did start
+    refused = {m["event_id"] for m in result.messages if m["type"] == "error"}
+    assert {m["code"] for m in result.messages if m["type"] == "error"} <= {"too_many_controls"}
+    assert not refused & {e for meta in result.chunks for e in meta["started_event_ids"]}
     keys_at = {}
     for meta in result.chunks:
         for event in meta["started_event_ids"]:
