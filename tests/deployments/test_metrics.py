@@ -8,7 +8,6 @@ import urllib.request
 from deployments.client import FramesClient
 from tests.deployments.clients import expect_error, frames_url, png, run, session, stalled_viewer
 from tests.deployments.observe import metric, scrape, settled
-from tests.waits import wait_until
 
 
 def test_metrics_count_what_happened(serve_app):
@@ -51,6 +50,7 @@ def test_grafana_dashboard_queries_only_exported_metrics(serve_app):
     what each one counts: a recorded 120 fps session (it outruns the tiny model, so stalls are counted too), a bad
     message, and a viewer that stops reading an endless shared session of raw frames until it was skipped."""
     import re
+    import time
     from pathlib import Path
 
     from tests.deployments.conftest import METRICS_PORT
@@ -79,10 +79,10 @@ def test_grafana_dashboard_queries_only_exported_metrics(serve_app):
     chunks = run(skipped_viewer())
     assert chunks < 150, "the viewer that stopped reading was never skipped"
     exported: set = set()
-
-    def all_exported() -> bool:
+    deadline = time.monotonic() + 60
+    while not queried <= exported and time.monotonic() < deadline:
         with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
             exported.update(line.split("{")[0].split(" ")[0] for line in r.read().decode().splitlines()
                             if line and not line.startswith("#"))
-        return queried <= exported
-    wait_until(all_exported, 60, f"every queried series exported; missing: {sorted(queried - exported)}", 2)
+        time.sleep(0 if queried <= exported else 2)
+    assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
