@@ -31,12 +31,13 @@ def group_autoscaling(s: ServeSettings, capacity: int) -> dict:
 
 
 def ingress_scaling(s: ServeSettings) -> dict:
-    """The ingress deployment's replicas: one, or (max_ingress_replicas > 1) Serve's own policy on the requests
-    each holds (its WebSockets, nearly all), one more replica when they pass 3/4 of max_ingress_sessions each; a
-    replica is removed only after 10 minutes below, and only once its sessions ended (ingress_grace_s)."""
-    if s.max_ingress_replicas == 1:
-        return {"num_replicas": 1}
-    return {"autoscaling_config": {"min_replicas": 1, "max_replicas": s.max_ingress_replicas,
+    """The ingress deployment's replicas: a fixed number (min_ingress_replicas = max_ingress_replicas, 1 by default),
+    or Serve's own policy on the requests each holds (its WebSockets, nearly all) between the two, one more replica
+    when they pass 3/4 of max_ingress_sessions each; a replica is removed only after 10 minutes below, and only
+    once its sessions ended (ingress_grace_s)."""
+    if s.min_ingress_replicas == s.max_ingress_replicas:
+        return {"num_replicas": s.max_ingress_replicas}
+    return {"autoscaling_config": {"min_replicas": s.min_ingress_replicas, "max_replicas": s.max_ingress_replicas,
                                    "target_ongoing_requests": max(1, s.max_ingress_sessions * 3 // 4),
                                    "upscale_delay_s": 2.0, "downscale_delay_s": 600.0,
                                    "look_back_period_s": LOOK_BACK_S, "metrics_interval_s": METRICS_INTERVAL_S}}

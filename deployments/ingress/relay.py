@@ -10,6 +10,11 @@ queue as on the owner's replica. The owner's replica publishes a chunk to its po
 subscribes (the post tells it, with the keyframes other replicas' viewers ask for, through one long poll). When a
 mirror's last viewer leaves, its subscription ends.
 
+The session's bound on viewers holds over every replica: a viewer of a mirror takes a seat at the owner's post
+first (one Ray call when it joins, one when it leaves), where the owner's replica's own count is told too; the
+owner's replica learns the seats taken elsewhere through its long poll, for its own bound and the count its
+owner is shown.
+
 One Ray call per chunk per shared session with remote viewers, one streamed item per subscribing replica: no
 per-viewer Ray call. A subscribing replica that falls behind (more than SUBSCRIBER_CHUNKS unread) loses what is
 queued for it and its viewers wait for the next keyframe, as a slow viewer does."""
@@ -29,6 +34,7 @@ log = logging.getLogger("ray.serve")
 NAMESPACE = "lingbot-watch"
 TAG_CHARS = 8
 SUBSCRIBER_CHUNKS = 8          # chunks a subscribing replica may leave unread at the post
+SEAT_TIMEOUT_S = 10.0          # a viewer's seat at the owner's post: not granted when the post does not answer
 POLL_S = 30.0                  # the owner's long poll returns at least this often
 
 
@@ -45,6 +51,8 @@ class _Stream:
     max_viewers: int
     subscribers: set = field(default_factory=set)          # one asyncio.Queue per subscribing replica
     keyframe: bool = False                                  # a viewer elsewhere waits for one
+    local: int = 0                                          # the owner's replica's own viewers, as it told
+    seats: dict = field(default_factory=dict)               # replica tag -> its viewers of this session
 
 
 def _offer(queue: asyncio.Queue, item) -> None:
@@ -105,14 +113,34 @@ class WatchPost:
             _offer(queue, ended)
         self._changed()
 
+    async def viewers(self, watch_id: str, local: int) -> None:
+        stream = self.streams.get(watch_id)
+        if stream is not None:
+            stream.local = local
+
+    async def seat(self, watch_id: str, tag: str) -> bool:
+        """A viewer at replica `tag` may watch `watch_id`: False when it is not shared here or has max_viewers."""
+        stream = self.streams.get(watch_id)
+        if stream is None or stream.local + sum(stream.seats.values()) >= stream.max_viewers:
+            return False
+        stream.seats[tag] = stream.seats.get(tag, 0) + 1
+        self._changed()
+        return True
+
+    async def unseat(self, watch_id: str, tag: str) -> None:
+        stream = self.streams.get(watch_id)
+        if stream is not None and stream.seats.get(tag, 0) > 0:
+            stream.seats[tag] -= 1
+            self._changed()
+
     async def want_keyframe(self, watch_id: str) -> None:
         if watch_id in self.streams:
             self.streams[watch_id].keyframe = True
             self._changed()
 
-    async def subscribe(self, watch_id: str):
-        """The stream of `watch_id` for one replica: (dialect, header, init, max_viewers) first (None: not shared
-        here), then chunks, init segments, gaps, and its end."""
+    async def subscribe(self, watch_id: str, tag: str = ""):
+        """The stream of `watch_id` for replica `tag`: (dialect, header, init, max_viewers) first (None: not shared
+        here), then chunks, init segments, gaps, and its end. Its end gives back that replica's seats."""
         stream = self.streams.get(watch_id)
         if stream is None:
             yield None
@@ -129,11 +157,12 @@ class WatchPost:
                     return
         finally:
             stream.subscribers.discard(queue)
+            stream.seats.pop(tag, None)
             self._changed()
 
     async def wanted(self) -> dict:
-        """(The owner's long poll) {watch id: (subscribing replicas, a keyframe wanted)} once something changed, or
-        after POLL_S; the keyframe requests are taken."""
+        """(The owner's long poll) {watch id: (subscribing replicas, a keyframe wanted, viewers at other replicas)}
+        once something changed, or after POLL_S; the keyframe requests are taken."""
         if self.changed is None:
             self.changed = asyncio.Event()
         try:
@@ -141,13 +170,14 @@ class WatchPost:
         except asyncio.TimeoutError:
             pass
         self.changed.clear()
-        out = {w: (len(s.subscribers), s.keyframe) for w, s in self.streams.items()}
+        out = {w: (len(s.subscribers), s.keyframe, sum(s.seats.values())) for w, s in self.streams.items()}
         for s in self.streams.values():
             s.keyframe = False
         return out
 
     def census(self) -> dict:
-        return {w: len(s.subscribers) for w, s in self.streams.items()}
+        return {w: {"subscribers": len(s.subscribers), "seats": sum(s.seats.values()), "local": s.local}
+                for w, s in self.streams.items()}
 
 
 class Relay:
@@ -163,6 +193,7 @@ class Relay:
         self.subscribed: set[str] = set()                  # watch ids of this replica with subscribers elsewhere
         self.local: dict[str, Audience] = {}               # this replica's shared sessions
         self.mirrors: dict[str, asyncio.Task] = {}         # watch id -> the task feeding its mirror here
+        self.posts: dict[str, Any] = {}                     # watch id -> the owner's post of a mirror here
         self.joining: dict[str, asyncio.Future] = {}       # watch id -> a subscription in the making
         self.follower: Optional[asyncio.Task] = None
         self.told: dict[str, int] = {}                      # watch id -> calls told the post about it
@@ -186,6 +217,10 @@ class Relay:
         if audience.watch_id in self.subscribed:
             self._tell(audience.watch_id, "publish", chunk)
 
+    def counted(self, audience: Audience) -> None:
+        """The owner's replica's own viewers of `audience` changed: its post bounds the others by them."""
+        self._tell(audience.watch_id, "viewers", len(audience.viewers))
+
     def closed(self, audience: Audience, ended: Ended) -> None:
         self.local.pop(audience.watch_id, None)
         self.subscribed.discard(audience.watch_id)
@@ -201,11 +236,13 @@ class Relay:
                 log.warning("watch relay: the post is gone (%s)", type(e).__name__)
                 self.subscribed.clear()
                 return
-            self.subscribed = {w for w, (n, _) in wanted.items() if n}
-            for watch_id, (_, keyframe) in wanted.items():
+            self.subscribed = {w for w, (n, _, _) in wanted.items() if n}
+            for watch_id, (_, keyframe, elsewhere) in wanted.items():
                 audience = self.local.get(watch_id)
-                if keyframe and audience is not None:
-                    audience.on_keyframe_wanted()
+                if audience is not None:
+                    audience.remote_viewers = elsewhere
+                    if keyframe:
+                        audience.on_keyframe_wanted()
 
     # ---- a viewer's replica ----------------------------------------------------------------------------
     async def mirror(self, watch_id: str, dialect: str, stage: Stage) -> Optional[Audience]:
@@ -229,7 +266,7 @@ class Relay:
             post = ray.get_actor(f"post-{tag}", namespace=NAMESPACE)
         except ValueError:                                  # no such replica (or it is gone)
             return None
-        stream = outside_the_request(post.subscribe.options(num_returns="streaming").remote, watch_id)
+        stream = outside_the_request(post.subscribe.options(num_returns="streaming").remote, watch_id, self.tag)
         try:
             first = await (await stream.__anext__())
         except Exception:                                   # (StopAsyncIteration, or the replica died meanwhile)
@@ -241,6 +278,7 @@ class Relay:
         audience = Audience(watch_id, dialect, header, init, max_viewers,
                             lambda: outside_the_request(post.want_keyframe.remote, watch_id), mirror=True)
         stage.audiences[watch_id] = audience
+        self.posts[watch_id] = post
         self.mirrors[watch_id] = fresh_task(self._feed(stream, audience, stage))
         log.info("watch relay: mirroring %s... from replica %s", watch_id[:TAG_CHARS + 4], tag)
         return audience
@@ -272,9 +310,30 @@ class Relay:
                         type(e).__name__)
         finally:
             self.mirrors.pop(audience.watch_id, None)
+            self.posts.pop(audience.watch_id, None)
         stage.close(audience, ended)
 
+    async def seat(self, audience: Audience) -> bool:
+        """A seat for one more viewer of a mirror here, at the owner's post (False: the session has its viewers, or
+        its post did not answer)."""
+        post = self.posts.get(audience.watch_id)
+        if post is None:
+            return False
+        try:
+            return await asyncio.wait_for(outside_the_request(post.seat.remote, audience.watch_id, self.tag),
+                                          SEAT_TIMEOUT_S)
+        except Exception as e:                              # (the owner's replica gone, or too busy to answer)
+            log.warning("watch relay: no seat for a viewer of %s... (%s)", audience.watch_id[:TAG_CHARS + 4],
+                        type(e).__name__)
+            return False
+
+    def unseat(self, audience: Audience) -> None:
+        post = self.posts.get(audience.watch_id)
+        if post is not None:
+            outside_the_request(post.unseat.remote, audience.watch_id, self.tag)
+
     def unmirror(self, audience: Audience) -> None:
+        self.posts.pop(audience.watch_id, None)
         task = self.mirrors.pop(audience.watch_id, None)
         if task is not None:
             task.cancel()

@@ -40,12 +40,11 @@ async def serve_viewer(wire, stage: Stage, settings, watch_id: str, metrics) -> 
     if audience is None:
         await wire.close_with(not_found())
         return
-    viewer = None if stage.viewers >= settings.max_viewers else audience.join(viewer_limits(settings))
+    viewer, full = await stage.join(audience, viewer_limits(settings))
     if viewer is None:
-        stage.left(audience)
-        await wire.close_with(too_many(settings, f"this server has {settings.max_viewers} viewers already"
-                                       if stage.viewers >= settings.max_viewers else
-                                       f"this session has {audience.max_viewers} viewers already"))
+        await wire.close_with(not_found() if full == "ended" else too_many(
+            settings, f"this server has {settings.max_viewers} viewers already" if full == "replica" else
+            f"this session has {audience.max_viewers} viewers already"))
         return
     metrics.viewers(stage.viewers)
     lock = asyncio.Lock()                            # a keepalive's answer never splits a chunk's messages
@@ -55,8 +54,7 @@ async def serve_viewer(wire, stage: Stage, settings, watch_id: str, metrics) -> 
         await _feed(wire, viewer, reader, settings, lock, metrics)
     finally:
         reader.cancel()
-        audience.leave(viewer)
-        stage.left(audience)
+        stage.leave(audience, viewer)
         metrics.viewers(stage.viewers)
         if viewer.skips:
             metrics.skipped(viewer.skips)

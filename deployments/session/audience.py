@@ -126,10 +126,16 @@ class Audience:
     _asked: bool = False               # a keyframe is asked for and not published yet
     ended: Optional[Ended] = None
     mirror: bool = False               # another replica's shared session, fed through its relay (ingress/relay.py)
+    remote_viewers: int = 0            # (the owner's replica) its viewers at other replicas, as its post last said
+
+    @property
+    def watching(self) -> int:
+        """The session's viewers as far as this replica knows: its own, and (the owner's) those elsewhere."""
+        return len(self.viewers) + self.remote_viewers
 
     def join(self, limits: ViewerLimits) -> Optional[Viewer]:
         """A new viewer (None when the session has max_viewers already). It asks for a keyframe."""
-        if self.ended is not None or len(self.viewers) >= self.max_viewers:
+        if self.ended is not None or self.watching >= self.max_viewers:
             return None
         viewer = Viewer(self, limits)
         self.viewers.add(viewer)
@@ -200,6 +206,35 @@ class Stage:
         audience.init = init
         if self.relay is not None:
             self.relay.init_known(audience)
+
+    async def join(self, audience: Audience, limits: ViewerLimits) -> tuple[Optional[Viewer], str]:
+        """A new viewer of `audience` here, or None and what is full ("replica", "session") or "ended". A viewer of a
+        mirror takes its seat at the owner's replica first (the session's bound holds over every replica); the
+        owner's replica tells the others how many watch it here."""
+        if self.viewers >= self.max_viewers:
+            self.left(audience)
+            return None, "replica"
+        if audience.mirror and (self.relay is None or not await self.relay.seat(audience)):
+            self.left(audience)
+            return None, "ended" if audience.ended is not None else "session"
+        viewer = audience.join(limits)
+        if viewer is None:
+            self.leave(audience, None)
+            return None, "ended" if audience.ended is not None else "session"
+        if self.relay is not None and not audience.mirror:
+            self.relay.counted(audience)
+        return viewer, ""
+
+    def leave(self, audience: Audience, viewer: Optional[Viewer]) -> None:
+        """A viewer `join` let in left (None: `join` took its seat but could not let it in)."""
+        if viewer is not None:
+            audience.leave(viewer)
+        if self.relay is not None:
+            if audience.mirror:
+                self.relay.unseat(audience)
+            elif viewer is not None:
+                self.relay.counted(audience)
+        self.left(audience)
 
     def left(self, audience: Audience) -> None:
         """A viewer left: a mirror without viewers stops (its subscription at the owner's replica ends)."""

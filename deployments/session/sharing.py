@@ -43,7 +43,7 @@ class Sharing:
 
     @property
     def viewers(self) -> int:
-        return 0 if self.audience is None else len(self.audience.viewers)
+        return 0 if self.audience is None else self.audience.watching
 
     def streaming_on(self, admitted: Admitted, start, group_sid: str) -> None:
         """The session streams on a group (again, after a resume: keyframes are asked of the new group's muxer)."""
@@ -95,7 +95,7 @@ class Sharing:
         keyframe = chunk_starts_with_keyframe(event, fragment)
         self.stage.publish(self.audience, SharedChunk(event.index, keyframe, messages, sum(len(m) for m in messages)))
         self.since_keyframe = 0 if keyframe else self.since_keyframe + 1
-        if self.audience.viewers and self.since_keyframe >= self.settings.viewer_keyframe_chunks - 1:
+        if self.audience.watching and self.since_keyframe >= self.settings.viewer_keyframe_chunks - 1:
             self.audience.want_keyframe()    # (where a viewer the proxy's door skipped starts again)
         if self.viewers == self.told_viewers:
             return None

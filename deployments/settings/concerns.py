@@ -167,6 +167,10 @@ class CapacitySettings(SettingsConcern):
                                            "held pass 3/4 of max_ingress_sessions per replica (a crowd adds replicas, "
                                            "not refusals); each keeps its own waiting room, limits and keeper",
                                        at_least=1)
+    min_ingress_replicas: int = setting(1, "ingress replicas Serve keeps running however few connect (at most "
+                                           "max_ingress_replicas; equal to it: a fixed number of replicas): more than "
+                                           "one keeps the page and new sessions served while one replica restarts; a "
+                                           "shared session's viewers are served at any of them", at_least=1)
     max_ingress_connections: int = setting(1024, "requests Serve routes to one ingress replica at once (its "
                                                  "max_ongoing_requests): the sessions, the refusals being answered "
                                                  "and the HTTP routes; at least max_ingress_sessions + 16")
@@ -177,6 +181,9 @@ class CapacitySettings(SettingsConcern):
         if not 1 <= self.max_waiting_sessions <= self.max_ingress_sessions:
             raise ConfigError(f"max_waiting_sessions ({self.max_waiting_sessions}) must be between 1 and "
                               f"max_ingress_sessions ({self.max_ingress_sessions}): only sessions it serves wait")
+        if self.min_ingress_replicas > self.max_ingress_replicas:
+            raise ConfigError(f"min_ingress_replicas ({self.min_ingress_replicas}) must be at most "
+                              f"max_ingress_replicas ({self.max_ingress_replicas})")
         if self.max_ingress_connections < self.max_ingress_sessions + HEALTH_ROOM:
             raise ConfigError(f"max_ingress_connections ({self.max_ingress_connections}) must be at least "
                               f"max_ingress_sessions + {HEALTH_ROOM} ({self.max_ingress_sessions + HEALTH_ROOM}): "

@@ -27,11 +27,12 @@ import yaml
 
 from deployments.client import RealtimeClient
 from deployments.local import TOKEN_FILE, cluster_env
+from tests.cluster import processes
+from tests.cluster.processes import BIN, TOKEN_ENV
 from tests.deployments.clients import H, W, png_url
 from tests.waits import async_wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 # above Ray's default worker port range (10002-19999); each node its own agent port on one machine
 GCS_PORT, DASHBOARD_PORT, AGENT_PORTS = 26479, 28265, (28266, 28267, 28268)
 HEAD_PROXY, WORKER_PROXIES = 28900, (28901, 28902)
@@ -41,13 +42,7 @@ SETTINGS = dict(preset="tiny", device="cpu", sp=2, rank_cpus=0.3, max_sessions_p
 
 
 def ray_cli(*args, env=None, timeout=180):
-    run_env = {**os.environ, **cluster_env(), **TOKEN_ENV, **(env or {})}
-    done = subprocess.run([str(BIN / "ray"), *args], env=run_env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-    return done.stdout
-
-
-TOKEN_ENV = {"RAY_AUTH_MODE": "token"}           # the token itself: ~/.ray/auth_token, Ray's default place
+    return processes.ray_cli(*args, env=env, timeout=timeout)
 
 
 def serve_deploy(folder: Path, quality_ladder: Optional[str] = None) -> None:
@@ -87,17 +82,6 @@ def group_modes(answers: int = 4) -> list[str]:
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def cluster_processes(temp_dir: Path) -> list:
-    """Every process of this cluster (their command lines name its temp dir, or its GCS port)."""
-    marks = (str(temp_dir), f"127.0.0.1:{GCS_PORT}")
-    out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.pid != os.getpid() and any(m in cmd for m in marks):
-            out.append(proc)
-    return out
 
 
 def state(kind: str, **filters) -> list[dict]:
@@ -143,13 +127,7 @@ def cluster(tmp_path_factory):
         assert ready, "the app did not become ready"
         yield {n["node_id"]: n for n in workers}
     finally:
-        procs = cluster_processes(temp_dir)
-        for proc in procs:
-            try:
-                proc.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=30)
+        processes.kill_cluster(temp_dir, GCS_PORT)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -8,13 +8,14 @@ import json
 import socket
 from urllib.parse import urlsplit
 
+import msgpack
 import numpy as np
 import websockets
 from PIL import Image
 
 from deployments.client import FramesClient, RealtimeClient, image_data_url
 from lingbot.config import LINGBOT_GEOMETRY
-from lingbot.io.video import read_frames
+from lingbot.io.video import read_frames, split_init_segment
 from tests.waits import async_wait_until
 
 W, H = 112, 64                             # the tiny preset's frame size
@@ -127,3 +128,31 @@ async def stalled_viewer(watch_url: str):
     sock.connect((where.hostname, where.port))
     return await websockets.connect(watch_url, sock=sock, compression=None, max_queue=1, ping_interval=None,
                                     max_size=2 ** 28)
+
+
+async def until(client, kind: str) -> dict:
+    """The first protocol's next message of type `kind` (others before it skipped)."""
+    while True:
+        msg = await asyncio.wait_for(client.ws.recv(), 60)
+        if isinstance(msg, str) and json.loads(msg)["type"] == kind:
+            return json.loads(msg)
+
+
+async def refused(url: str) -> tuple[dict, int]:
+    """(the error message, the close code) of a connection the server refuses at once (in the route's dialect:
+    JSON, or the second protocol's MessagePack with the text under `content`)."""
+    async with websockets.connect(url, compression=None) as ws:
+        raw = await asyncio.wait_for(ws.recv(), 30)
+        error = json.loads(raw) if isinstance(raw, str) else msgpack.unpackb(raw)
+        error.setdefault("message", error.get("content"))
+        try:
+            await asyncio.wait_for(ws.recv(), 30)
+        except websockets.ConnectionClosed as e:
+            return error, e.rcvd.code
+    raise AssertionError("the connection stayed open")
+
+
+def fragments(result) -> dict[int, bytes]:
+    """Each chunk's fMP4 fragment by generation index, the init segment split off the first."""
+    return {meta["generation_chunk_index"]: split_init_segment(data)[1] for meta, data in zip(result.chunks,
+                                                                                               result.data)}

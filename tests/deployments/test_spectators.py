@@ -6,46 +6,17 @@ import asyncio
 import inspect
 import json
 
-import msgpack
 import numpy as np
 import websockets
 
 from deployments.client import FramesClient, RealtimeClient
 from lingbot.io.video import fragment_starts_with_keyframe, read_frames, split_init_segment
-from tests.deployments.clients import H, W, frames_url, png, png_url, run, stalled_viewer
+from tests.deployments.clients import H, W, fragments, frames_url, png, png_url, refused, run, stalled_viewer, until
 from tests.deployments.conftest import METRICS_PORT, PORT, TEST_SETTINGS
 from tests.deployments.observe import metric, scrape
 from tests.waits import wait_until
 
 BASE = f"ws://127.0.0.1:{PORT}"
-
-
-async def until(client, kind: str) -> dict:
-    """The first protocol's next message of type `kind` (others before it skipped)."""
-    while True:
-        msg = await asyncio.wait_for(client.ws.recv(), 60)
-        if isinstance(msg, str) and json.loads(msg)["type"] == kind:
-            return json.loads(msg)
-
-
-async def refused(url: str) -> tuple[dict, int]:
-    """(the error message, the close code) of a connection the server refuses at once (in the route's dialect:
-    JSON, or the second protocol's MessagePack with the text under `content`)."""
-    async with websockets.connect(url, compression=None) as ws:
-        raw = await asyncio.wait_for(ws.recv(), 30)
-        error = json.loads(raw) if isinstance(raw, str) else msgpack.unpackb(raw)
-        error.setdefault("message", error.get("content"))
-        try:
-            await asyncio.wait_for(ws.recv(), 30)
-        except websockets.ConnectionClosed as e:
-            return error, e.rcvd.code
-    raise AssertionError("the connection stayed open")
-
-
-def fragments(result) -> dict[int, bytes]:
-    """Each chunk's fMP4 fragment by generation index, the init segment split off the first."""
-    return {meta["generation_chunk_index"]: split_init_segment(data)[1] for meta, data in zip(result.chunks,
-                                                                                               result.data)}
 
 
 def test_viewers_get_the_owners_fragments_from_a_keyframe_and_the_end(serve_app):
@@ -238,7 +209,9 @@ def test_a_viewer_at_another_replica_watches_through_one_subscription(serve_app)
     watch (one subscription at the post), the owner's replica publishes to its post once it knows a replica
     subscribes, and a keyframe those viewers want reaches the owner. Both viewers get the init segment and every
     chunk from the first keyframe, the end with its fields; ids of no replica, of no session there and of the
-    other protocol lead nowhere; a mirror whose last viewer left ends its subscription."""
+    other protocol lead nowhere; a mirror whose last viewer left ends its subscription. The session's bound on
+    viewers holds over both replicas (seats at the owner's post), and the owner's replica counts the viewers
+    elsewhere."""
     import ray
 
     from deployments.ingress.relay import Relay
@@ -255,23 +228,34 @@ def test_a_viewer_at_another_replica_watches_through_one_subscription(serve_app)
             await asyncio.sleep(0.1)
         raise AssertionError(f"waited 30 s for {what}")
 
-    async def subscribers(relay, watch_id):
-        return (await relay.post.census.remote()).get(watch_id, 0)
+    async def subscribers(relay, watch_id, what="subscribers"):
+        return (await relay.post.census.remote()).get(watch_id, {}).get(what, 0)
 
-    async def no_subscribers(relay, watch_id):
-        return not await subscribers(relay, watch_id)
+    async def no_subscribers(relay, watch_id, what="subscribers"):
+        return not await subscribers(relay, watch_id, what)
 
     async def scenario():
         here, there = Stage(10, Relay()), Stage(10, Relay())
         keyframes = []
-        owner = here.open("vllm", {"type": "watch.start"}, b"", 5, lambda: keyframes.append(1))
+        owner = here.open("vllm", {"type": "watch.start"}, b"", 3, lambda: keyframes.append(1))
         assert owner.watch_id.startswith(here.relay.tag) and len(owner.watch_id) == 40
         nowhere = [await there.relay.mirror(w, d, there) for w, d in [
             ("zzzzzzzz" + "A" * 32, "vllm"), (here.relay.tag + "A" * 32, "vllm"), (owner.watch_id, "sglang")]]
         mirror = await there.relay.mirror(owner.watch_id, "vllm", there)
-        viewers = [mirror.join(ViewerLimits(8)), there.find(owner.watch_id, "vllm").join(ViewerLimits(8))]
-        await until(lambda: owner.watch_id in here.relay.subscribed and keyframes,
-                    "the owner's replica to learn of the subscriber and its keyframe request")
+        local, _ = await here.join(owner, ViewerLimits(8))
+        viewers = [(await there.join(mirror, ViewerLimits(8)))[0],
+                   (await there.join(there.find(owner.watch_id, "vllm"), ViewerLimits(8)))[0]]
+        full = [(await there.join(mirror, ViewerLimits(8)))[1]]               # 1 here and 2 there of 3
+        await until(lambda: owner.watch_id in here.relay.subscribed and keyframes and owner.remote_viewers == 2,
+                    "the owner's replica to learn of the subscriber, its viewers and its keyframe request")
+        full.append((await here.join(owner, ViewerLimits(8)))[1])
+        counted = [owner.watching]
+        here.leave(owner, local)                                              # a seat free: one more there
+        await until(lambda: no_subscribers(here.relay, owner.watch_id, "local"), "the post to count it")
+        extra, _ = await there.join(mirror, ViewerLimits(8))
+        await until(lambda: owner.remote_viewers == 3, "the owner's replica to count the third viewer there")
+        there.leave(mirror, extra)
+        await until(lambda: owner.remote_viewers == 2, "the owner's replica to count it gone")
         one_subscription = await subscribers(here.relay, owner.watch_id)
         here.init_known(owner, b"INIT")
         chunks = [SharedChunk(i, i in (1, 4), (json.dumps({"i": i}), bytes([i]) * 100), 108) for i in range(6)]
@@ -285,18 +269,18 @@ def test_a_viewer_at_another_replica_watches_through_one_subscription(serve_app)
         second = here.open("vllm", {"type": "watch.start"}, b"", 5, lambda: None)
         other = await there.relay.mirror(second.watch_id, "vllm", there)
         await until(lambda: subscribers(here.relay, second.watch_id), "the second subscription")
-        viewer = other.join(ViewerLimits(8))
-        other.leave(viewer)
-        there.left(other)
+        viewer, _ = await there.join(other, ViewerLimits(8))
+        there.leave(other, viewer)
         await until(lambda: second.watch_id not in there.relay.mirrors, "the mirror to stop")
         await until(lambda: no_subscribers(here.relay, second.watch_id), "the post to drop the subscription")
         here.close(second, Ended(0, True))
         for relay in (here.relay, there.relay):
             ray.kill(relay.post)
-        return nowhere, mirror, one_subscription, got, ends
+        return nowhere, mirror, one_subscription, got, ends, full, counted
 
-    nowhere, mirror, one_subscription, got, ends = run(scenario())
+    nowhere, mirror, one_subscription, got, ends, full, counted = run(scenario())
     assert nowhere == [None, None, None]
+    assert full == ["session", "session"] and counted == [3]
     assert one_subscription == 1 and mirror.init == b"INIT" and mirror.mirror
     for chunks in got:
         assert [c.index for c in chunks] == [1, 2, 3, 4, 5]                 # from the first keyframe on

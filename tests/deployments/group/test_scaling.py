@@ -9,6 +9,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from deployments.app import group_autoscaling
 from deployments.group.scaling import GroupScaling, wanted_groups
 from deployments.settings import ServeSettings
+from lingbot.config import ConfigError
 
 
 def context(config: AutoscalingConfig, sessions: float, replicas: int, metrics=None) -> AutoscalingContext:
@@ -67,9 +68,15 @@ def test_the_policy_refuses_nonsense_at_deploy_time():
 
 def test_the_ingress_adds_a_replica_per_three_quarters_of_its_sessions_up_to_its_bound():
     """max_ingress_replicas 4, 64 sessions a replica: Serve's own policy on the WebSockets held asks for a replica
-    per 48 (ceil), at most 4; with the default 1 there is no autoscaling (one replica)."""
+    per 48 (ceil), at most 4; with the default 1 there is no autoscaling (one replica), nor with min_ingress_replicas
+    equal to the max (that many); a min above the max is refused."""
     from deployments.app import ingress_scaling
     assert ingress_scaling(ServeSettings()) == {"num_replicas": 1}
+    assert ingress_scaling(ServeSettings(min_ingress_replicas=2, max_ingress_replicas=2)) == {"num_replicas": 2}
+    assert ingress_scaling(ServeSettings(min_ingress_replicas=2, max_ingress_replicas=3))["autoscaling_config"][
+        "min_replicas"] == 2
+    with pytest.raises(ConfigError, match=r"min_ingress_replicas \(3\) must be at most max_ingress_replicas \(2\)"):
+        ServeSettings(min_ingress_replicas=3, max_ingress_replicas=2)
     s = ServeSettings(max_ingress_replicas=4)
     config = AutoscalingConfig(**{**ingress_scaling(s)["autoscaling_config"], "upscale_delay_s": 0.0,
                                   "downscale_delay_s": 0.0})

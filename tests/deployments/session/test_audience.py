@@ -78,3 +78,22 @@ def test_watch_ids_are_long_random_and_bounded_viewers_per_session():
     assert audience.join(ViewerLimits()) and audience.join(ViewerLimits())
     assert audience.join(ViewerLimits()) is None and stage.viewers == 2
     assert stage.find("not-a-watch-id", "vllm") is None
+
+
+def test_the_stage_lets_viewers_in_within_its_bound_and_the_sessions_counting_those_elsewhere():
+    stage = Stage(3)
+    first = stage.open("vllm", {}, b"", 2, lambda: None)
+    second = stage.open("vllm", {}, b"", 5, lambda: None)
+
+    def join(audience):
+        return asyncio.run(stage.join(audience, ViewerLimits()))
+    a, _ = join(first)
+    first.remote_viewers = 1                                 # (the owner's post: one viewer at another replica)
+    assert join(first) == (None, "session") and first.watching == 2
+    first.remote_viewers = 0
+    assert join(first)[0] is not None and join(second)[0] is not None
+    assert join(second) == (None, "replica") and stage.viewers == 3
+    stage.leave(first, a)
+    assert stage.viewers == 2 and first.watching == 1
+    stage.close(second, Ended(1, True))
+    assert join(second) == (None, "ended")
