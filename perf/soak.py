@@ -51,7 +51,8 @@ def actor_processes(app: str = "soak", started_only: bool = False) -> dict[str, 
     from ray._private import state
     actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
     replicas = {f"ServeReplica:{app}:Ingress": "ingress", f"ServeReplica:{app}:WorldGroup": "group"}
-    roles = {"RankWorker": "rank", "Muxer": "muxer", "ControlMailbox": "mailbox", "SnapshotKeeper": "keeper"}
+    roles = {"RankWorker": "rank", "Muxer": "muxer", "ControlMailbox": "mailbox", "SnapshotKeeper": "keeper",
+             "WatchPost": "post"}
     owners = {a["Address"]["Port"] for a in actors if a["ActorClassName"] in replicas}
     if started_only:
         owners = {a["OwnerAddress"]["Port"] for a in actors

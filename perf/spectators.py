@@ -8,9 +8,13 @@ the watch id is known. Per V, side by side in one run: the owner's VIDEO_RTF and
 chunk at the owner, p50/p99; goal: p99 within one chunk interval), the chunks viewers got and skipped, and the
 CPU seconds and memory (USS) of the ingress replica and of Serve's proxy per viewer. With `--slow 10` a row more
 runs the largest crowd with 10 viewers that read at half the owner's pace: they fall behind, skip and are cut,
-and nobody else moves.
+and nobody else moves. With `--ingress-replicas 2` the app runs two ingress replicas (Serve's proxy routes each
+WebSocket to the one holding fewer): the owner's session is on one, its viewers on both, those at the other
+watching through its relay; a row says how many watched at the owner's replica and how many elsewhere (the owner's
+post, half way), and the costs sum both replicas and their posts.
 
-    python -m perf.spectators [--viewers 0,10,100,1000] [--chunks 24] [--slow 10] [--output-json F]
+    python -m perf.spectators [--viewers 0,10,100,1000] [--chunks 24] [--slow 10] [--ingress-replicas 1]
+                              [--output-json F]
 
 Traffic stays on the loopback address; the viewers come from one address, so the per-address limits are off.
 """
@@ -30,8 +34,9 @@ PORT = 18813
 PER_PROCESS = 250           # viewers per load generator process
 
 
-def settings(viewers: int) -> dict:
+def settings(viewers: int, replicas: int = 1) -> dict:
     return {"preset": "tiny", "device": "cpu", "sp": 2, "min_groups": 1, "max_groups": 1,
+            "min_ingress_replicas": replicas, "max_ingress_replicas": replicas,
             "max_sessions_per_group": 2, "max_viewers_per_session": viewers + 20, "max_viewers": viewers + 20,
             "max_ingress_sessions": viewers + 40, "max_ingress_connections": max(1024, viewers + 100),
             "max_connections_per_address": 0, "max_sessions_per_key": 0,
@@ -95,6 +100,8 @@ async def owner_session(chunks: int, viewers: int, slow: int, fps: float) -> dic
         async def on_chunk(result, meta):
             state["arrivals"][meta["generation_chunk_index"]] = time.time()
             shared = [m for m in result.messages if m["type"] == "session.shared"]
+            if shared and len(result.chunks) == chunks // 2:
+                state["where"] = await where_they_watch(shared[0]["watch_id"])
             if shared and not procs and viewers + slow:
                 url = f"ws://127.0.0.1:{PORT}{shared[0]['watch_url']}"
                 plan, left_slow = [], slow
@@ -123,7 +130,18 @@ async def owner_session(chunks: int, viewers: int, slow: int, fps: float) -> dic
                    "byte_length": len(d), "started": m.get("started_event_ids") or []}
                   for m, d, a in zip(result.chunks, result.data, result.arrivals)]
     metrics = session_metrics(chunk_rows, wall, fps, controls=controls)
-    return summarise(viewers, slow, metrics, state["arrivals"], crowd, usage_before, usage_after, 12 / fps)
+    row = summarise(viewers, slow, metrics, state["arrivals"], crowd, usage_before, usage_after, 12 / fps)
+    return {**row, "where": state.get("where")}
+
+
+async def where_they_watch(watch_id: str) -> dict:
+    """The viewers of `watch_id` at the owner's replica and at the others, as its post counts them."""
+    import ray
+
+    from deployments.ingress.relay import NAMESPACE, TAG_CHARS
+    post = ray.get_actor(f"post-{watch_id[:TAG_CHARS]}", namespace=NAMESPACE)
+    counts = (await post.census.remote()).get(watch_id, {})
+    return {"owners_replica": counts.get("local", 0), "elsewhere": counts.get("seats", 0)}
 
 
 async def _controls(client, t0: float, sent: list) -> None:
@@ -136,18 +154,16 @@ async def _controls(client, t0: float, sent: list) -> None:
 
 
 def process_usage(pids: dict) -> dict:
-    """CPU seconds and USS bytes of the ingress replica and Serve's proxy on this machine."""
+    """CPU seconds and USS bytes of the ingress replicas (with their watch posts) and Serve's proxy here."""
     import psutil
     from ray._private import state
     proxies = [a["Pid"] for a in state.actors().values()
                if a["State"] == "ALIVE" and a["ActorClassName"] == "ProxyActor"]
     out = {}
-    for role, pid in (("ingress", pids["ingress"][0]), ("proxy", proxies[0] if proxies else None)):
-        if pid is None:
-            continue
-        p = psutil.Process(pid)
-        cpu = p.cpu_times()
-        out[role] = {"cpu_s": cpu.user + cpu.system, "uss": p.memory_full_info().uss}
+    for role, role_pids in (("ingress", pids["ingress"] + pids.get("post", [])), ("proxy", proxies[:1])):
+        usage = [(p.cpu_times(), p.memory_full_info().uss) for p in map(psutil.Process, role_pids)]
+        if usage:
+            out[role] = {"cpu_s": sum(c.user + c.system for c, _ in usage), "uss": sum(u for _, u in usage)}
     return out
 
 
@@ -176,6 +192,7 @@ def main(argv=None) -> list:
     ap.add_argument("--viewers", default="0,10,100,1000")
     ap.add_argument("--chunks", type=int, default=24)
     ap.add_argument("--slow", type=int, default=10, help="slow viewers in a last row beside the largest crowd")
+    ap.add_argument("--ingress-replicas", type=int, default=1)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     from ray import serve
@@ -183,7 +200,7 @@ def main(argv=None) -> list:
     from deployments.app import build_app
     crowds = [int(x) for x in args.viewers.split(",")]
     rows_plan = [(v, 0) for v in crowds] + ([(max(crowds), args.slow)] if args.slow else [])
-    s = settings(max(crowds) + args.slow)
+    s = settings(max(crowds) + args.slow, args.ingress_replicas)
     print("starting Ray and the app ...", file=sys.stderr, flush=True)
     ensure_serve(PORT, app_args=s)
     serve.run(build_app(s), name="lingbot", route_prefix="/")
@@ -194,7 +211,8 @@ def main(argv=None) -> list:
     for viewers, slow in rows_plan:
         print(f"{viewers} viewers, {slow} slow: a {args.chunks}-chunk session ...", file=sys.stderr, flush=True)
         time.sleep(3)                            # the previous row's viewers gone
-        rows.append(asyncio.run(owner_session(args.chunks, viewers, slow, fps)))
+        rows.append({**asyncio.run(owner_session(args.chunks, viewers, slow, fps)),
+                     "ingress_replicas": args.ingress_replicas})
     serve.shutdown()
     print(table(rows))
     if args.output_json:
@@ -210,14 +228,17 @@ def table(rows: list) -> str:
         return "-" if v is None else f"{v:.0f}"
     lines = ["| viewers (slow) | owner RTF | vs the first row | owner control p50 ms | viewer lag p50 / p99 ms "
              "(chunk interval) | chunks per viewer | viewers done | slow viewers' end | ingress CPU ms / viewer "
-             "| proxy CPU ms / viewer | ingress USS +MiB |",
-             "|---|---:|---:|---:|---|---|---:|---|---:|---:|---:|"]
+             "| proxy CPU ms / viewer | ingress USS +MiB | ingress replicas: watching at the owner's / elsewhere |",
+             "|---|---:|---:|---:|---|---|---:|---|---:|---:|---:|---|"]
     def per_viewer(r, role):
         """CPU ms per viewer: the session's CPU seconds beyond the row without viewers', per viewer."""
         n = r["viewers"] + r["slow_viewers"]
         if not n or role not in r["cost"] or role not in base["cost"]:
             return "-"
         return f"{(r['cost'][role]['cpu_s'] - base['cost'][role]['cpu_s']) / n * 1e3:.1f}"
+    def where(r):
+        w = r.get("where")
+        return f"{r.get('ingress_replicas', 1)}: " + ("-" if not w else f"{w['owners_replica']} / {w['elsewhere']}")
     for r in rows:
         cost = r["cost"]
         lines.append(
@@ -226,7 +247,7 @@ def table(rows: list) -> str:
             f"({r['chunk_interval_ms']:.0f}) | {r['viewer_chunks_min']}-{r['viewer_chunks_max']} | "
             f"{r['viewers_done']} | {', '.join(r['slow_ends']) or '-'} | "
             f"{per_viewer(r, 'ingress')} | {per_viewer(r, 'proxy')} | "
-            f"{cost.get('ingress', {}).get('uss_mib_delta', 0):.1f} |")
+            f"{cost.get('ingress', {}).get('uss_mib_delta', 0):.1f} | {where(r)} |")
     return "\n".join(lines)
 
 

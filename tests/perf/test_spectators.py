@@ -20,10 +20,13 @@ def test_lags_costs_and_the_table():
     alone = summarise(0, 0, {"video_rtf": 1.0, "control_to_display": {"count": 0}}, owner, [], before, idle, 0.75)
     assert alone["lag_p50_ms"] is None and alone["owner_control_p50_ms"] is None
     text = table([alone, row])
-    assert "| 0 (0) | 1.000 | 1.000 | - | - / - (750) | None-None | 0 | - | - | - | 0.0 |" in text
+    assert "| 0 (0) | 1.000 | 1.000 | - | - / - (750) | None-None | 0 | - | - | - | 0.0 | 1: - |" in text
     # per viewer: CPU beyond the row without viewers (0.15 s ingress, 0 s proxy), over 3 viewers
-    assert "| 2 (1) | 1.020 | 1.020 | 850 | 30 / 40 (750) | 2-3 | 2 | ConnectionClosedError | 50.0 | 200.0 | 3.0 |" \
-        in text
+    spread = {**row, "ingress_replicas": 2, "where": {"owners_replica": 1, "elsewhere": 2}}
+    assert "| 2 (1) | 1.020 | 1.020 | 850 | 30 / 40 (750) | 2-3 | 2 | ConnectionClosedError | 50.0 | 200.0 | 3.0 | " \
+           "2: 1 / 2 |" in table([alone, spread])
     s = settings(1000)
     assert s["max_viewers_per_session"] >= 1000 and s["max_ingress_sessions"] > 1000
+    assert (s["min_ingress_replicas"], s["max_ingress_replicas"]) == (1, 1)
+    assert settings(10, 2)["min_ingress_replicas"] == settings(10, 2)["max_ingress_replicas"] == 2
     assert s["max_connections_per_address"] == 0
