@@ -71,6 +71,20 @@ class FramesClient(WebSocketClient):
             msg["delta_reference"] = "previous-frame"
         await self.send(msg)
 
+    async def resume_world(self, world_id: str, max_chunks: Optional[int] = None, output_format: str = "raw",
+                           **extra) -> None:
+        """An init of a saved world: it goes on for `max_chunks` more chunks; its prompt, first frame, seed and
+        camera are the world's."""
+        msg: dict[str, Any] = {"type": "init", "model": "lingbot-world", "world_id": world_id,
+                               "realtime_output_format": output_format, **extra}
+        if max_chunks is not None:
+            msg["max_chunks"] = max_chunks
+        await self.send(msg)
+
+    async def save(self) -> None:
+        """Save the session's world: the server answers a `saved` map with its world_id and chunk_index."""
+        await self.send({"type": "save"})
+
     async def event(self, kind: str, payload: Any = None, event_id: Optional[int] = None) -> None:
         msg: dict[str, Any] = {"type": "event", "kind": kind, "payload": payload}
         if event_id is not None:

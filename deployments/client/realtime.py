@@ -52,6 +52,20 @@ class RealtimeClient(WebSocketClient):
             msg["extra_params"]["camera_action_script"] = script
         await self.send(msg)
 
+    async def resume_world(self, world_id: str, chunks: Optional[int] = None, **extra) -> None:
+        """session.start of a saved world: it goes on for `chunks` more chunks (None: endless); its prompt, first
+        frame, seed and camera are the world's."""
+        msg = {"type": "session.start", "model": "lingbot-world", "world_id": world_id, "extra_params": dict(extra)}
+        if chunks is None:
+            msg["extra_params"]["endless"] = True
+        else:
+            msg["num_frames"] = chunks * LINGBOT_GEOMETRY.pixel_frames(1)
+        await self.send(msg)
+
+    async def save(self) -> None:
+        """session.save: the server answers session.saved {world_id, chunk_index} once the world is stored."""
+        await self.send({"type": "session.save"})
+
     async def interact(self, event_id: str, keys: Optional[list[str]] = None, prompt: Optional[str] = None,
                        camera: Optional[dict] = None, transition_chunks: Optional[float] = None) -> None:
         event: dict[str, Any] = {}

@@ -87,7 +87,8 @@ class Leases:
         session = ScheduledSession(sid, start, self.model.geometry, self.settings.max_queued_controls,
                                    max_in_flight=self.settings.resolved_max_in_flight_chunks)
         try:
-            first, before = (0, 0) if resume is None else (resume.next_index, resume.frames_delivered)
+            first, before = (0, 0) if resume is None else \
+                (resume.next_index, None if resume.fresh_stream else resume.frames_delivered)
             try:                                       # milliseconds; bounded as every call to a group's actor
                 mime = await asyncio.wait_for(self.muxer.open.remote(sid, start.fps, start.output, first, before),
                                               self.settings.chunk_timeout_s)

@@ -49,13 +49,13 @@ class Muxer:
         return self.settings.encoder
 
     def open(self, session_id: str, fps: float, fmt: FrameFormat = FMP4, first_chunk: int = 0,
-             frames_before: int = 0) -> str:
+             frames_before: Optional[int] = 0) -> str:
         """Start a session's encoder; returns the MSE mime type of its stream (fmp4), else the content type of
         its frame batches. A resumed session starts at `first_chunk`, its client holding `frames_before`
-        frames: the fMP4 stream continues after them."""
+        frames: the fMP4 stream continues after them (None: a new client, its stream starts anew)."""
         if fmt.kind == "fmp4":
             encoder = FragmentedMp4Encoder(self.width, self.height, fps, self.settings)
-            if first_chunk:
+            if first_chunk and frames_before is not None:
                 encoder.continue_stream(first_chunk, frames_before)
         else:
             encoder = FrameBatcher(fmt, self.width, self.height)

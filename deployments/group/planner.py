@@ -67,8 +67,10 @@ class ControlPlanner:
         return True
 
     def restore(self, state: InteractionState) -> None:
-        """The interaction state another group left after a chunk (a resumed session)."""
-        self.events = _copy_events(state.events)
+        """The interaction state another group left after a chunk (a resumed session; from a saved world its
+        events are plain maps)."""
+        self.events = _copy_events({eid: _Progress(eid, **p) if isinstance(p, dict) else p
+                                    for eid, p in state.events.items()})
         self.held = state.held
 
     def plan(self, k: int, rung: ChunkRung = AT_FULL, restarted: bool = False) -> ChunkPlan:

@@ -34,6 +34,7 @@ from ..session.ports import ClientGone
 from ..session.recording import Recordings
 from ..session.requests import Interaction
 from ..session.waiting import Growth, WaitingRoom
+from ..session.worlds import Worlds
 from ..settings import ServeSettings
 from . import peers, sglang
 from .access import (
@@ -52,9 +53,10 @@ from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
 from .recordings import serve_recording
 from .relay import Relay
-from .routes import RECORDING_ROUTE, SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES
+from .routes import RECORDING_ROUTE, SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES, WORLD_ROUTE
 from .vllm import VllmWire
 from .watch import serve_viewer
+from .worlds import answer_worlds
 
 log = logging.getLogger("ray.serve")
 STATIC = Path(__file__).parent / "static"
@@ -165,6 +167,7 @@ class Ingress:
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.stage = Stage(s.max_viewers, Relay())   # shared sessions here by watch id; others' through the relay
         self.recordings = Recordings.from_settings(s, self.metrics)     # None: recordings_dir cannot be used
+        self.worlds = Worlds.from_settings(s)                           # None: worlds_dir empty or unusable
         self.live = 0
         self.rng = random.Random()                # the jitter of server_busy's retry_after_s
         self.connections: dict[str, int] = {}    # open WebSocket connections per client address
@@ -270,6 +273,18 @@ class Ingress:
     async def recording_journal(self, request: Request, recording_id: str):
         return await serve_recording(self.recordings, request, recording_id, self.settings.api_key_set, journal=True)
 
+    @app.get(WORLD_ROUTE)
+    async def worlds_list(self, request: Request):
+        return await answer_worlds(self.worlds, request, self.settings.api_key_set)
+
+    @app.get(WORLD_ROUTE + "/{world_id}/frame")
+    async def world_frame(self, request: Request, world_id: str):
+        return await answer_worlds(self.worlds, request, self.settings.api_key_set, world_id, "frame")
+
+    @app.delete(WORLD_ROUTE + "/{world_id}")
+    async def world_delete(self, request: Request, world_id: str):
+        return await answer_worlds(self.worlds, request, self.settings.api_key_set, world_id, "delete")
+
     # ---- WebSocket ----------------------------------------------------------------------------
     @app.websocket(VLLM_ROUTE)
     async def realtime(self, ws: WebSocket):
@@ -321,7 +336,8 @@ class Ingress:
         address = scope_address(ws.scope, self.settings.trusted_proxy_networks)    # Serve's proxy passes the peer
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
-            life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room, self.stage, self.recordings)
+            life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room, self.stage, self.recordings,
+                               self.worlds)
             refusal, tenant = self._check_access(ws, address, watching=watch_id is not None)
             if refusal is not None:
                 await life.refuse(refusal)

@@ -26,6 +26,7 @@ from lingbot.io.images import load_image
 from lingbot.runtime.kv_cache import check_window
 
 from ..session.codes import CLOSE_INVALID_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN, ErrorCode, ProtocolError
+from ..session.requests import StartRequest
 
 # Bounds on a decoded message, checked before any field is read (both dialects). Real messages nest at most 6
 # containers deep (a key script: message, extra_params, script, chunk, frame, keys) and hold no integer wider
@@ -381,3 +382,19 @@ class StartRules:
             raise ProtocolError(ErrorCode.DECODER_NOT_LOADED, f"{self.decoder_field} {value[:40]!r} is not loaded "
                                 f"here; loaded: {list(loaded)}", close=self.close)
         return value
+
+    def world_start(self, world_id: Any, frame_fields: list[str], chunks: Optional[int], geometry: ChunkGeometry,
+                    where: str, **transport) -> StartRequest:
+        """A start that resumes a saved world (deployments/session/worlds.py): everything that makes its frames
+        comes from the world, so a start that names any of it (`frame_fields` present) is refused; `chunks`
+        more chunks (None: endless) and the client's `transport` choices (output, pacing, rung, sharing)."""
+        if not isinstance(world_id, str) or not world_id:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where}.world_id must be a saved world's id (a string)",
+                                close=self.close)
+        if frame_fields:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where} with a world_id takes the world's own prompt, "
+                                f"first frame, seed, size and camera; remove {', '.join(frame_fields)}",
+                                close=self.close)
+        frames = None if chunks is None else chunks * geometry.pixel_frames(1)
+        return StartRequest("", np.zeros((3, 0, 0), np.float32), 0, 0, chunks, frames, 0.0, 0, None, [],
+                            world_id=world_id[:64], **transport)

@@ -20,7 +20,7 @@ from lingbot.io.frames import DEFAULT_COMPRESSION, FrameBatch, FrameFormat
 
 from ..session.codes import CLOSE_NORMAL, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
-from ..session.ports import ACTIVITY, SHARE, UNSHARE
+from ..session.ports import ACTIVITY, SAVE, SHARE, UNSHARE
 from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly, error_message, pack
 from .parsing import (
@@ -137,6 +137,9 @@ INIT_FIELDS = frozenset({"type", "model", "prompt", "first_frame", "size", "fps"
                          "delta_reference", "decoder", "realtime_output_pacing", "realtime_causal_sink_size",
                          "realtime_causal_kv_cache_num_frames", "quality", "spectators", "record"})
 ACCEPTED_AND_IGNORED: dict[str, str] = {}
+# what an init that resumes a saved world takes from the world (naming any is refused)
+WORLD_FRAME_FIELDS = frozenset({"prompt", "first_frame", "size", "fps", "seed", "condition_inputs", "decoder",
+                                "realtime_causal_sink_size", "realtime_causal_kv_cache_num_frames", "record"})
 
 
 def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry, max_chunks: int,
@@ -149,6 +152,17 @@ def parse_init(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry,
     ProtocolError (the connection then waits for another)."""
     if msg["type"] != "init":
         raise ProtocolError(ErrorCode.NOT_STARTED, f"the first message must be an init, not {msg['type']!r}")
+    if "world_id" in msg:                                  # a saved world goes on: max_chunks more chunks
+        chunks = _opt(msg, "max_chunks", int, "an integer")
+        if chunks is not None and not 1 <= chunks <= max_chunks:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"max_chunks must be between 1 and {max_chunks}")
+        return START.world_start(msg["world_id"], sorted(WORLD_FRAME_FIELDS & set(msg)), chunks, geometry, "init",
+                                 model=msg.get("model"), output=parse_output(msg),
+                                 paced=START.paced(msg.get("realtime_output_pacing"), "init field "
+                                                   "'realtime_output_pacing'"),
+                                 quality=START.quality(msg.get("quality"), "init field 'quality'", rungs),
+                                 spectators=START.flag(msg.get("spectators"), "init field 'spectators'", False),
+                                 unknown_fields=unknown_fields(msg, INIT_FIELDS | {"world_id"}))
     decoder = START.decoder(msg.get("decoder"), decoders)
     prompt = msg.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -373,6 +387,8 @@ class SglangWire(SglangViewing, WebSocketWire):
     def control(self, msg: dict, seq: int):
         if msg["type"] in ("share", "unshare"):
             return SHARE if msg["type"] == "share" else UNSHARE
+        if msg["type"] == "save":
+            return SAVE
         interaction = parse_event(msg, seq)
         return ACTIVITY if interaction is None else interaction      # a heartbeat: the client is here
 

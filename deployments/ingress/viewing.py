@@ -6,7 +6,8 @@ without its event ids, controls or anything else it sent, then the video. First 
 (size, rate, mime), a `video.init` JSON announcing the fMP4 init segment as the next binary message, then per
 chunk `video.chunk_metadata` + the fragment (from a keyframe on), and `session.done` at the end. Second
 protocol: a `watch_start` map (size, rate, frame format), then per chunk its frame batches and a `chunk_stats`
-map without the owner's actions; the close (1000) ends it."""
+map without the owner's actions; the close (1000) ends it. The owner's own news of its sharing and its saved
+worlds are here too."""
 from __future__ import annotations
 
 import json
@@ -35,6 +36,10 @@ class VllmViewing:
             return {"type": "session.unshared"}
         return {"type": "session.shared", "watch_id": watch_id, "watch_url": watch_path(self.dialect, watch_id),
                 "viewers": viewers}
+
+    @staticmethod
+    def saved_message(world_id: str, chunk_index: int) -> dict:
+        return {"type": "session.saved", "world_id": world_id, "chunk_index": chunk_index}
 
     @staticmethod
     def recording_message(recording_id: str) -> dict:
@@ -71,6 +76,10 @@ class SglangViewing:
             return pack({"type": "unshared"})
         return pack({"type": "shared", "watch_id": watch_id, "watch_url": watch_path(self.dialect, watch_id),
                      "viewers": viewers})
+
+    @staticmethod
+    def saved_message(world_id: str, chunk_index: int) -> bytes:
+        return pack({"type": "saved", "world_id": world_id, "chunk_index": chunk_index})
 
     def viewer_header(self, admitted: Admitted, start: StartRequest) -> bytes:
         return pack({"type": "watch_start", "width": start.width, "height": start.height, "fps": start.fps,

@@ -14,7 +14,7 @@ from lingbot.config import ChunkGeometry
 
 from ..session.codes import CLOSE_NORMAL, CLOSE_POLICY, ErrorCode, ProtocolError
 from ..session.events import Admitted, ChunkReady, ModelFacts, Resumed
-from ..session.ports import SHARE, STOP, UNSHARE
+from ..session.ports import SAVE, SHARE, STOP, UNSHARE
 from ..session.requests import Interaction, StartRequest
 from .closing import close_quietly
 from .parsing import (
@@ -80,6 +80,8 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
     window) chunks (extra_params may ask for a smaller one); `rungs`: those a session may pin
     (extra_params.quality)."""
     where = "session.start"
+    if "world_id" in msg:
+        return parse_world_start(msg, geometry, default_chunks, max_chunks, rungs)
     extra = msg.get("extra_params")
     decoder = START.decoder(extra.get("decoder") if isinstance(extra, dict) else None, decoders)
     prompt = START.prompt(require(msg, "prompt", str, where), f"{where}.prompt")
@@ -159,6 +161,42 @@ def parse_start(msg: dict, served_size: tuple[int, int], geometry: ChunkGeometry
                         decoder=decoder, paced=paced, window=window, quality=quality, spectators=spectators,
                         record=record, unknown_fields=unknown_fields(msg, START_FIELDS)
                         + unknown_fields(extra, EXTRA_FIELDS, "extra_params."))
+
+
+# what a start that resumes a saved world takes from the world (naming any is refused)
+WORLD_FRAME_FIELDS = START_FIELDS - {"type", "model", "num_frames", "extra_params"}
+WORLD_FRAME_EXTRA = EXTRA_FIELDS - {"endless", "realtime_output_pacing", "quality", "spectators", "record"}
+
+
+def parse_world_start(msg: dict, geometry: ChunkGeometry, default_chunks: int, max_chunks: int,
+                      rungs: tuple[str, ...]) -> StartRequest:
+    """A session.start with `world_id`: the saved world goes on for `num_frames` more frames (a multiple of a
+    chunk's; default_chunks chunks when absent, none with extra_params.endless)."""
+    where = "session.start"
+    extra = msg.get("extra_params") or {}
+    if not isinstance(extra, dict):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "session.start field 'extra_params' must be an object",
+                            close=CLOSE_POLICY)
+    per_chunk = geometry.pixel_frames(1)
+    chunks: Optional[int] = default_chunks
+    if extra.get("endless") is True:
+        chunks = None
+    elif msg.get("num_frames") is not None:
+        frames = require(msg, "num_frames", int, where)
+        if frames <= 0 or frames % per_chunk or frames // per_chunk > max_chunks:
+            raise ProtocolError(ErrorCode.INVALID_NUM_FRAMES, f"a resumed world's num_frames counts the frames it "
+                                f"adds: a multiple of {per_chunk}, at most {max_chunks} chunks", close=CLOSE_POLICY)
+        chunks = frames // per_chunk
+    named = sorted(WORLD_FRAME_FIELDS & set(msg)) + [f"extra_params.{k}"
+                                                     for k in sorted(WORLD_FRAME_EXTRA & set(extra))]
+    pacing = "extra_params.realtime_output_pacing"
+    return START.world_start(msg["world_id"], named, chunks, geometry, where, model=msg.get("model"),
+                             paced=START.paced(extra.get("realtime_output_pacing"), pacing),
+                             quality=START.quality(extra.get("quality"), "extra_params.quality", rungs),
+                             spectators=START.flag(extra.get("spectators"), "extra_params.spectators", False),
+                             record=START.flag(extra.get("record"), "extra_params.record", None),
+                             unknown_fields=unknown_fields(msg, START_FIELDS | {"world_id"})
+                             + unknown_fields(extra, EXTRA_FIELDS, "extra_params."))
 
 
 def parse_interaction(msg: dict) -> Interaction:
@@ -258,6 +296,8 @@ class VllmWire(VllmViewing, WebSocketWire):
             return STOP
         if kind in ("session.share", "session.unshare"):
             return SHARE if kind == "session.share" else UNSHARE
+        if kind == "session.save":
+            return SAVE
         if kind == "session.interaction":
             return parse_interaction(msg)
         if kind == "session.start":

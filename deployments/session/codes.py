@@ -67,6 +67,14 @@ class ErrorCode(StrEnum):
     RECORDING_NOT_FOUND = "recording_not_found"      # GET /v1/recordings: unknown, expired, not finished or not yours
     RECORDING_UNAVAILABLE = "recording_unavailable"  # record asked where recordings_dir cannot be written (kept on)
     RANGE_NOT_SATISFIABLE = "range_not_satisfiable"  # a Range header past a recording's end (416)
+    # worlds (deployments/session/worlds.py)
+    WORLD_NOT_FOUND = "world_not_found"              # no world has this id (unknown, expired, deleted or not yours)
+    WORLD_CORRUPT = "world_corrupt"                  # a stored world that cannot be read back whole (1008)
+    WORLD_MISMATCH = "world_mismatch"                # saved under settings that change the frames, not these (1008)
+    WORLD_LIMIT = "world_limit"                      # a key's worlds or bytes, or a world's chunks, at their bound
+    WORLDS_OFF = "worlds_off"                        # session.save or a world_id where worlds_dir is empty
+    WORLD_UNAVAILABLE = "world_unavailable"          # the world store failed (a disk, a bucket): a server fault
+    NOTHING_TO_SAVE = "nothing_to_save"              # session.save before the session's first chunk
     # time limits
     START_TIMEOUT = "start_timeout"
     STALL_TIMEOUT = "stall_timeout"

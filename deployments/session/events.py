@@ -109,6 +109,7 @@ class Resume:
     snapshot_index: int = -1
     restore: tuple[RankRestore, ...] = ()          # one per rank (empty: replay from chunk 0)
     playback_end: Optional[float] = None   # wall clock (time.time()) when the client's player runs out of video
+    fresh_stream: bool = False     # a new client (a saved world resumed): its stream starts anew, init segment first
 
     @property
     def next_index(self) -> int:

@@ -11,7 +11,8 @@ included (docs/architecture.md, "A session's life").
    bad messages refused: the first protocol closes, the second lets the client try again).
 2. ADMITTING: the tenant's limits, then a lease on a group (admission.py): one long streaming call that yields
    Admitted, then the session's events, queued while every group is full (the client told its place and an
-   estimate) up to max_queue_wait_s while a group may still come; then capacity_exhausted (1013).
+   estimate) up to max_queue_wait_s while a group may still come; then capacity_exhausted (1013). A start
+   that names a saved world (worlds.py) takes its start, and the group replays its chunks first.
 3. STREAMING: the pump relays each ChunkReady to the client (the ledger records it) while the control reader
    posts the client's interactions to the group's mailbox and minds the idle and lifetime limits.
 4. RESUMING: the group failed (SessionFailed) or is being stopped (Moving): the ledger's journal, interaction
@@ -22,8 +23,8 @@ included (docs/architecture.md, "A session's life").
    Leaving any phase cancels the lease, which frees the session's state on its group within one step.
 
 Plain Python: no Ray, no Starlette. The ingress gives it a `Wire` (one per protocol dialect) and a `GroupLink`
-(Serve's handle, the mailbox, the snapshot keeper); tests give it their own. Its viewers and recording: outputs.py.
-"""
+(Serve's handle, the mailbox, the snapshot keeper); tests give it their own. Its viewers, recording and saved
+worlds: outputs.py."""
 from __future__ import annotations
 
 import asyncio
@@ -51,10 +52,11 @@ from .events import (
 from .ledger import ContinuityLedger
 from .outputs import Outputs
 from .phases import PhaseMachine
-from .ports import ACTIVITY, SHARE, STOP, UNSHARE, ClientGone, GroupLink, SessionMetrics, Wire
-from .reading import ClientReader, EarlyControls, watch_client
+from .ports import ACTIVITY, SAVE, SHARE, STOP, UNSHARE, ClientGone, GroupLink, SessionMetrics, Wire
+from .reading import ClientReader, EarlyControls, unknown_fields_said, watch_client
 from .requests import Interaction, StartRequest
 from .waiting import WaitingRoom
+from .worlds import Worlds
 
 log = logging.getLogger("ray.serve")
 
@@ -80,11 +82,9 @@ class SessionLife:
     """One session at the ingress, whichever protocol: its phase, its ledger and the flows between them."""
 
     def __init__(self, wire: Wire, groups: GroupLink, settings, metrics: SessionMetrics,
-                 room: Optional[WaitingRoom] = None, stage: Optional[Stage] = None, recordings=None):
-        self.wire = wire
-        self.groups = groups
-        self.settings = settings
-        self.metrics = metrics
+                 room: Optional[WaitingRoom] = None, stage: Optional[Stage] = None, recordings=None,
+                 worlds: Optional[Worlds] = None):
+        self.wire, self.groups, self.settings, self.metrics = wire, groups, settings, metrics
         self.session_id = uuid.uuid4().hex
         self.phases = PhaseMachine(Phase.WAITING_FOR_START, NEXT_PHASES)
         self.ledger = ContinuityLedger(settings.sp, release=functools.partial(groups.let_go, self.session_id))
@@ -99,13 +99,14 @@ class SessionLife:
         self.kept = False                       # a keeper was told to keep its snapshots (its end lets them go)
         self.resumes = 0                        # every resume (each has its own id at its group)
         self.faults = 0                         # resumes after a fault (at most max_resumes); a drain is not one
-        self.resume_reason = "fault"            # why the session last moved: fault, or drain (its group stopped)
+        self.resume_reason = "saved"            # why it last moved: fault, drain; "saved" (a saved world) at first
         self.failed_at: Optional[float] = None
         self.send_lock = asyncio.Lock()         # a chunk's messages go out together (nothing between them)
         self.reader = ClientReader(wire, settings, self.send_lock, self.started_at)
         self.room = room or WaitingRoom()       # the ingress's: where a session waits for its first group
         self.admission = Admission(self.session_id, wire, self.send_lock, groups, self.room, settings.admission_wait_s)
-        self.outputs = Outputs(self.session_id, wire, groups, stage, recordings, settings)  # viewers, recording
+        # its viewers, its recording, its saved worlds
+        self.outputs = Outputs(self.session_id, wire, groups, stage, recordings, settings, worlds)
 
     @property
     def phase(self) -> Phase:
@@ -196,16 +197,16 @@ class SessionLife:
                 if self.ended:
                     return None
                 continue
-            if start.unknown_fields:             # ignored, as the peers ignore them: counted, said once
-                names = start.unknown_fields
-                self.metrics.unknown_fields(len(names))
-                log.info("session %s: start fields not known here, ignored: %s%s", self.session_id,
-                         ", ".join(names[:16]), f" (+{len(names) - 16} more)" if len(names) > 16 else "")
+            unknown_fields_said(start, self.metrics, self.session_id)
             return start
 
     # ---- 2. admission (admission.py: the lease loop and the queue) -----------------------------
     async def admit_and_stream(self, start: StartRequest) -> None:
         s = self.settings
+        try:                                         # a saved world resumed: its chunks replayed, then on
+            start = await self.outputs.open_world(start, self.ledger)
+        except ProtocolError as e:
+            return await self.refuse(e)
         self.start = start
         self.scripted = start.trajectory is not None
         self.enter(Phase.ADMITTING)
@@ -214,8 +215,10 @@ class SessionLife:
                                             "for a model group already; try again later", close=CLOSE_TRY_AGAIN,
                                             retry_after_s=s.retry_after_s))
             return
-        request = SessionRequest(self.group_sid, start, keeper=await self.snapshot_owner())
-        left, first = await self.admission.admit_while_watching(request, s.max_queue_wait_s, self._watch_client)
+        request = SessionRequest(self.group_sid, start, self.outputs.world_resume(), await self.snapshot_owner())
+        watching = functools.partial(watch_client, self.reader, self.wire.control, self.early, self._refuse_open,
+                                     self.sequence + 1)         # (the client read while the session waits)
+        left, first = await self.admission.admit_while_watching(request, s.max_queue_wait_s, watching)
         if left:                                         # nothing more is sent to a client that left
             if first and not self.ended:                 # stopped while it waited: nothing was generated
                 self.enter(Phase.ENDED)
@@ -253,9 +256,6 @@ class SessionLife:
         keeper = await self.groups.keeper()
         self.kept = self.kept or keeper is not None
         return None if keeper is None else SnapshotOwner(keeper, self.session_id)
-
-    async def _watch_client(self) -> Optional[bool]:
-        return await watch_client(self.reader, self.wire.control, self.early, self._refuse_open, self.sequence + 1)
 
     def _streaming_on(self, admitted: Admitted) -> None:
         self.enter(Phase.STREAMING)
@@ -363,8 +363,8 @@ class SessionLife:
                     control = None
             if control == STOP:
                 return True
-            if control in (SHARE, UNSHARE):
-                await self.share_or_unshare(control)
+            if control in (SHARE, UNSHARE, SAVE):
+                await self.owner_asked(control)
             elif control == ACTIVITY:
                 self.last_interaction = time.monotonic()
             elif isinstance(control, Interaction) and await self.post(control):
@@ -375,10 +375,9 @@ class SessionLife:
             if self.ended:
                 return None
 
-    async def share_or_unshare(self, control: str) -> None:
-        async with self.send_lock:
-            sharing = self.outputs.sharing
-            refusal = await sharing.share() if control == SHARE else await sharing.unshare()
+    async def owner_asked(self, control: str) -> None:
+        """session.share, session.unshare, session.save (outputs.py); a refusal leaves the session on."""
+        refusal = await self.outputs.asked(control, self.send_lock, self.start, self.ledger)
         if refusal is not None:
             await self.refuse(refusal)
 

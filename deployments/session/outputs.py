@@ -1,5 +1,6 @@
-"""Where a session's chunks go besides its owner: its viewers while shared (sharing.py) and its recording
-(recording.py). The session's life (life.py) hands each delivered chunk here once; neither ever waits on it.
+"""Where a session's chunks go besides its owner: its viewers while shared (sharing.py), its recording
+(recording.py) and its saved worlds (worlds.py, a resumed one's too). The session's life (life.py) hands each
+delivered chunk here once, and the owner's share, unshare and save; nothing here ever makes a chunk wait.
 
 Plain Python: no Ray, no Starlette."""
 from __future__ import annotations
@@ -12,10 +13,12 @@ from lingbot.io.frames import FMP4
 
 from .audience import Stage
 from .codes import ErrorCode, ProtocolError
-from .events import Admitted, ChunkReady
+from .events import Admitted, ChunkReady, Resume
+from .ports import SAVE, SHARE
 from .recording import Recorder, Recordings
 from .requests import StartRequest
 from .sharing import Sharing
+from .worlds import World, Worlds, open_world, save_world
 
 log = logging.getLogger("ray.serve")
 
@@ -24,12 +27,43 @@ FINISH_WAIT_S = 10.0      # a session's end waits this long for its recording to
 
 class Outputs:
     def __init__(self, session_id: str, wire, groups, stage: Optional[Stage], recordings: Optional[Recordings],
-                 settings):
+                 settings, worlds: Optional[Worlds] = None):
         self.wire, self.groups, self.settings = wire, groups, settings
         self.sharing = Sharing(session_id, wire, groups, stage, settings)
         self.recordings = recordings
         self.recorder: Optional[Recorder] = None
         self.tenant = ""                  # who started the session (access.py): its recording is theirs
+        self.worlds = worlds              # the ingress's saved worlds (None: worlds_dir is empty)
+        self.world: Optional[World] = None    # the saved world the session resumed
+
+    async def open_world(self, start: StartRequest, ledger) -> StartRequest:
+        """A start with a world_id: the world's own start, its chunks in the `ledger` (the group replays them);
+        ProtocolError (closing) when there is no such world for this client or this deployment cannot go on
+        with it. A start without one is returned as it is."""
+        if start.world_id is None:
+            return start
+        self.world = await open_world(self.worlds, start, self.tenant, await self.groups.facts())
+        ledger.journal, ledger.interactions = list(self.world.journal.chunks), self.world.interactions
+        return self.world.start(start)
+
+    def world_resume(self) -> Optional[Resume]:
+        return None if self.world is None else self.world.resume()
+
+    async def asked(self, control: str, send_lock: asyncio.Lock, start: StartRequest,
+                    ledger) -> Optional[ProtocolError]:
+        """The owner's session.share, session.unshare or session.save (the world after the chunks its `ledger`
+        delivered), answered under `send_lock` (a save's store is not: chunks go on meanwhile); the refusal."""
+        try:
+            if control == SAVE:
+                facts = ledger.facts or await self.groups.facts()
+                world_id, index = await save_world(self.worlds, start, ledger, self.tenant, self.world, facts)
+                async with send_lock:
+                    await self.wire.send(self.wire.saved_message(world_id, index))
+                return None
+            async with send_lock:
+                return await (self.sharing.share() if control == SHARE else self.sharing.unshare())
+        except ProtocolError as e:
+            return e
 
     def streaming_on(self, admitted: Admitted, start: StartRequest, group_sid: str) -> None:
         self.sharing.streaming_on(admitted, start, group_sid)
@@ -53,6 +87,8 @@ class Outputs:
             else:
                 facts = admitted.facts if admitted.facts is not None else await self.groups.facts()
                 self.recorder = self.recordings.begin(start, facts, self.tenant)
+                if self.world is not None:
+                    self.recorder.continues(self.world.journal.chunks)
                 await self.wire.send(self.wire.recording_message(self.recorder.id))
         if share:
             refusal = await self.sharing.share()

@@ -16,6 +16,7 @@ STOP = "stop"                  # Wire.control: the client stops the session
 ACTIVITY = "activity"          # Wire.control: a message that only says the client is there (a heartbeat)
 SHARE = "share"                # Wire.control: the owner makes the session watchable (session.audience.py)
 UNSHARE = "unshare"            # Wire.control: the owner ends its sharing (every viewer is told)
+SAVE = "save"                  # Wire.control: the owner saves its world (session/worlds.py)
 
 
 class ClientGone(Exception):
@@ -84,6 +85,9 @@ class Wire(Protocol):
     def recording_message(self, recording_id: str) -> Any:
         """The owner told its session is recorded, to be fetched by `recording_id` once it ended (the first
         protocol's wire only: the second protocol's sessions are not recorded)."""
+
+    def saved_message(self, world_id: str, chunk_index: int) -> Any:
+        """The owner told its world up to chunk `chunk_index` is stored as `world_id`."""
 
     def viewer_header(self, admitted: Admitted, start: StartRequest) -> dict:
         """What a viewer is told first about the stream (size, rate, mime or frame format; nothing the owner

@@ -5,15 +5,18 @@ for the stream (docs/security.md, "Crowds and slow clients"). Plain Python: no R
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
 from .codes import ErrorCode, ProtocolError
-from .ports import ACTIVITY, SHARE, STOP, UNSHARE, ClientGone, Wire
+from .ports import ACTIVITY, SAVE, SHARE, STOP, UNSHARE, ClientGone, Wire
 from .rate import MessageRate
 from .requests import Interaction
+
+log = logging.getLogger("ray.serve")
 
 EVENT_BYTES = 64             # what an interaction weighs besides its prompt and key sets (its id, a camera event)
 
@@ -127,8 +130,20 @@ async def watch_client(reader: ClientReader, control: Callable[[dict, int], Any]
         if parsed in (SHARE, UNSHARE):
             early.share = parsed == SHARE
             continue
+        if parsed == SAVE and not await refuse(ProtocolError(ErrorCode.NOTHING_TO_SAVE, "the session has no chunk "
+                                                             "yet to save: it waits for a model group")):
+            return None
         if parsed == ACTIVITY or not isinstance(parsed, Interaction):
             continue
         refusal = early.keep(parsed)
         if refusal is not None and not await refuse(refusal):
             return None
+
+
+def unknown_fields_said(start, metrics, session_id: str) -> None:
+    """A start's fields this server does not know: ignored, as the peers ignore them; counted, and said once."""
+    names = start.unknown_fields
+    if names:
+        metrics.unknown_fields(len(names))
+        log.info("session %s: start fields not known here, ignored: %s%s", session_id, ", ".join(names[:16]),
+                 f" (+{len(names) - 16} more)" if len(names) > 16 else "")

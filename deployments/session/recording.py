@@ -60,6 +60,12 @@ class Recorder:
         self.lock = threading.Lock()
         self.stopped: Optional[str] = None    # why the recording stopped early: disk, slow_disk
         self.finished = False
+        self.first_chunk = 0              # the video's first chunk (a saved world resumed: the chunks after it)
+
+    def continues(self, chunks: list[ChunkControls]) -> None:
+        """The session resumed a saved world of these chunks: the journal holds them too (it replays the video's
+        chunks only after them), the video starts after them."""
+        self.journal.chunks, self.first_chunk = [replace(c, profile=False) for c in chunks], len(chunks)
 
     def delivered(self, event: ChunkReady) -> None:
         """A chunk the owner got: its bytes to the spool (off the loop, never waits), its controls to the journal."""
@@ -128,8 +134,8 @@ class Recorder:
             video.unlink(missing_ok=True)
         store.put_bytes(f"{self.id}.json", self.journal.to_json().encode())
         meta = {"id": self.id, "owner": self.owner, "created": time.time(), "frames": frames,
-                "chunks": len(self.journal.chunks), "bytes": size, "fps": self.start.fps,
-                "width": self.start.width, "height": self.start.height}
+                "chunks": len(self.journal.chunks), "first_chunk": self.first_chunk, "bytes": size,
+                "fps": self.start.fps, "width": self.start.width, "height": self.start.height}
         store.put_bytes(f"{self.id}.meta.json", json.dumps(meta).encode())   # last: the recording is complete
         self.recordings.metrics.recorded("written", size)
         return "written"

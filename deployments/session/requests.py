@@ -35,6 +35,7 @@ class StartRequest:
     quality: str = "auto"                     # auto: the ladder's choice; else a rung pinned (extra_params.quality)
     spectators: bool = False                  # shared from its start (extra_params.spectators; session.share later)
     record: Optional[bool] = None             # recorded (extra_params.record); None: the deployment's record_sessions
+    world_id: Optional[str] = None            # a saved world to resume (worlds.py): its start replaces this
     unknown_fields: tuple[str, ...] = ()      # start fields this server does not know (ignored; counted, logged)
 
 

@@ -12,7 +12,8 @@ sit beside it. ServeSettings inherits every concern's fields and is the one form
     python -m deployments.settings --json
 """
 from .cli import format_table, main
-from .concerns import CONCERNS, ENV_PREFIX, KEYS, env_name, parse_allowlist, setting
+from .concerns import CONCERNS, KEYS, parse_allowlist
+from .declare import ENV_PREFIX, env_name, setting
 from .serve import ACCELERATOR_RESOURCE, LIVE_SETTINGS, ServeSettings, env_overrides, live_settings
 
 __all__ = ["ACCELERATOR_RESOURCE", "CONCERNS", "ENV_PREFIX", "KEYS", "LIVE_SETTINGS", "ServeSettings", "env_name",

@@ -1,14 +1,16 @@
 """Every serving setting, declared once: its flat key (the field's name: serve_config.yaml's args key, and
 LINGBOT_<KEY> in the environment), type, default, meaning and bounds, in one small frozen dataclass per concern
-(model, placement, capacity, pace, continuity, drain, encoding, access, limits, spectators, health) with the
-checks of that concern. The concerns are sections of ServeSettings (serve.py), which inherits every field and
-is the one object read everywhere (`settings.drain_lead_s`); a concern is never built or read on its own.
-`CONCERNS` lists them in the order the settings command shows them, `KEYS` maps each flat key to its concern."""
+(model, placement, capacity, pace, continuity, drain, encoding, access, limits, spectators, recordings,
+worlds, health) with the checks of that concern. The concerns are sections of ServeSettings (serve.py), which
+inherits every field and is the one object read everywhere (`settings.drain_lead_s`); a concern is never built
+or read on its own.
+`CONCERNS` lists them in the order the settings command shows them, `KEYS` maps each flat key to its concern.
+How a setting is declared: declare.py."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 from urllib.parse import urlsplit
 
 from lingbot.config import DECODERS, DTYPES, PRESETS, ConfigError, Preset, get_preset, with_dtype
@@ -17,43 +19,9 @@ from lingbot.parallel.pixels import DEFAULT_PIXEL_MODE, PIXEL_MODES
 from lingbot.runtime.rungs import LADDER
 
 from ..addresses import parse_networks
-
-ENV_PREFIX = "LINGBOT_"
-
-
-def setting(default: Any, help: str, *, at_least: Optional[float] = None, above: Optional[float] = None,
-            why: str = "", secret: bool = False):
-    """A setting: its default, what it means, its bounds (at_least: value >= bound, above: value > bound; a null
-    value is not bounded; `why` ends the refusal's message) and whether it is a secret (left out of the repr,
-    masked by describe())."""
-    return field(default=default, repr=not secret,
-                 metadata={"help": help, "at_least": at_least, "above": above, "why": why, "secret": secret})
-
-
-def env_name(key: str) -> str:
-    """The environment variable that overrides setting `key` (LINGBOT_DRAIN_LEAD_S for drain_lead_s)."""
-    return ENV_PREFIX + key.upper()
-
-
-def check_bounds(f: dataclasses.Field, value: Any) -> None:
-    """ConfigError naming the setting where `value` is outside its declared bounds."""
-    if value is None:
-        return
-    low, strict = (f.metadata["above"], True) if f.metadata["above"] is not None else (f.metadata["at_least"], False)
-    if low is not None and (value < low or (strict and value == low)):
-        raise ConfigError(f"{f.name} must be {'>' if strict else '>='} {low:g}{f.metadata['why']}, got {value}")
-
+from .declare import SettingsConcern, setting
 
 HEALTH_ROOM = 16        # requests an ingress takes beyond its sessions: refusals at the door, health and config
-
-
-@dataclass(frozen=True)
-class SettingsConcern:
-    """One concern's settings, a section of ServeSettings. `check` validates what the declared bounds cannot
-    (choices, relations between fields); it runs on the whole ServeSettings, after every bound holds."""
-
-    def check(self) -> None:
-        """Nothing beyond the bounds."""
 
 
 @dataclass(frozen=True)
@@ -422,12 +390,23 @@ class RecordingSettings(SettingsConcern):
                                                        "too slow) its recording stops", at_least=1)
 
 
+
+@dataclass(frozen=True)
+class WorldSettings(SettingsConcern):
+    """Saved worlds (deployments/session/worlds.py): where they go, how long and how many a key keeps."""
+    worlds_dir: str = setting("~/lingbot-worlds", "where saved worlds are stored: a folder, or an fsspec URL; empty: "
+                                                  "session.save and world_id are refused (worlds_off)")
+    world_keep_s: float = setting(30 * 86400.0, "a world is deleted this long after it was saved", above=0)
+    max_worlds_per_key: int = setting(100, "worlds one API key (or, without keys, everybody) may keep", at_least=1)
+    max_world_bytes_per_key: int = setting(2 ** 30, "bytes of worlds one API key may keep", at_least=1)
+    max_world_chunks: int = setting(4000, "chunks a saved world may hold (its resume replays them)", at_least=1)
+
 # the concerns by name, in the order describe() and the settings command list them
 CONCERNS: dict[str, type[SettingsConcern]] = {
     "model": ModelSettings, "placement": PlacementSettings, "capacity": CapacitySettings, "pace": PacingSettings,
     "continuity": ContinuitySettings, "drain": DrainSettings, "encoding": EncoderSettings, "access": AccessSettings,
     "limits": SessionLimits, "spectators": SpectatorSettings, "recordings": RecordingSettings,
-    "health": HealthSettings,
+    "worlds": WorldSettings, "health": HealthSettings,
 }
 # flat key -> (its concern's name, its field), in the concerns' order
 KEYS: dict[str, tuple[str, dataclasses.Field]] = {

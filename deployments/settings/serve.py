@@ -25,9 +25,9 @@ from .concerns import (
     RecordingSettings,
     SessionLimits,
     SpectatorSettings,
-    check_bounds,
-    env_name,
+    WorldSettings,
 )
+from .declare import check_bounds, env_name
 
 # Ray's resource for one accelerator of each device kind (NPUs are their own resource, not GPUs)
 ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
@@ -36,7 +36,7 @@ ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
 # the concerns as bases, the last first: a dataclass takes its bases' fields from the end of the list, so the
 # fields run in the concerns' order (CONCERNS), as to_dict() and describe() list them
 @dataclass(frozen=True)
-class ServeSettings(HealthSettings, RecordingSettings, SpectatorSettings, SessionLimits, AccessSettings,
+class ServeSettings(HealthSettings, WorldSettings, RecordingSettings, SpectatorSettings, SessionLimits, AccessSettings,
                     EncoderSettings, DrainSettings, ContinuitySettings, PacingSettings, CapacitySettings,
                     PlacementSettings, ModelSettings):
     """Every serve setting, one field per flat key (serve_config.yaml's args, LINGBOT_<KEY>, ServeSettings(**flat),

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..camera import CameraError, CameraEvent, CameraRig, Controls, Trajectory
+from ..camera import CameraError, CameraEvent, CameraRig, Controls, Trajectory, parse_keys
 from ..io.images import model_image
 from .rungs import rung_decoders, rung_name
 
@@ -74,7 +74,7 @@ class ChunkControls:
                                      float(camera.get("transition_chunks", 1.0)))
             keys = data.get("keys")
             steps = data.get("steps")
-            return cls(keys=None if keys is None else tuple(str(k) for k in keys), camera=camera,
+            return cls(keys=None if keys is None else tuple(parse_keys(str(k)) for k in keys), camera=camera,
                        prompt=data.get("prompt"), prompt_transition_chunks=int(data.get("prompt_transition_chunks", 0)),
                        steps=None if steps is None else int(steps), decoder=data.get("decoder"),
                        prewarm=data.get("prewarm"))

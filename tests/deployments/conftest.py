@@ -23,6 +23,7 @@ TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2
                      max_sessions_per_key=0, max_starts_per_minute_per_key=0,   # every test comes from one address
                      max_viewers_per_session=4,     # test_spectators.py: the fifth viewer is refused
                      recordings_dir=tempfile.mkdtemp(prefix="lingbot-test-recordings-"),
+                     worlds_dir=tempfile.mkdtemp(prefix="lingbot-test-worlds-"),
                      trusted_proxies="127.0.0.1")   # (so a test can name another client in X-Forwarded-For)
 
 

@@ -55,6 +55,9 @@ NEW_DEFAULTS.update(max_viewers_per_session=100, max_viewers=1000, spectators_ne
 # recordings: off unless asked, kept a week and 10 GiB at most
 NEW_DEFAULTS.update(record_sessions=False, recordings_dir="~/lingbot-recordings", recording_keep_s=7 * 86400.0,
                     recordings_max_bytes=10 * 2 ** 30, recording_spool_bytes=64 * 2 ** 20)
+# worlds: saved in a folder, kept 30 days, 100 and 1 GiB a key, 4,000 chunks a world
+NEW_DEFAULTS.update(worlds_dir="~/lingbot-worlds", world_keep_s=30 * 86400.0, max_worlds_per_key=100,
+                    max_world_bytes_per_key=2 ** 30, max_world_chunks=4000)
 
 
 def test_settings_validation(monkeypatch):
