@@ -129,4 +129,5 @@ class ContinuityLedger:
                         owner) for rank in range(self.ranks))
         playback_end = None if self.play_end is None else wall + (self.play_end - now)
         return Resume(tuple(self.journal), self.interactions, self.frames_delivered,
-                      -1 if index is None else index, restore, playback_end)
+                      -1 if index is None else index, restore, playback_end,
+                      fresh_stream=self.frames_delivered == 0)      # (a saved world's: nothing sent yet)
