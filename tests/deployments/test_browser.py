@@ -172,3 +172,40 @@ def test_a_shared_session_plays_on_two_viewer_pages(serve_app):
         assert viewer["errors"] == [] and viewer["csp"] == [] and viewer["controls"] == "none"
         assert fragment_starts_with_keyframe(bytes(viewer["first"]))
         assert viewer["frames"] >= 1
+
+
+def test_a_world_saved_on_the_page_is_listed_with_its_first_frame_and_resumes(serve_app):
+    """The page's Save button keeps the playing session's world; the world appears in the page's list with its
+    first frame (a thumbnail loaded), and its Resume button starts a session from it that plays (the server tells
+    the page the world's chunks were replayed)."""
+    from playwright.async_api import async_playwright
+
+    async def scenario():
+        async with async_playwright() as p:
+            browser, page = await open_page(p)
+            await page.check("#endless")
+            await page.click("#start")
+            await page.wait_for_function("() => window.lingbot.chunks >= 2", timeout=90000)
+            await page.click("#save")
+            await page.wait_for_function("() => window.lingbot.worlds.saved.length === 1", timeout=30000)
+            saved = await page.evaluate("() => window.lingbot.worlds.saved[0]")
+            await page.click("#stop")
+            await page.wait_for_function("() => !window.lingbot.running", timeout=60000)
+            resume = f"button[data-world='{saved['world_id']}']"
+            await page.wait_for_selector(resume, timeout=30000)
+            await page.wait_for_function("() => window.lingbot.worlds.thumbnails >= 1", timeout=30000)
+            await page.uncheck("#endless")
+            await page.fill("#chunks", "3")
+            await page.click(resume)
+            await page.wait_for_function("() => window.lingbot.worlds.resumed !== null && window.lingbot.chunks >= 2 "
+                                         "&& document.getElementById('video').currentTime > 0.3", timeout=120000)
+            seen = await page.evaluate("""() => ({resumed: window.lingbot.worlds.resumed, errors: window.lingbot.errors,
+                csp: window.cspViolations, listed: window.lingbot.worlds.list.map((w) => w.id)})""")
+            await browser.close()
+            return saved, seen
+
+    saved, seen = asyncio.run(scenario())
+    assert seen["errors"] == [] and seen["csp"] == []
+    assert saved["world_id"] in seen["listed"] and saved["chunk_index"] >= 1
+    assert seen["resumed"]["reason"] == "saved"
+    assert seen["resumed"]["replayed_chunks"] == saved["chunk_index"] + 1

@@ -279,21 +279,23 @@ function apiKey() {
   return key;
 }
 
-function startFrames(proto, key) {
+function startFrames(proto, key, worldId) {
   // the second protocol: MessagePack maps in binary messages; raw frames, drawn on the canvas
   const ws = new WebSocket(`${proto}://${location.host}/v1/realtime_video/generate`, keySubprotocols(key));
   ws.binaryType = "arraybuffer";
   state.ws = ws;
   let pendingHeader = null;
   ws.onopen = () => {
-    const msg = { type: "init", model: "lingbot-world", prompt: $("prompt").value, first_frame: state.imageUrl,
-                  size: `${state.config.width}x${state.config.height}`, fps: state.config.fps,
-                  seed: parseInt($("seed").value || "0", 10), realtime_output_format: "raw" };
+    const msg = worldId ? { type: "init", model: "lingbot-world", world_id: worldId, realtime_output_format: "raw" }
+      : { type: "init", model: "lingbot-world", prompt: $("prompt").value, first_frame: state.imageUrl,
+          size: `${state.config.width}x${state.config.height}`, fps: state.config.fps,
+          seed: parseInt($("seed").value || "0", 10), realtime_output_format: "raw" };
     if (!$("endless").checked) msg.max_chunks = Math.max(1, parseInt($("chunks").value || "1", 10));
     ws.send(MsgPack.encode(msg));
     state.running = true;
     setStatus("starting…");
     $("start").disabled = true; $("stop").disabled = false;
+    state.canSave(true);
   };
   ws.onmessage = (e) => {
     const data = new Uint8Array(e.data);
@@ -307,6 +309,10 @@ function startFrames(proto, key) {
       log(`error ${msg.code || ""}: ${msg.content}`);
     } else if (msg.type === "queued") {
       showQueued(msg);
+    } else if (msg.type === "saved") {
+      state.onSaved(msg);
+    } else if (msg.type === "session_resumed") {
+      state.onResumed(msg);
     } else if (msg.type === "chunk_stats") {
       if (msg.quality) $("s-quality").textContent = msg.quality;
       if (state.chunks === 1) setStatus(`session ${msg.session_id.slice(0, 8)}`);
@@ -314,6 +320,7 @@ function startFrames(proto, key) {
   };
   ws.onclose = (e) => {
     state.running = false;
+    state.canSave(false);
     $("start").disabled = false; $("stop").disabled = true;
     if (e.code === 1000) setStatus(`done: ${state.chunks} chunks (${e.reason || "closed"})`);
     else log(`connection closed (${e.code}${e.reason ? ": " + e.reason : ""})`);
@@ -328,7 +335,8 @@ setInterval(() => {
   if (q) $("s-frames").textContent = q.totalVideoFrames;
 }, 250);
 
-function start() {
+function start(worldId) {
+  // a new session; with `worldId`, one that goes on from that saved world (its first frame, prompt and seed)
   if (!state.config) return;
   resetStats();
   const proto = location.protocol === "https:" ? "wss" : "ws";
@@ -336,18 +344,20 @@ function start() {
   state.transport = $("transport").value;
   $("video").style.display = state.transport === "frames" ? "none" : "block";
   $("canvas").style.display = state.transport === "frames" ? "block" : "none";
-  if (state.transport === "frames") { startFrames(proto, key); return; }
+  if (state.transport === "frames") { startFrames(proto, key, worldId); return; }
   const ws = new WebSocket(`${proto}://${location.host}/v1/realtime/video`, keySubprotocols(key));
   ws.binaryType = "arraybuffer";
   state.ws = ws;
   let pendingMeta = null;
   ws.onopen = () => {
     const chunks = Math.max(1, parseInt($("chunks").value || "1", 10));
-    const msg = { type: "session.start", model: "lingbot-world", prompt: $("prompt").value,
-                  image_reference: { image_url: state.imageUrl }, width: state.config.width,
-                  height: state.config.height, fps: state.config.fps, seed: parseInt($("seed").value || "0", 10),
-                  extra_params: {} };
-    if ($("endless").checked) msg.extra_params.endless = true; else msg.num_frames = (3 * chunks - 1) * 4 + 1;
+    const msg = worldId ? { type: "session.start", model: "lingbot-world", world_id: worldId, extra_params: {} }
+      : { type: "session.start", model: "lingbot-world", prompt: $("prompt").value,
+          image_reference: { image_url: state.imageUrl }, width: state.config.width,
+          height: state.config.height, fps: state.config.fps, seed: parseInt($("seed").value || "0", 10),
+          extra_params: {} };
+    if ($("endless").checked) msg.extra_params.endless = true;
+    else msg.num_frames = worldId ? chunks * 12 : (3 * chunks - 1) * 4 + 1;   // a world's chunks all have 12
     ws.send(JSON.stringify(msg));
     setStatus("starting…");
     $("start").disabled = true; $("stop").disabled = false;
@@ -360,8 +370,13 @@ function start() {
       setStatus(`session ${msg.request_id.slice(0, 8)}`);
       setupMedia(msg.config.mime);
       state.canShare(true);
+      state.canSave(true);
     } else if (msg.type === "session.shared" || msg.type === "session.unshared") {
       state.onShared(msg);
+    } else if (msg.type === "session.saved") {
+      state.onSaved(msg);
+    } else if (msg.type === "session.resumed") {
+      state.onResumed(msg);
     } else if (msg.type === "video.chunk_metadata") {
       pendingMeta = msg;
     } else if (msg.type === "session.queued") {
@@ -380,6 +395,7 @@ function start() {
   ws.onclose = (e) => {
     state.running = false;
     state.canShare(false);
+    state.canSave(false);
     $("start").disabled = false; $("stop").disabled = true;
     if (e.code !== 1000 && e.code !== 1005) log(`connection closed (${e.code}${e.reason ? ": " + e.reason : ""})`);
     const ms = state.mediaSource;
@@ -392,7 +408,7 @@ function start() {
   };
 }
 
-$("start").addEventListener("click", start);
+$("start").addEventListener("click", () => start());
 $("stop").addEventListener("click", () => {
   if (!state.ws || state.ws.readyState !== WebSocket.OPEN) return;
   if (state.transport === "frames") state.ws.close(1000, "stopped");     // the protocol ends a session by closing
