@@ -59,6 +59,7 @@ from .watch import serve_viewer
 from .worlds import answer_worlds
 
 log = logging.getLogger("ray.serve")
+SNAPSHOT_FETCH_S = 60.0      # a saved world's snapshots: fetched from the keeper, or given to it, within this
 STATIC = Path(__file__).parent / "static"
 STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
@@ -106,6 +107,19 @@ class ServeGroups:
 
     async def keeper(self):
         return None if self.keepers is None else await self.keepers.current()
+
+    async def snapshots(self, keys: list[str]) -> list:
+        keeper = await self.keeper()
+        if keeper is None:
+            raise LookupError("this ingress keeps no snapshots")
+        refs = await asyncio.wait_for(keeper.lend.remote(keys), SNAPSHOT_FETCH_S)
+        return list(await asyncio.wait_for(asyncio.gather(*refs), SNAPSHOT_FETCH_S))
+
+    async def keep_snapshots(self, session_id: str, slots: list, state) -> Optional[list[str]]:
+        keeper = await self.keeper()
+        if keeper is None:
+            return None
+        return await asyncio.wait_for(keeper.keep.remote(session_id, slots, state), SNAPSHOT_FETCH_S)
 
     def let_go(self, session_id: str, keys=None) -> None:
         if self.keepers is not None:               # told, not awaited: a keeper that died took the snapshots along

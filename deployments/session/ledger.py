@@ -115,6 +115,16 @@ class ContinuityLedger:
                 return index
         return None
 
+    def restore_keys(self) -> Optional[tuple[int, list[list[str]], list[str]]]:
+        """The newest restore point: (its chunk, each rank's slot keys of the chunks it attends, each rank's state
+        key); None while there is none."""
+        index = self.restorable()
+        if index is None:
+            return None
+        chunks = self.facts.restore_chunks(index)
+        return index, [[self.slots[c][rank] for c in chunks] for rank in range(self.ranks)], \
+            [self.states[index][rank] for rank in range(self.ranks)]
+
     # ---- resuming -------------------------------------------------------------------------------
     def resume(self, owner: Optional[SnapshotOwner] = None, now: Optional[float] = None,
                wall: Optional[float] = None) -> Resume:

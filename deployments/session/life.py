@@ -215,7 +215,8 @@ class SessionLife:
                                             "for a model group already; try again later", close=CLOSE_TRY_AGAIN,
                                             retry_after_s=s.retry_after_s))
             return
-        request = SessionRequest(self.group_sid, start, self.outputs.world_resume(), await self.snapshot_owner())
+        owner = await self.snapshot_owner()
+        request = SessionRequest(self.group_sid, start, await self.outputs.world_resume(owner), owner)
         watching = functools.partial(watch_client, self.reader, self.wire.control, self.early, self._refuse_open,
                                      self.sequence + 1)         # (the client read while the session waits)
         left, first = await self.admission.admit_while_watching(request, s.max_queue_wait_s, watching)

@@ -13,12 +13,12 @@ from lingbot.io.frames import FMP4
 
 from .audience import Stage
 from .codes import ErrorCode, ProtocolError
-from .events import Admitted, ChunkReady, Resume
+from .events import Admitted, ChunkReady, Resume, SnapshotOwner
 from .ports import SAVE, SHARE
 from .recording import Recorder, Recordings
 from .requests import StartRequest
 from .sharing import Sharing
-from .worlds import World, Worlds, open_world, save_world
+from .worlds import World, Worlds, open_world, restored, save_world
 
 log = logging.getLogger("ray.serve")
 
@@ -46,8 +46,9 @@ class Outputs:
         ledger.journal, ledger.interactions = list(self.world.journal.chunks), self.world.interactions
         return self.world.start(start)
 
-    def world_resume(self) -> Optional[Resume]:
-        return None if self.world is None else self.world.resume()
+    async def world_resume(self, owner: Optional[SnapshotOwner]) -> Optional[Resume]:
+        """What the session's group does first when it resumed a saved world (None: a new session)."""
+        return None if self.world is None else await restored(self.world, owner, self.groups, self.settings.sp)
 
     async def asked(self, control: str, send_lock: asyncio.Lock, start: StartRequest,
                     ledger) -> Optional[ProtocolError]:
@@ -56,7 +57,8 @@ class Outputs:
         try:
             if control == SAVE:
                 facts = ledger.facts or await self.groups.facts()
-                world_id, index = await save_world(self.worlds, start, ledger, self.tenant, self.world, facts)
+                world_id, index = await save_world(self.worlds, start, ledger, self.tenant, self.world, facts,
+                                                   self.groups)
                 async with send_lock:
                     await self.wire.send(self.wire.saved_message(world_id, index))
                 return None

@@ -113,6 +113,13 @@ class GroupLink(Protocol):
     async def keeper(self) -> Any:
         """The owner of the sessions' snapshots (None: no snapshots)."""
 
+    async def snapshots(self, keys: list[str]) -> list:
+        """The snapshots the keeper holds under `keys`, fetched (a saved world keeps them); raises when it cannot."""
+
+    async def keep_snapshots(self, session_id: str, slots: list, state: Any) -> Optional[list[str]]:
+        """Give one rank's snapshots (read back from a saved world) to the keeper for `session_id`: their keys
+        (the slots', then the state's); None when it keeps nothing for it."""
+
     def let_go(self, session_id: str, keys: Optional[list[str]] = None) -> None:
         """Tell the keeper to free the session's snapshots of `keys` (None: all, at the session's end)."""
 

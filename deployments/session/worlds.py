@@ -16,6 +16,12 @@ key is kept; without api_keys it is nobody's, found by its 128-bit id); another 
 that does not exist. Bounds: `max_worlds_per_key`, `max_world_bytes_per_key`, `max_world_chunks`, and
 `world_keep_s` (expired worlds are swept at each save).
 
+Where the session has a restore point (the snapshots its ranks left at the ingress's keeper: the K/V slots its
+next chunk attends and every rank's state) and it fits `max_world_snapshot_bytes` and the key's bytes, the world
+keeps it too (`<id>.snap`, lingbot/runtime/snapshot_file.py: no pickle): a resume on a group of the same size
+restores it and replays only the chunks after it. Otherwise (no snapshot yet, too large: at 14B one is ~24 GiB,
+another group size) the resume replays every chunk; the frames are the same either way.
+
 Plain Python: no Ray, no Starlette. The blocking store calls run on the worlds' own thread."""
 from __future__ import annotations
 
@@ -34,10 +40,12 @@ from typing import Any, Optional
 import numpy as np
 
 from lingbot.runtime.journal import ChunkControls, JournalError, WorldJournal, image_digest
+from lingbot.runtime.snapshot import SlotSnapshot, StateSnapshot
+from lingbot.runtime.snapshot_file import SnapshotFileError, dump, load
 
 from ..storage import Store, stem
 from .codes import CLOSE_POLICY, CLOSE_SERVER_ERROR, ErrorCode, ProtocolError
-from .events import InteractionState, ModelFacts, Resume
+from .events import InteractionState, ModelFacts, RankRestore, Resume, SnapshotOwner
 from .recording import owner_hash
 from .requests import StartRequest
 
@@ -92,6 +100,7 @@ class World:
     frames: dict                          # frame_settings at the save
     parent: Optional[str]
     image: np.ndarray                     # float32 [3, H, W]: the first frame the model took
+    snapshot: Optional[tuple[int, list]] = None   # (its chunk, each rank's (slots, state)): a restore point
 
     @property
     def chunk_index(self) -> int:
@@ -107,10 +116,13 @@ class World:
                        trajectory=j.trajectory, decoder=j.decoder, window=j.window,
                        chunks=None if asked.chunks is None else len(j.chunks) + asked.chunks)
 
-    def resume(self) -> Resume:
-        """What the session's group replays: every chunk of the world, then it goes on; the client gets a stream
-        of its own from its first chunk (fresh_stream)."""
-        return Resume(tuple(self.journal.chunks), self.interactions, 0, fresh_stream=True)
+    def resume(self, restore: tuple[RankRestore, ...] = ()) -> Resume:
+        """What the session's group does first: restore the world's snapshot (`restore`: each rank's keys at the
+        session's keeper) and replay the chunks after it, or (none) replay every chunk; then it goes on, and the
+        client gets a stream of its own from its first chunk (fresh_stream)."""
+        index = self.snapshot[0] if restore and self.snapshot is not None else -1
+        return Resume(tuple(self.journal.chunks), self.interactions, 0, index, restore if index >= 0 else (),
+                      fresh_stream=True)
 
     def mismatch(self, facts: ModelFacts) -> Optional[ProtocolError]:
         """The refusal when this deployment would not make the world's frames (its settings, its decoders)."""
@@ -136,6 +148,26 @@ def world_json(world_id: str, journal: WorldJournal, interactions, action_script
             "action_script": [list(k) for k in action_script], "interactions": interactions_json(interactions),
             "journal": json.loads(journal.to_json())}
     return json.dumps(body, allow_nan=False).encode()
+
+
+def read_snapshot(data: bytes, index: int, chunks: int) -> tuple[int, list]:
+    """A world's stored snapshot back: (its chunk, each rank's (slots, state)); JournalError when it is not the
+    whole restore point of chunk `index` (of a world of `chunks` chunks)."""
+    try:
+        ranks = load(data)
+    except SnapshotFileError as e:
+        raise JournalError(f"the world's snapshot: {e}") from None
+    if not (isinstance(ranks, list) and ranks and 0 <= index < chunks):
+        raise JournalError("the world's snapshot is garbled")
+    out = []
+    for rank, item in enumerate(ranks):
+        slots, state = item if isinstance(item, (list, tuple)) and len(item) == 2 else (None, None)
+        if not (isinstance(state, StateSnapshot) and isinstance(slots, list) and slots
+                and all(isinstance(s, SlotSnapshot) for s in slots) and state.index == index
+                and all((s.rank, s.world_size) == (rank, len(ranks)) for s in [*slots, state])):
+            raise JournalError("the world's snapshot is not one restore point of every rank")
+        out.append((slots, state))
+    return index, out
 
 
 def read_world(world_id: str, raw: bytes, frame: Optional[bytes]) -> World:
@@ -170,6 +202,7 @@ class Worlds:
         self.keep_s = settings.world_keep_s
         self.max_worlds, self.max_bytes = settings.max_worlds_per_key, settings.max_world_bytes_per_key
         self.max_chunks = settings.max_world_chunks
+        self.max_snapshot_bytes = settings.max_world_snapshot_bytes
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="worlds")
 
     @classmethod
@@ -189,9 +222,10 @@ class Worlds:
 
     # ---- saving ----------------------------------------------------------------------------------
     async def save(self, start: StartRequest, chunks: list[ChunkControls], interactions, facts: ModelFacts,
-                   tenant: str, parent: Optional[str]) -> tuple[str, int]:
-        """Store the world of a session after its delivered `chunks`: (its new id, its last chunk's index) once
-        durable. ProtocolError (the session goes on) at a bound or when the store fails."""
+                   tenant: str, parent: Optional[str], snapshot: Optional[tuple[int, bytes]] = None) -> tuple[str, int]:
+        """Store the world of a session after its delivered `chunks` (with `snapshot`, a restore point's chunk and
+        file, where the key's bytes hold it): (its new id, its last chunk's index) once durable. ProtocolError
+        (the session goes on) at a bound or when the store fails."""
         if not chunks:
             raise ProtocolError(ErrorCode.NOTHING_TO_SAVE, "the session has no chunk yet to save")
         if len(chunks) > self.max_chunks:
@@ -205,7 +239,7 @@ class Worlds:
         body = world_json(world_id, journal, interactions, start.action_script, frame_settings(facts), parent)
         frame = np.ascontiguousarray(start.image, dtype="<f4").tobytes()
         try:
-            await self._run(self._store, world_id, body, frame, owner_hash(tenant), parent, len(chunks))
+            await self._run(self._store, world_id, body, frame, owner_hash(tenant), parent, len(chunks), snapshot)
         except OSError as e:
             log.warning("world %s: not saved (%s)", world_id, e)
             raise ProtocolError(ErrorCode.WORLD_UNAVAILABLE, "the world could not be stored now; the session goes "
@@ -213,7 +247,7 @@ class Worlds:
         return world_id, len(chunks) - 1
 
     def _store(self, world_id: str, body: bytes, frame: bytes, owner: Optional[str], parent: Optional[str],
-               chunks: int) -> None:
+               chunks: int, snapshot: Optional[tuple[int, bytes]]) -> None:
         self.store.sweep(self.keep_s, 2 ** 62)
         mine = [m for m in self._metas() if m.get("owner") == owner]
         size = len(body) + len(frame)
@@ -223,10 +257,16 @@ class Worlds:
         if held + size > self.max_bytes:
             raise_limit(f"this key's worlds hold {held} bytes; {size} more would pass max_world_bytes_per_key "
                         f"({self.max_bytes})")
+        kept = None
+        if snapshot is not None and held + size + len(snapshot[1]) <= self.max_bytes:   # else: a replay on resume
+            index, data = snapshot
+            self.store.put_bytes(f"{world_id}.snap", data)
+            kept, size = {"index": index, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, \
+                size + len(data)
         self.store.put_bytes(f"{world_id}.frame", frame)
         self.store.put_bytes(f"{world_id}.json", body)
         meta = {"id": world_id, "owner": owner, "created": time.time(), "chunks": chunks, "bytes": size,
-                "parent": parent, "sha256": hashlib.sha256(body).hexdigest()}
+                "parent": parent, "sha256": hashlib.sha256(body).hexdigest(), "snapshot": kept}
         self.store.put_bytes(f"{world_id}.meta.json", json.dumps(meta).encode())     # last: the world is whole
 
     def _metas(self) -> list[dict]:
@@ -264,7 +304,7 @@ class Worlds:
             raise ProtocolError(ErrorCode.WORLD_UNAVAILABLE, "the world store cannot be read now",
                                 close=CLOSE_SERVER_ERROR) from None
 
-    def _load(self, world_id: str, tenant: str) -> World:
+    def _load(self, world_id: str, tenant: str, with_snapshot: bool = True) -> World:
         meta = self._meta(world_id, tenant)
         if meta is None:
             raise ProtocolError(ErrorCode.WORLD_NOT_FOUND, "no world has this id", close=CLOSE_POLICY)
@@ -272,7 +312,14 @@ class Worlds:
         try:
             if raw is None or hashlib.sha256(raw).hexdigest() != meta.get("sha256"):
                 raise JournalError("the world's file is missing, truncated or altered")
-            return read_world(world_id, raw, self.store.get_bytes(f"{world_id}.frame"))
+            world = read_world(world_id, raw, self.store.get_bytes(f"{world_id}.frame"))
+            kept = meta.get("snapshot")
+            if with_snapshot and kept is not None:
+                data = self.store.get_bytes(f"{world_id}.snap")
+                if not isinstance(kept, dict) or data is None or hashlib.sha256(data).hexdigest() != kept.get("sha256"):
+                    raise JournalError("the world's snapshot is missing, truncated or altered")
+                world.snapshot = read_snapshot(data, int(kept.get("index", -1)), len(world.journal.chunks))
+            return world
         except JournalError as e:
             log.warning("world %s: cannot be read back (%s)", world_id, e)
             raise ProtocolError(ErrorCode.WORLD_CORRUPT, f"this world cannot be read back: {e}",
@@ -282,7 +329,7 @@ class Worlds:
         """(Blocking) The first frame of the tenant's world `world_id` (float32 [3, H, W]); None when it has none
         of that id or it cannot be read back whole."""
         try:
-            return self._load(world_id, tenant).image
+            return self._load(world_id, tenant, with_snapshot=False).image
         except ProtocolError:
             return None
 
@@ -323,10 +370,52 @@ async def open_world(worlds: Optional[Worlds], start: StartRequest, tenant: str,
 
 
 async def save_world(worlds: Optional[Worlds], start: StartRequest, ledger, tenant: str, resumed: Optional[World],
-                     facts: ModelFacts) -> tuple[str, int]:
-    """A session's world after the chunks its client got (its `ledger`): (the new world's id, its last chunk);
+                     facts: ModelFacts, groups=None) -> tuple[str, int]:
+    """A session's world after the chunks its client got (its `ledger`), with its newest restore point's snapshots
+    (fetched through `groups`, the GroupLink) where there is one that fits: (the new world's id, its last chunk);
     a resumed world's save names it as its parent. ProtocolError (the session goes on) when it cannot."""
     if worlds is None:
         raise ProtocolError(ErrorCode.WORLDS_OFF, "this deployment keeps no worlds (worlds_dir is empty)")
     chunks = [c if c is not None else ChunkControls() for c in ledger.journal]
-    return await worlds.save(start, chunks, ledger.interactions, facts, tenant, resumed and resumed.id)
+    snapshot = await snapshot_of(worlds, ledger, groups) if groups is not None and chunks else None
+    return await worlds.save(start, chunks, ledger.interactions, facts, tenant, resumed and resumed.id, snapshot)
+
+
+async def snapshot_of(worlds: Worlds, ledger, groups) -> Optional[tuple[int, bytes]]:
+    """The session's newest restore point as a snapshot file, or None (none yet, too large, the keeper lost it)."""
+    point = ledger.restore_keys()
+    if point is None or worlds.max_snapshot_bytes <= 0:
+        return None
+    index, slot_keys, state_keys = point
+    try:
+        fetched = await groups.snapshots([k for keys in slot_keys for k in keys] + state_keys)
+    except Exception as e:                                  # (the keeper restarted: its snapshots are gone)
+        log.info("a world's snapshot could not be fetched (%s); it is saved without one", type(e).__name__)
+        return None
+    ranks, at = [], 0
+    for keys in slot_keys:
+        ranks.append([fetched[at:at + len(keys)], None])
+        at += len(keys)
+    for rank, state in enumerate(fetched[at:]):
+        ranks[rank][1] = state
+    data = await asyncio.get_running_loop().run_in_executor(worlds.executor, dump, ranks)
+    return (index, data) if len(data) <= worlds.max_snapshot_bytes else None
+
+
+async def restored(world: World, owner: Optional[SnapshotOwner], groups, ranks: int) -> Resume:
+    """The Resume of a session that starts from `world`: its snapshot given to the session's keeper (`owner`) and
+    restored where it has one of `ranks` ranks, else every chunk replayed."""
+    if world.snapshot is None or owner is None or len(world.snapshot[1]) != ranks:
+        return world.resume()
+    try:
+        restore = []
+        for slots, state in world.snapshot[1]:
+            keys = await groups.keep_snapshots(owner.session_id, slots, state)
+            if keys is None:
+                return world.resume()
+            restore.append(RankRestore(tuple(keys[:-1]), keys[-1], owner))
+    except Exception as e:                                  # (the keeper is gone): replayed instead
+        log.warning("world %s: its snapshot could not be kept (%s); its chunks are replayed", world.id,
+                    type(e).__name__)
+        return world.resume()
+    return world.resume(tuple(restore))

@@ -399,7 +399,12 @@ class WorldSettings(SettingsConcern):
     world_keep_s: float = setting(30 * 86400.0, "a world is deleted this long after it was saved", above=0)
     max_worlds_per_key: int = setting(100, "worlds one API key (or, without keys, everybody) may keep", at_least=1)
     max_world_bytes_per_key: int = setting(2 ** 30, "bytes of worlds one API key may keep", at_least=1)
-    max_world_chunks: int = setting(4000, "chunks a saved world may hold (its resume replays them)", at_least=1)
+    max_world_chunks: int = setting(4000, "chunks a saved world may hold (a resume replays those after its snapshot)",
+                                    at_least=1)
+    max_world_snapshot_bytes: int = setting(256 * 2 ** 20, "a saved world keeps the snapshot of its newest restore "
+                                                           "point up to this size (a resume restores it, then "
+                                                           "replays the chunks after it); 0: never (a resume replays "
+                                                           "every chunk). At 14B one is ~24 GiB", at_least=0)
 
 # the concerns by name, in the order describe() and the settings command list them
 CONCERNS: dict[str, type[SettingsConcern]] = {

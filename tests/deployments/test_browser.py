@@ -208,4 +208,4 @@ def test_a_world_saved_on_the_page_is_listed_with_its_first_frame_and_resumes(se
     assert seen["errors"] == [] and seen["csp"] == []
     assert saved["world_id"] in seen["listed"] and saved["chunk_index"] >= 1
     assert seen["resumed"]["reason"] == "saved"
-    assert seen["resumed"]["replayed_chunks"] == saved["chunk_index"] + 1
+    assert seen["resumed"]["restored_chunks"] + seen["resumed"]["replayed_chunks"] == saved["chunk_index"] + 1

@@ -12,7 +12,8 @@ from tests.waits import wait_until
 
 KEY3 = "test-key-3"
 FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120,
-              max_resumes=10, graceful_shutdown_timeout_s=90)    # a redeploy's old group waits for the new one
+              max_resumes=10, graceful_shutdown_timeout_s=90,    # a redeploy's old group waits for the new one
+              max_world_snapshot_bytes=0)                        # its worlds keep no snapshot: a resume replays all
 URL = f"ws://127.0.0.1:{PORT}/faults/v1/realtime/video"
 
 

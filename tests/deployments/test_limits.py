@@ -319,7 +319,8 @@ def test_per_key_limits_and_origins_at_the_door(strict_app):
 
 def test_a_keys_saved_world_is_its_own(strict_app):
     """A world saved under one key: another key cannot resume, list, fetch or delete it (answered as a world that
-    never existed), nor can a client without a key; the key that saved it can."""
+    never existed), nor can a client without a key; the key that saved it can. (KEY2 saves no world anywhere;
+    the apps share their worlds_dir.)"""
     import json
     import urllib.error
     import urllib.request
@@ -349,14 +350,14 @@ def test_a_keys_saved_world_is_its_own(strict_app):
                     await owner.save()
             saved = await owner.receive_session(on_chunk, timeout=120)
         [world] = [m for m in saved.messages if m["type"] == "session.saved"]
-        return world, await resume(KEY3, world["world_id"]), await resume(KEY, world["world_id"])
+        return world, await resume(KEY2, world["world_id"]), await resume(KEY, world["world_id"])
 
     world, other, own = run(scenario())
     world_id = world["world_id"]
     assert (other.error["code"], other.close_code) == ("world_not_found", 1008)
     assert own.error is None and [m["generation_chunk_index"] for m in own.chunks] == [world["chunk_index"] + 1]
-    assert ask("GET", "/v1/worlds", KEY3) == {"worlds": []} and ask("GET", "/v1/worlds") == 401
+    assert ask("GET", "/v1/worlds", KEY2) == {"worlds": []} and ask("GET", "/v1/worlds") == 401
     assert [w["id"] for w in ask("GET", "/v1/worlds", KEY)["worlds"]] == [world_id]
-    for key, found in ((KEY3, 404), (KEY, 200)):
+    for key, found in ((KEY2, 404), (KEY, 200)):
         assert ask("GET", f"/v1/worlds/{world_id}/frame", key) == found
-    assert ask("DELETE", f"/v1/worlds/{world_id}", KEY3) == 404 and ask("DELETE", f"/v1/worlds/{world_id}", KEY) == 204
+    assert ask("DELETE", f"/v1/worlds/{world_id}", KEY2) == 404 and ask("DELETE", f"/v1/worlds/{world_id}", KEY) == 204

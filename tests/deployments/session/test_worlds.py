@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from deployments.group.planner import ControlPlanner, _Progress
 from deployments.session.codes import ErrorCode, ProtocolError
@@ -170,3 +171,59 @@ def test_a_world_of_other_frames_settings_is_refused_naming_them(tmp_path):
     assert (error.code, error.close) == (ErrorCode.WORLD_MISMATCH, 1008)
     assert f"steps {FACTS.steps} (here {FACTS.steps + 2})" in error.message and "dtype" in error.message
     assert "decoders wan (not loaded here)" in error.message
+
+
+class Keeper:
+    """The GroupLink's snapshot calls, as the ingress's keeper answers them (keys in order; the objects kept)."""
+
+    def __init__(self, held=None):
+        self.held, self.kept = dict(held or {}), []
+
+    async def snapshots(self, keys):
+        return [self.held[k] for k in keys]
+
+    async def keep_snapshots(self, session_id, slots, state):
+        self.kept.append((session_id, slots, state))
+        return [f"{session_id}.{len(self.kept)}.{i}" for i in range(len(slots) + 1)]
+
+
+def point(index=2, ranks=2):
+    """A restore point of `ranks` ranks after chunk `index` (slots of chunks 0..index), as a keeper holds it."""
+    from lingbot.runtime.snapshot import SlotSnapshot, StateSnapshot
+    held, slot_keys, state_keys = {}, [], []
+    for rank in range(ranks):
+        keys = []
+        for c in range(index + 1):
+            held[f"s{rank}.{c}"] = SlotSnapshot(c, rank, ranks, torch.full((2, 3), float(c)), torch.zeros(2, 3))
+            keys.append(f"s{rank}.{c}")
+        held[f"t{rank}"] = StateSnapshot(index, rank, ranks, {"dit": {"rng": torch.arange(4)}, "decoder_name": "tae"})
+        slot_keys.append(keys)
+        state_keys.append(f"t{rank}")
+    ledger_ = SimpleNamespace(journal=list(CHUNKS), interactions=None, facts=FACTS,
+                              restore_keys=lambda: (index, slot_keys, state_keys))
+    return ledger_, Keeper(held)
+
+
+def test_a_world_keeps_its_restore_point_where_it_fits_and_a_resume_restores_it(tmp_path):
+    from deployments.session.events import SnapshotOwner
+    from deployments.session.worlds import restored
+    worlds = worlds_at(str(tmp_path))
+    ledger_, keeper = point()
+    world_id, _ = asyncio.run(save_world(worlds, start_request(), ledger_, "", None, FACTS, keeper))
+    world = load(worlds, world_id)
+    assert world.snapshot[0] == 2 and [len(slots) for slots, _ in world.snapshot[1]] == [3, 3]
+    assert torch.equal(world.snapshot[1][1][0][2].keys, torch.full((2, 3), 2.0))
+    owner = SnapshotOwner("the keeper", "sess")
+    resume = asyncio.run(restored(world, owner, keeper, 2))
+    assert (resume.snapshot_index, resume.next_index, resume.fresh_stream) == (2, 3, True)
+    assert [r.state for r in resume.restore] == ["sess.1.3", "sess.2.3"] and resume.restore[0].owner is owner
+    assert len(resume.restore[1].slots) == 3 and len(keeper.kept) == 2
+    other_size = asyncio.run(restored(world, owner, keeper, 1))             # another group size: a replay
+    assert other_size.snapshot_index == -1 and other_size.restore == () and len(keeper.kept) == 2
+    # too large for max_world_snapshot_bytes, or for the key's bytes: the world is saved without it
+    for i, settings in enumerate(({"max_world_snapshot_bytes": 100}, {"max_world_bytes_per_key": 86_016 + 1_500})):
+        small = worlds_at(str(tmp_path / f"small{i}"), **settings)
+        bare, _ = asyncio.run(save_world(small, start_request(), ledger_, "", None, FACTS, keeper))
+        assert load(small, bare).snapshot is None
+    (tmp_path / f"{world_id}.snap").write_bytes((tmp_path / f"{world_id}.snap").read_bytes()[:-8])
+    assert refused(load, worlds, world_id).code == ErrorCode.WORLD_CORRUPT
