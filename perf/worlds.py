@@ -3,9 +3,11 @@
 On a local Serve app of the embedded default (tiny, CPU, SP-2, one group; worlds in a temporary folder), unpaced
 sessions (each chunk as soon as it is made) of the first protocol: a fresh start's time to its first chunk and
 its steady chunk time, then per world length K (chunks): a session saves its world after K chunks (the save's
-latency, from session.save sent to session.saved read, and the world's bytes on disk), and a new session resumes
-it, `--resumes` times one after the other (its time to the first new chunk, and the replay the group reports:
-seconds, and per replayed chunk against a steady chunk; the median of the resumes). Beside it, modelled for the real presets at 832x480 (lingbot/runtime/snapshot_budget.py): a
+latency, from session.save sent to session.saved read, and the world's bytes on disk: journal, first frame and the
+snapshot of its newest restore point), and new sessions resume it, `--resumes` times one after the other, from
+its snapshot and (the same world without it, as a deployment with max_world_snapshot_bytes 0 saves it) by
+replaying its journal: the time to the first new chunk, and the chunks restored and replayed (the median resume
+of each). Beside it, modelled for the real presets at 832x480 (lingbot/runtime/snapshot_budget.py): a
 world's bytes as saved today (journal and first frame) and what a snapshot of its K/V window, decoder caches and
 latent ring would add, per SP degree.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -64,7 +67,7 @@ async def saved_world(length: int) -> dict:
         answer = await _read(client, "session.saved", chunks)
         latency = time.monotonic() - sent
         await client.send({"type": "session.stop"})
-    gaps = [b[0] - a[0] for a, b in zip(chunks[1:], chunks[2:])]       # steady: after the first two chunks
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(chunks[1:])]     # steady: after the first two chunks
     return {"first_s": chunks[0][0] - t0, "chunk_s": statistics.median(gaps) if gaps else None,
             "save_s": latency, "world_id": answer["world_id"], "chunks": answer["chunk_index"] + 1}
 
@@ -79,7 +82,23 @@ async def resumed_world(world_id: str) -> dict:
         await _read(client, "video.chunk_metadata", chunks)
         first = time.monotonic() - t0
         await _read(client, "session.done", chunks)
-    return {"first_s": first, "replay_s": resumed["replay_s"], "replayed": resumed["replayed_chunks"]}
+    return {"first_s": first, "replay_s": resumed["replay_s"], "replayed": resumed["replayed_chunks"],
+            "restored": resumed["restored_chunks"]}
+
+
+def without_snapshot(folder: Path, world_id: str) -> str:
+    """A copy of the world without its snapshot, under a new id (as a deployment keeping none saves it)."""
+    import hashlib
+    import secrets
+    twin = secrets.token_hex(16)
+    body = json.loads((folder / f"{world_id}.json").read_bytes())
+    raw = json.dumps({**body, "id": twin}).encode()
+    (folder / f"{twin}.frame").write_bytes((folder / f"{world_id}.frame").read_bytes())
+    (folder / f"{twin}.json").write_bytes(raw)
+    meta = json.loads((folder / f"{world_id}.meta.json").read_bytes())
+    meta.update(id=twin, sha256=hashlib.sha256(raw).hexdigest(), snapshot=None)
+    (folder / f"{twin}.meta.json").write_text(json.dumps(meta))
+    return twin
 
 
 def world_bytes(folder: Path, world_id: str) -> dict:
@@ -122,8 +141,11 @@ def main(argv=None) -> dict:
     for length in (int(x) for x in args.lengths.split(",")):
         print(f"a world of {length} chunks: save, resume ...", file=sys.stderr, flush=True)
         saved = asyncio.run(saved_world(length))
+        bare = without_snapshot(folder, saved["world_id"])
         resumes = [asyncio.run(resumed_world(saved["world_id"])) for _ in range(args.resumes)]
-        rows.append({**saved, "bytes": world_bytes(folder, saved["world_id"]), "resumes": resumes})
+        replays = [asyncio.run(resumed_world(bare)) for _ in range(args.resumes)]
+        rows.append({**saved, "bytes": world_bytes(folder, saved["world_id"]), "resumes": resumes,
+                     "replays": replays})
     serve.shutdown()
     out = {"measured": rows, "modelled": modelled()}
     print(table(out))
@@ -134,22 +156,24 @@ def main(argv=None) -> dict:
 
 
 def median_resume(resumes: list[dict]) -> dict:
-    """The resume of median replay time (its time to the first chunk with it)."""
-    return sorted(resumes, key=lambda r: r["replay_s"])[len(resumes) // 2]
+    """The resume of median time to its first chunk."""
+    return sorted(resumes, key=lambda r: r["first_s"])[len(resumes) // 2]
 
 
 def table(out: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{v * 1e3:.0f}"
-    lines = ["| world (chunks) | fresh first chunk ms | steady chunk ms | save ms | world bytes (journal / frame) "
-             "| resume first chunk ms | replay ms | replay per chunk / steady chunk |",
-             "|---:|---:|---:|---:|---|---:|---:|---:|"]
+    lines = ["| world (chunks) | fresh first chunk ms | steady chunk ms | save ms | bytes: journal / frame / snapshot "
+             "| resume from the snapshot: first chunk ms (restored + replayed) | by replaying the journal: first "
+             "chunk ms (replayed) | a replayed chunk / a steady one |",
+             "|---:|---:|---:|---:|---|---|---|---:|"]
     for r in out["measured"]:
-        b, res = r["bytes"], median_resume(r["resumes"])
-        per = res["replay_s"] / res["replayed"] if res["replayed"] else None
+        b, snap, replay = r["bytes"], median_resume(r["resumes"]), median_resume(r["replays"])
+        per = replay["replay_s"] / replay["replayed"] if replay["replayed"] else None
         ratio = "-" if per is None or not r["chunk_s"] else f"{per / r['chunk_s']:.2f}"
         lines.append(f"| {r['chunks']} | {ms(r['first_s'])} | {ms(r['chunk_s'])} | {ms(r['save_s'])} | "
-                     f"{b.get('json', 0)} / {b.get('frame', 0)} | {ms(res['first_s'])} | {ms(res['replay_s'])} | "
+                     f"{b.get('json', 0)} / {b.get('frame', 0)} / {b.get('snap', 0)} | {ms(snap['first_s'])} "
+                     f"({snap['restored']} + {snap['replayed']}) | {ms(replay['first_s'])} ({replay['replayed']}) | "
                      f"{ratio} |")
     lines += ["", "| preset | SP | chunks | saved today (journal + frame) | a K/V snapshot would add |",
               "|---|---:|---:|---:|---:|"]

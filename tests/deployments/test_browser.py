@@ -129,6 +129,15 @@ def test_page_draws_the_servers_raw_frames_on_a_canvas(serve_app):
     assert all(ms > 0 for ms in latencies)
 
 
+async def playing(playwright, chunks: int):
+    """A new browser on the page, playing an endless session of its own (H.264) once `chunks` chunks came."""
+    browser, page = await open_page(playwright)
+    await page.check("#endless")
+    await page.click("#start")
+    await page.wait_for_function(f"() => window.lingbot.chunks >= {chunks}", timeout=90000)
+    return browser, page
+
+
 def test_a_shared_session_plays_on_two_viewer_pages(serve_app):
     """The owner's page starts an endless session and shares it (the button): the watch link appears; two pages
     opened with it play the session watch-only (no controls shown), their first fragment starts with a keyframe,
@@ -139,10 +148,7 @@ def test_a_shared_session_plays_on_two_viewer_pages(serve_app):
 
     async def scenario():
         async with async_playwright() as p:
-            browser, owner = await open_page(p)
-            await owner.check("#endless")
-            await owner.click("#start")
-            await owner.wait_for_function("() => window.lingbot.chunks >= 1", timeout=90000)
+            browser, owner = await playing(p, 1)
             await owner.click("#share")
             await owner.wait_for_function("() => window.lingbot.sharing.link !== ''", timeout=30000)
             link = await owner.evaluate("() => window.lingbot.sharing.link")
@@ -182,10 +188,7 @@ def test_a_world_saved_on_the_page_is_listed_with_its_first_frame_and_resumes(se
 
     async def scenario():
         async with async_playwright() as p:
-            browser, page = await open_page(p)
-            await page.check("#endless")
-            await page.click("#start")
-            await page.wait_for_function("() => window.lingbot.chunks >= 2", timeout=90000)
+            browser, page = await playing(p, 2)
             await page.click("#save")
             await page.wait_for_function("() => window.lingbot.worlds.saved.length === 1", timeout=30000)
             saved = await page.evaluate("() => window.lingbot.worlds.saved[0]")
