@@ -378,7 +378,7 @@ class SessionLife:
 
     async def owner_asked(self, control: str) -> None:
         """session.share, session.unshare, session.save (outputs.py); a refusal leaves the session on."""
-        refusal = await self.outputs.asked(control, self.send_lock, self.start, self.ledger)
+        refusal = await self.outputs.asked(control, self.send_lock, self.start, self.ledger, self.refuse)
         if refusal is not None:
             await self.refuse(refusal)
 

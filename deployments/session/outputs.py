@@ -14,7 +14,7 @@ from lingbot.io.frames import FMP4
 from .audience import Stage
 from .codes import ErrorCode, ProtocolError
 from .events import Admitted, ChunkReady, Resume, SnapshotOwner
-from .ports import SAVE, SHARE
+from .ports import SAVE, SHARE, ClientGone
 from .recording import Recorder, Recordings
 from .requests import StartRequest
 from .sharing import Sharing
@@ -35,6 +35,7 @@ class Outputs:
         self.tenant = ""                  # who started the session (access.py): its recording is theirs
         self.worlds = worlds              # the ingress's saved worlds (None: worlds_dir is empty)
         self.world: Optional[World] = None    # the saved world the session resumed
+        self.saving: Optional[asyncio.Task] = None    # a session.save being stored
 
     async def open_world(self, start: StartRequest, ledger) -> StartRequest:
         """A start with a world_id: the world's own start, its chunks in the `ledger` (the group replays them);
@@ -50,22 +51,34 @@ class Outputs:
         """What the session's group does first when it resumed a saved world (None: a new session)."""
         return None if self.world is None else await restored(self.world, owner, self.groups, self.settings.sp)
 
-    async def asked(self, control: str, send_lock: asyncio.Lock, start: StartRequest,
-                    ledger) -> Optional[ProtocolError]:
-        """The owner's session.share, session.unshare or session.save (the world after the chunks its `ledger`
-        delivered), answered under `send_lock` (a save's store is not: chunks go on meanwhile); the refusal."""
+    async def asked(self, control: str, send_lock: asyncio.Lock, start: StartRequest, ledger,
+                    refuse) -> Optional[ProtocolError]:
+        """The owner's session.share or session.unshare, answered under `send_lock`; the refusal. A session.save
+        (the world after the chunks its `ledger` delivered) runs as a task of its own, one at a time: the
+        client's messages and the chunks go on while it is stored; it answers, or `refuse`s, when done, and the
+        session's end waits for it (end)."""
         try:
             if control == SAVE:
-                facts = ledger.facts or await self.groups.facts()
-                world_id, index = await save_world(self.worlds, start, ledger, self.tenant, self.world, facts,
-                                                   self.groups)
-                async with send_lock:
-                    await self.wire.send(self.wire.saved_message(world_id, index))
+                if self.saving is not None and not self.saving.done():
+                    return ProtocolError(ErrorCode.WORLD_LIMIT, "a save of this session is being stored; one at a "
+                                         "time")
+                self.saving = asyncio.ensure_future(self._save(send_lock, start, ledger, refuse))
                 return None
             async with send_lock:
                 return await (self.sharing.share() if control == SHARE else self.sharing.unshare())
         except ProtocolError as e:
             return e
+
+    async def _save(self, send_lock: asyncio.Lock, start: StartRequest, ledger, refuse) -> None:
+        try:
+            facts = ledger.facts or await self.groups.facts()
+            world_id, index = await save_world(self.worlds, start, ledger, self.tenant, self.world, facts, self.groups)
+            async with send_lock:
+                await self.wire.send(self.wire.saved_message(world_id, index))
+        except ProtocolError as e:
+            await refuse(e)
+        except (ClientGone, ConnectionError, RuntimeError):     # the client left meanwhile: the world is stored
+            pass
 
     def streaming_on(self, admitted: Admitted, start: StartRequest, group_sid: str) -> None:
         self.sharing.streaming_on(admitted, start, group_sid)
@@ -110,6 +123,8 @@ class Outputs:
         """The session ended as it should (done or stopped): viewers told; its recording stored before the owner
         is told (at most FINISH_WAIT_S: a slow store finishes it later), so that it can be fetched at once."""
         self.sharing.end(chunks, stopped)
+        if self.saving is not None:                      # its answer before the end (the client may be waiting)
+            await asyncio.wait({self.saving}, timeout=FINISH_WAIT_S)
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
             try:

@@ -1,9 +1,9 @@
 """Worlds that last, on the package's app (keyless: every world is nobody's, found by its id): a session's world
-saved part way, resumed by a later session whose frames are bitwise those of the session that never stopped
-(raw frames of the second protocol), forked by two sessions at once, each bitwise the same run, the saved world
-unchanged; a save of a resumed world names its parent; the worlds listed, a first frame served, one deleted; a
-world that leads nowhere, a truncated one and a start that names what the world decides, refused with their
-codes. (Another key's world: test_limits.py, on its keyed app.)"""
+saved part way (the session then left), resumed by a later session whose frames are bitwise those of the session
+that never stopped (raw frames of the second protocol), forked by two sessions at once, each bitwise the same run,
+the saved world unchanged; a save of a resumed world names its parent; the worlds listed, a first frame served, one
+deleted; a world that leads nowhere, a truncated one and a start that names what the world decides, refused with
+their codes; a save the session's end waits for. (Another key's world: test_limits.py, on its keyed app.)"""
 import asyncio
 import json
 import urllib.request
@@ -32,14 +32,16 @@ def http(method: str, path: str) -> tuple[int, bytes]:
 
 
 async def saved_session(url: str, save_after: int, **init) -> tuple:
-    """A raw session of CHUNKS chunks that saves its world once `save_after` chunks arrived: (its result, the
-    saved answer)."""
+    """A raw session of CHUNKS chunks that saves its world once `save_after` chunks arrived, and disconnects at
+    the next chunk once the world is saved: (its result, the saved answer)."""
     async with FramesClient(url) as client:
         await client.init("a forest path", png(), CHUNKS, 7, actions=ACTIONS, **init)
 
         async def on_chunk(result, chunk):
             if len(result.chunks) == save_after:
                 await client.save()
+            elif any(m["type"] == "saved" for m in result.messages):
+                await client.ws.close()
         result = await client.receive_session(on_chunk, timeout=300)
     [saved] = [m for m in result.messages if m["type"] == "saved"]
     return result, saved
@@ -72,7 +74,8 @@ def test_a_saved_world_resumes_and_forks_bitwise_as_the_session_that_never_stopp
     assert 5 <= n < CHUNKS and len(saved["world_id"]) == 32
     meta = json.loads((WORLDS / f"{saved['world_id']}.meta.json").read_text())
     assert 0 <= meta["snapshot"]["index"] < n and (WORLDS / f"{saved['world_id']}.snap").stat().st_size > 0
-    assert np.array_equal(first.frames, whole.frames)                   # saving changes nothing of the session
+    assert n <= len(first.chunks) < CHUNKS                               # it left mid-session, once saved
+    assert np.array_equal(first.frames, whole.frames[:len(first.frames)])   # saving changed nothing it got
     expected = np.concatenate([c.frames for c in whole.chunks[n:]])
     for fork in forks:
         assert fork.errors == [] and fork.close_code == 1000, (fork.errors, fork.close_code)
@@ -129,9 +132,17 @@ def test_worlds_that_lead_nowhere_truncated_worlds_and_starts_that_name_the_worl
             await client.init("a forest path", png(), 1, 7)
             await client.save()
             early = await client.receive_session(timeout=120)
-        return answers, early
+        async with FramesClient(frames_url(serve_app)) as client:      # a save the session's end waits for
+            await client.init("a forest path", png(), 2, 7)
 
-    answers, early = run(scenario())
+            async def save(result, chunk):
+                if len(result.chunks) == 1:
+                    await client.save()
+            late = await client.receive_session(save, timeout=120)
+        return answers, early, late
+
+    answers, early, late = run(scenario())
+    assert [m["type"] for m in late.messages if m["type"] == "saved"] == ["saved"] and late.close_code == 1000
     assert "prompt, seed" in answers[1]["message"]
     assert "cannot be read back" in answers[2]["message"]
     assert [e["code"] for e in early.errors] == ["nothing_to_save"] and early.close_code == 1000
