@@ -117,7 +117,10 @@ class WorldGroup:
         self.leases = Leases(self.id, s, self.state, self.capacity, self.model, self.ranks, self.muxer, self.mailbox,
                              self.chunks, self.metrics, SnapshotSeats.of(self.id, s, infos[0].snapshot_host))
         self.last_metrics = 0.0
-        self.event_loop: Optional[asyncio.AbstractEventLoop] = None
+        try:                                   # (Serve builds a replica on its loop; a test may not)
+            self.event_loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+        except RuntimeError:
+            self.event_loop = None
         self.drain_task: Optional[asyncio.Task] = None
         threading.Thread(target=self._watch, name=f"group-{self.id}-watch", daemon=True).start()
         if s.drain_poll_s > 0 and s.resume_sessions:
@@ -168,9 +171,13 @@ class WorldGroup:
     # ---- healing ------------------------------------------------------------------------------
     def _watch(self) -> None:
         """A thread: every WATCH_S, is every rank, the muxer and the mailbox still there? A dead one fails the
-        group at once, with or without sessions (a busy actor is not a dead one)."""
+        group at once, with or without sessions (a busy actor is not a dead one). It also has the devices reported
+        while the group is idle (every metrics_interval_s, as after chunks): Ray drops a process's series after
+        two minutes without a report, and an idle group's devices belong on the dashboard too."""
         while not self.state.failed:
             time.sleep(WATCH_S)
+            if self.event_loop is not None and not self.event_loop.is_closed():
+                self.event_loop.call_soon_threadsafe(self._maybe_report_devices)
             calls = self.ranks.alive() + [self.muxer.ready.remote(), self.mailbox.ready.remote()]
             done, _ = ray.wait(calls, num_returns=len(calls), timeout=WATCH_S * 5)
             for ref in done:

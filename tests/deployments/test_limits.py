@@ -343,11 +343,13 @@ def test_a_keys_saved_world_is_its_own(strict_app):
 
     async def scenario():
         async with RealtimeClient(URL, api_key=KEY) as owner:
-            await owner.start("a forest path", png_url(), W, H, 2, seed=1)
+            await owner.start("a forest path", png_url(), W, H, None, seed=1)        # endless: stopped once saved
 
             async def on_chunk(result, meta):
                 if len(result.chunks) == 1:
                     await owner.save()
+                elif any(m["type"] == "session.saved" for m in result.messages):
+                    await owner.send({"type": "session.stop"})
             saved = await owner.receive_session(on_chunk, timeout=120)
         [world] = [m for m in saved.messages if m["type"] == "session.saved"]
         return world, await resume(KEY2, world["world_id"]), await resume(KEY, world["world_id"])

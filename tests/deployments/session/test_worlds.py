@@ -227,3 +227,50 @@ def test_a_world_keeps_its_restore_point_where_it_fits_and_a_resume_restores_it(
         assert load(small, bare).snapshot is None
     (tmp_path / f"{world_id}.snap").write_bytes((tmp_path / f"{world_id}.snap").read_bytes()[:-8])
     assert refused(load, worlds, world_id).code == ErrorCode.WORLD_CORRUPT
+
+
+def test_a_save_runs_beside_the_session_one_at_a_time_and_its_end_waits_for_it(tmp_path):
+    """session.save is stored by a task of its own (the session's messages go on); a second one meanwhile is
+    refused; the session's end waits for it, so the client is answered before it is told the session is done."""
+    import time
+
+    from deployments.session.outputs import Outputs
+    from deployments.session.ports import SAVE
+
+    class SlowStore(Worlds):
+        def _store(self, *args):
+            time.sleep(0.3)
+            return super()._store(*args)
+
+    sent, refused_ = [], []
+
+    class Wire:
+        dialect = "vllm"
+
+        async def send(self, message):
+            sent.append(message)
+
+        def saved_message(self, world_id, index):
+            return {"type": "session.saved", "world_id": world_id, "chunk_index": index}
+
+    async def refuse(error):
+        refused_.append(error.code)
+
+    async def facts():
+        return FACTS
+    worlds = SlowStore(Store(str(tmp_path)), ServeSettings())
+    outputs = Outputs("s", Wire(), SimpleNamespace(facts=facts), None, None, ServeSettings(), worlds)
+    session_ledger = SimpleNamespace(journal=list(CHUNKS), interactions=None, facts=FACTS, restore_keys=lambda: None)
+
+    async def scenario():
+        lock = asyncio.Lock()
+        first = await outputs.asked(SAVE, lock, start_request(), session_ledger, refuse)
+        second = await outputs.asked(SAVE, lock, start_request(), session_ledger, refuse)
+        answered_before_the_end = list(sent)
+        await outputs.end(3, False)
+        return first, second, answered_before_the_end
+
+    first, second, before = asyncio.run(scenario())
+    assert first is None and second.code == ErrorCode.WORLD_LIMIT and "one at a time" in second.message
+    assert before == [] and [m["type"] for m in sent] == ["session.saved"] and refused_ == []
+    assert worlds.listing("")[0]["id"] == sent[0]["world_id"]
