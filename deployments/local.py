@@ -86,15 +86,6 @@ def prepare_environment(args: Optional[dict] = None) -> None:
     os.environ.update(cluster_env(args))
 
 
-def exposure_warning(host: str, port: int, keys: frozenset) -> Optional[str]:
-    """A warning when the server listens beyond this machine without API keys (anyone who reaches it may open
-    sessions on its groups); None on a loopback address, or with keys."""
-    if keys or host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
-        return None
-    return (f"lingbot-serve: WARNING: listening on {host}:{port} without api_keys: anyone who reaches this machine "
-            "may open sessions. Set api_keys (or LINGBOT_API_KEYS), or http_options.host: 127.0.0.1.")
-
-
 def start_ray(app_args: Optional[dict] = None, **init_args):
     """prepare_environment(app_args), then `ray.init(**init_args)` of a new local cluster under token
     authentication, its token file readable by its owner only. Returns ray.init's context."""
@@ -135,10 +126,16 @@ def main(argv=None) -> int:
     http = config.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    from .ingress.access import beyond_loopback, exposure_refusal
     from .settings import ServeSettings
-    warning = exposure_warning(host, port, ServeSettings.from_args(app.get("args") or {}).api_key_set)
-    if warning:
-        print(warning, flush=True)
+    settings = ServeSettings.from_args(app.get("args") or {})
+    refusal = exposure_refusal(host, settings.api_key_set, settings.allow_anonymous)
+    if refusal:                                  # (the ingress refuses it too: said here before Ray starts)
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
+    if beyond_loopback(host) and not settings.api_key_set:
+        print(f"lingbot-serve: WARNING: serving everyone on {host}:{port} without api_keys (allow_anonymous: true)",
+              flush=True)
     logging.basicConfig(level=logging.WARNING)
     # Ray's own line on the token ("set RAY_AUTH_MODE=disabled to opt out") would contradict the one printed below
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)

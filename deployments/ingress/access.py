@@ -155,3 +155,22 @@ def origin_allowed(headers: dict, allowed: frozenset) -> bool:
         return True
     from urllib.parse import urlsplit
     return urlsplit(origin).netloc.lower() == headers.get("host", "").lower()
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def beyond_loopback(host: str) -> bool:
+    """Whether a listening address reaches beyond this machine (0.0.0.0, ::, a LAN or public address, a name)."""
+    return not (host in LOOPBACK_NAMES or host.startswith("127."))
+
+
+def exposure_refusal(host: str, keys: frozenset, allow_anonymous: bool) -> Optional[str]:
+    """Why an app must not serve on `host` (None: it may): beyond this machine without api_keys, unless the
+    deployment says allow_anonymous on purpose."""
+    if keys or allow_anonymous or not beyond_loopback(host):
+        return None
+    return (f"lingbot-serve refuses to listen on {host} without api_keys: anyone who reaches it could open sessions "
+            "on its model groups. Set api_keys (or LINGBOT_API_KEYS; the cluster manifests read them from their "
+            "Secret), listen on 127.0.0.1 (http_options.host), or set allow_anonymous: true to serve everyone on "
+            "purpose.")

@@ -22,6 +22,8 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
 from ray import serve
 
+from lingbot.config import ConfigError
+
 from ..addresses import scope_address
 from ..detach import outside_the_request
 from ..memory import held_refs
@@ -40,7 +42,9 @@ from . import peers, sglang
 from .access import (
     TenantLimits,
     accepted_subprotocol,
+    beyond_loopback,
     busy,
+    exposure_refusal,
     host_allowed,
     origin_allowed,
     presented_key,
@@ -48,7 +52,7 @@ from .access import (
 )
 from .census import GroupCensus
 from .fetch import ImageFetcher
-from .front import check_bound
+from .front import check_bound, proxy_host
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
 from .recordings import serve_recording
@@ -168,11 +172,25 @@ class IngressMetrics:
             self.m.recording_bytes.inc(count)
 
 
+def check_exposure(host: Optional[str], keys: frozenset, allow_anonymous: bool) -> None:
+    """ConfigError (the app does not start: Serve shows why) when Serve's proxies listen beyond this machine and the
+    app has no api_keys, unless allow_anonymous; a warning in the log when it serves everyone on purpose."""
+    if host is None:
+        log.warning("ingress: Serve's controller did not say where its proxies listen; the api_keys check is skipped")
+        return
+    refusal = exposure_refusal(host, keys, allow_anonymous)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if allow_anonymous and not keys and beyond_loopback(host):
+        log.warning("ingress: serving everyone on %s without api_keys (allow_anonymous: true)", host)
+
+
 @serve.ingress(app)
 class Ingress:
     def __init__(self, group, settings: dict):
         s = self.settings = ServeSettings(**settings)
         check_bound(s.max_ingress_sessions, s.max_ingress_replicas)     # the proxies' doors pass on enough
+        check_exposure(proxy_host(), s.api_key_set, s.allow_anonymous)  # no open GPUs by a missing Secret
         self.groups = ServeGroups(group, s)
         self.limits = TenantLimits(s.max_sessions_per_key, s.max_starts_per_minute_per_key)
         self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,

@@ -86,6 +86,18 @@ def check_bound(max_ingress_sessions: int, max_ingress_replicas: int, environ=os
                           "with the environment of this config (deployments/local.py, cluster/render.py)")
 
 
+def proxy_host() -> Optional[str]:
+    """The address Serve's proxies listen on (its http_options.host), from Serve's controller; None when the
+    controller cannot say (not under Serve, or it does not answer within 30 s)."""
+    try:
+        import ray
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return ray.get(controller.get_http_config.remote(), timeout=30).host
+    except Exception:
+        return None
+
+
 def is_watch(scope) -> bool:
     """Whether `scope` is a WebSocket to a viewer's route."""
     return scope.get("type") == "websocket" and WATCHES.fullmatch(re.sub("/+", "/", scope.get("path", ""))) is not None

@@ -276,6 +276,9 @@ class AccessSettings(SettingsConcern):
     """Access: who may open sessions, how many, from which pages, and which images the server fetches."""
     api_keys: str = setting("", "comma-separated API keys; when set, clients must present one (see README)",
                             secret=True)
+    allow_anonymous: bool = setting(False, "serve clients without api_keys on an address beyond this machine "
+                                           "(0.0.0.0, a LAN or public one) on purpose; without it such an app "
+                                           "refuses to start (a missing keys Secret would open the GPUs to anyone)")
     max_sessions_per_key: int = setting(8, "sessions one key (or client address, without keys) may hold at "
                                            "once; 0: no limit", at_least=0)
     max_starts_per_minute_per_key: int = setting(60, "session starts per key (or client address) per minute; "

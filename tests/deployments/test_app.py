@@ -145,3 +145,10 @@ def test_the_peers_descriptions_of_the_server(serve_app):
     (card,) = listed["data"]
     assert listed["object"] == "list" and card["id"] == "lingbot-world" and card["object"] == "model"
     assert card["root"] == "random:tiny" and isinstance(card["created"], int) and card["created"] > 1.7e9
+
+
+def test_the_ingress_asks_serve_where_its_proxies_listen(serve_app):
+    """What the ingress's start checks against api_keys (deployments/ingress/app.py, check_exposure): the address
+    Serve's proxies listen on, as the running Serve's controller says it (this app: 127.0.0.1, nothing refused)."""
+    from deployments.ingress.front import proxy_host
+    assert proxy_host() == "127.0.0.1"

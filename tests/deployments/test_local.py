@@ -93,17 +93,32 @@ def test_a_mode_other_than_token_is_refused(monkeypatch):
         prepare_environment()
 
 
-def test_the_local_default_listens_on_this_machine_and_warns_when_it_does_not_without_keys():
-    """serve_config.yaml listens on 127.0.0.1 (as Ray's dashboard and Jupyter); `make serve` warns when a
-    config listens beyond loopback without api_keys (anyone who reaches the machine may open sessions)."""
+def test_the_local_default_listens_on_this_machine_and_an_app_beyond_it_without_keys_does_not_start(tmp_path, capsys):
+    """serve_config.yaml listens on 127.0.0.1 (as Ray's dashboard and Jupyter). An app that would listen beyond
+    this machine without api_keys is refused unless allow_anonymous says so on purpose: by `make serve`'s command
+    before it starts Ray (exit 2), and by the ingress itself wherever it is deployed (a cluster manifest whose keys
+    Secret is missing: ConfigError, the app does not start)."""
     import yaml
 
-    from deployments.local import exposure_warning
+    from deployments.ingress.access import exposure_refusal
+    from deployments.ingress.app import check_exposure
+    from deployments.local import main
+    from lingbot.config import ConfigError
     config = yaml.safe_load((Path(__file__).resolve().parents[2] / "serve_config.yaml").read_text())
     assert config["http_options"]["host"] == "127.0.0.1"
     for host in ("127.0.0.1", "localhost", "::1", "127.0.1.1"):
-        assert exposure_warning(host, 8000, frozenset()) is None, host
-    assert exposure_warning("0.0.0.0", 8000, frozenset({"k"})) is None
-    assert exposure_warning("0.0.0.0", 8000, frozenset()) == (
-        "lingbot-serve: WARNING: listening on 0.0.0.0:8000 without api_keys: anyone who reaches this machine may "
-        "open sessions. Set api_keys (or LINGBOT_API_KEYS), or http_options.host: 127.0.0.1.")
+        assert exposure_refusal(host, frozenset(), False) is None, host
+    assert exposure_refusal("0.0.0.0", frozenset({"k"}), False) is None
+    assert exposure_refusal("10.0.0.5", frozenset(), True) is None
+    refusal = exposure_refusal("0.0.0.0", frozenset(), False)
+    assert refusal.startswith("lingbot-serve refuses to listen on 0.0.0.0 without api_keys") and \
+        "allow_anonymous: true" in refusal
+    config["http_options"]["host"] = "0.0.0.0"
+    path = tmp_path / "open.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main([str(path)]) == 2                                          # (before it starts Ray)
+    assert refusal in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"refuses to listen on 0\.0\.0\.0 without api_keys"):
+        check_exposure("0.0.0.0", frozenset(), False)
+    check_exposure("0.0.0.0", frozenset(), True)                           # on purpose: a warning in the log
+    check_exposure(None, frozenset(), False)                               # Serve could not say: not refused

@@ -34,7 +34,8 @@ FLAT_DEFAULTS = {
     "collective_timeout_s": 120.0, "chunk_timeout_s": 600.0, "metrics_interval_s": 5.0,
     "max_in_flight_chunks": None, "quality_ladder": "off", "quality_floor": "steps2",
     "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
-    "api_keys": "", "max_sessions_per_key": 8, "max_starts_per_minute_per_key": 60, "max_connections_per_address": 16,
+    "api_keys": "", "allow_anonymous": False, "max_sessions_per_key": 8, "max_starts_per_minute_per_key": 60,
+    "max_connections_per_address": 16,
     "allowed_origins": "", "allowed_hosts": "localhost",
     "image_url_allowlist": "", "image_fetch_timeout_s": 10.0, "image_fetch_max_bytes": 20971520,
 }
