@@ -118,11 +118,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.local", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", default="serve_config.yaml", help="a Serve config (default: %(default)s)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument("--print-env", action="store_true",
+                        help="print the environment every node's `ray start` needs for this config (shell exports: "
+                             "eval \"$(python -m deployments.local --print-env CONFIG)\") and exit")
     args = parser.parse_args(argv)
     import yaml
     with open(args.config) as f:
         config = yaml.safe_load(f)
     app = lingbot_app(config)
+    if args.print_env:
+        import shlex
+        for key, value in cluster_env(app.get("args")).items():
+            print(f"export {key}={shlex.quote(value)}")
+        return 0
     http = config.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"

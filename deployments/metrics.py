@@ -38,6 +38,9 @@ class Metrics:
                                     "chunk; disk, slow_disk: stopped by the disk; failed: a server fault)",
                                     tag_keys=("outcome",))
         self.recording_bytes = m.Counter("lingbot_recording_bytes_total", "bytes of the recordings written (MP4)")
+        self.unprotected = m.Gauge("lingbot_proxy_protection_missing",
+                                   "1 where the Ray cluster started without a proxy-side protection "
+                                   "(deployments/ingress/front.py, PROTECTIONS), else 0", tag_keys=("protection",))
         self.device_util = m.Gauge("lingbot_rank_device_utilization",
                                    "device utilisation per rank, percent (GPU: kernel time; CPU: of one core)",
                                    tag_keys=("group", "rank"))

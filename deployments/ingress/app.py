@@ -52,7 +52,7 @@ from .access import (
 )
 from .census import GroupCensus
 from .fetch import ImageFetcher
-from .front import check_bound, proxy_host
+from .front import PROTECTIONS, check_bound, missing_protections, proxy_host
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
 from .recordings import serve_recording
@@ -185,17 +185,30 @@ def check_exposure(host: Optional[str], keys: frozenset, allow_anonymous: bool) 
         log.warning("ingress: serving everyone on %s without api_keys (allow_anonymous: true)", host)
 
 
+def say_unprotected(missing: list[str], metrics) -> None:
+    """Log (an error) and export (lingbot_proxy_protection_missing) the proxy-side protections this cluster
+    started without."""
+    for name in PROTECTIONS:
+        metrics.unprotected.set(1 if name in missing else 0, tags={"protection": name})
+    if missing:
+        log.error("ingress: the Ray cluster started without lingbot-serve's environment: Serve's proxies run without "
+                  "%s. Start Ray with it (cluster/README.md: `python -m deployments.local --print-env CONFIG`, or "
+                  "the KubeRay manifests of cluster/render.py)", "; ".join(PROTECTIONS[n] for n in missing))
+
+
 @serve.ingress(app)
 class Ingress:
     def __init__(self, group, settings: dict):
         s = self.settings = ServeSettings(**settings)
         check_bound(s.max_ingress_sessions, s.max_ingress_replicas)     # the proxies' doors pass on enough
         check_exposure(proxy_host(), s.api_key_set, s.allow_anonymous)  # no open GPUs by a missing Secret
+        self.unprotected = missing_protections()                        # a cluster started by hand, loudly
         self.groups = ServeGroups(group, s)
         self.limits = TenantLimits(s.max_sessions_per_key, s.max_starts_per_minute_per_key)
         self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,
                                                   s.image_fetch_max_bytes)
         self.metrics = IngressMetrics()
+        say_unprotected(self.unprotected, self.metrics.m)
         self.room = WaitingRoom()                # sessions waiting for a group, in arrival order
         self.stage = Stage(s.max_viewers, Relay())   # shared sessions here by watch id; others' through the relay
         self.recordings = Recordings.from_settings(s, self.metrics)     # None: recordings_dir cannot be used
@@ -233,10 +246,11 @@ class Ingress:
         # probes come (a crowd's health checks must not queue on the controller); its last answer while it is
         # unavailable
         growth = await self.groups.census.growth()
+        missing = {"unprotected": self.unprotected} if self.unprotected else {}   # (a cluster started by hand)
         if growth.running < 1:
             return JSONResponse({"ready": False, "reason": "no model group is running yet",
-                                 "starting": growth.starting}, status_code=503)
-        return {"ready": True, "groups": growth.running, "starting": growth.starting}
+                                 "starting": growth.starting, **missing}, status_code=503)
+        return {"ready": True, "groups": growth.running, "starting": growth.starting, **missing}
 
     @app.get("/")
     def index(self):

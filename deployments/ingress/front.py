@@ -76,6 +76,24 @@ def configured_bound(environ=os.environ) -> Optional[int]:
     return int(environ[MAX_ENV])
 
 
+# what a Ray started without deployments/local.py's environment (cluster/render.py's, the by-hand commands') lacks
+PROTECTIONS = {
+    "door": "the door in Serve's proxy (a crowd refused where it arrives, per-address bounds, viewers' queues)",
+    "stall_guard": "the proxy's stall guard (a client that stops reading is cut after stall_timeout_s)",
+    "forwarded_for": "FORWARDED_ALLOW_IPS empty (the proxy would take X-Forwarded-For from any local connection)",
+    "header_limit": "WEBSOCKETS_MAX_LINE_LENGTH (a handshake's long header line would go unanswered)",
+}
+
+
+def missing_protections(environ=os.environ) -> list[str]:
+    """The proxy-side protections the environment Ray started with lacks (PROTECTIONS' names): the proxies and this
+    process inherit one environment, so what is missing here is missing there."""
+    present = {"door": configured_bound(environ) is not None, "stall_guard": STALL_ENV in environ,
+               "forwarded_for": environ.get("FORWARDED_ALLOW_IPS") == "",
+               "header_limit": "WEBSOCKETS_MAX_LINE_LENGTH" in environ}
+    return [name for name in PROTECTIONS if not present[name]]
+
+
 def check_bound(max_ingress_sessions: int, max_ingress_replicas: int, environ=os.environ) -> None:
     """ValueError when the proxies would refuse WebSockets the ingress replicas have room for (the app's settings
     changed, the cluster's environment did not)."""

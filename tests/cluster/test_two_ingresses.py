@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from deployments.client import RealtimeClient
+from deployments.local import cluster_env
 from lingbot.io.video import fragment_starts_with_keyframe, split_init_segment
-from tests.cluster.processes import TOKEN_ENV, kill_cluster, ray_cli
+from tests.cluster.processes import TOKEN_ENV, kill_cluster, ray_cli, start_head
 from tests.deployments.clients import H, W, fragments, png_url, refused, run, until
 from tests.deployments.observe import scrape
 from tests.waits import async_wait_until
@@ -41,10 +42,11 @@ def two_ingresses():
     temp_dir = Path("/tmp") / f"lingbot-2i-{os.getpid()}"            # short: Ray's socket paths have a limit
     ray_cli("get-auth-token", "--generate")
     try:
-        ray_cli("start", "--head", f"--port={GCS_PORT}", "--num-cpus=2", f"--temp-dir={temp_dir}",
-                "--include-dashboard=false", f"--dashboard-agent-listen-port={AGENT_PORT}",
-                f"--metrics-export-port={METRICS_PORT}", "--object-store-memory=200000000", "--disable-usage-stats",
-                f"--system-config={json.dumps({'metrics_report_interval_ms': 2000})}", app_args=SETTINGS)
+        start_head(temp_dir, GCS_PORT, "--num-cpus=2", "--include-dashboard=false",
+                   f"--dashboard-agent-listen-port={AGENT_PORT}", f"--metrics-export-port={METRICS_PORT}",
+                   "--object-store-memory=200000000", "--disable-usage-stats",
+                   f"--system-config={json.dumps({'metrics_report_interval_ms': 2000})}",
+                   env={**os.environ, **cluster_env(SETTINGS)})
         driver = ("import ray; from ray import serve; from deployments.app import build_app; "
                   f"ray.init(address='127.0.0.1:{GCS_PORT}', log_to_driver=False); "
                   f"serve.start(http_options={{'host': '127.0.0.1', 'port': {PROXY}}}); "

@@ -351,3 +351,15 @@ def test_a_doubled_slash_counts_as_the_route_it_is():
     from deployments.ingress.front import dialect_of
     assert dialect_of({"type": "websocket", "path": "//v1/realtime/video"}) == ("vllm", "")
     assert dialect_of({"type": "websocket", "path": "/app2//v1/realtime_video/generate"}) == ("sglang", "/app2")
+
+
+def test_the_protections_a_cluster_started_by_hand_lacks_are_named():
+    """What the ingress says is missing from the environment Ray started with (front.py, missing_protections): all
+    four without it, none with deployments/local.py's, each on its own."""
+    from deployments.ingress.front import PROTECTIONS, missing_protections
+    from deployments.local import cluster_env
+    full = cluster_env()
+    assert missing_protections(full) == [] and missing_protections({}) == list(PROTECTIONS)
+    assert missing_protections({**full, "FORWARDED_ALLOW_IPS": "*"}) == ["forwarded_for"]
+    door = {k: v for k, v in full.items() if k != "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"}
+    assert missing_protections(door) == ["door"]
