@@ -11,6 +11,20 @@ def parse_networks(text: str) -> tuple:
     return tuple(ipaddress.ip_network(p.strip(), strict=False) for p in text.split(",") if p.strip())
 
 
+def limit_key(address: str) -> str:
+    """Whose a connection is for the per-address limits: an IPv4 address itself, an IPv6 address's /64 (one
+    host's interface usually holds a whole /64: a bound per /128 would bound nothing), anything else as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:                          # ::ffff:a.b.c.d is the IPv4 client
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
 def scope_address(scope, trusted: tuple) -> str:
     """client_address of an ASGI connection `scope` (the ingress's WebSocket, or the proxy's door before it)."""
     client = scope.get("client")

@@ -24,7 +24,7 @@ from ray import serve
 
 from lingbot.config import ConfigError
 
-from ..addresses import scope_address
+from ..addresses import limit_key, scope_address
 from ..detach import outside_the_request
 from ..memory import held_refs
 from ..metrics import Metrics
@@ -379,7 +379,7 @@ class Ingress:
         ws = wire.ws
         await ws.accept(subprotocol=accepted_subprotocol(dict(ws.headers)))
         self.live += 1
-        address = scope_address(ws.scope, self.settings.trusted_proxy_networks)    # Serve's proxy passes the peer
+        address = limit_key(scope_address(ws.scope, self.settings.trusted_proxy_networks))   # (IPv6: its /64)
         self.connections[address] = self.connections.get(address, 0) + 1
         try:
             life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room, self.stage, self.recordings,

@@ -42,7 +42,7 @@ from typing import Optional
 from starlette.middleware import Middleware
 from starlette.websockets import WebSocket
 
-from ..addresses import parse_networks, scope_address
+from ..addresses import limit_key, parse_networks, scope_address
 from .access import accepted_subprotocol, busy, too_many_connections
 from .closing import CLOSE_TIMEOUT_S, close_quietly, error_message
 from .pacing_door import PacerLimits, ViewerPacer
@@ -156,7 +156,7 @@ class ProxyDoor:
         dialect, prefix = dialect_of(scope)
         if dialect is None:
             return await self.app(scope, receive, send)
-        place = (prefix, scope_address(scope, self.trusted))
+        place = (prefix, limit_key(scope_address(scope, self.trusted)))          # (IPv6: its /64)
         error = busy(self.open.get(prefix, 0) + 1, self.max_websockets, self.retry_after_s, self.rng,
                      who="this node's door")
         if error is None and self.max_per_address and self.by_address.get(place, 0) >= self.max_per_address:

@@ -306,10 +306,14 @@ class AccessSettings(SettingsConcern):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         try:
-            _ = self.trusted_proxy_networks
+            everyone = [str(n) for n in self.trusted_proxy_networks if n.prefixlen == 0]
         except ValueError:
             raise ConfigError(f"trusted_proxies {self.trusted_proxies!r} must be addresses or networks "
                               "(10.0.0.0/8, ::1), comma-separated") from None
+        if everyone:
+            raise ConfigError(f"trusted_proxies {', '.join(everyone)} trusts every address: any client could name "
+                              "any address in X-Forwarded-For (and so escape the per-address limits); name your "
+                              "proxies' addresses or networks")
 
     @property
     def allowed_host_set(self) -> frozenset:

@@ -154,26 +154,29 @@ def test_a_session_through_a_host_name_not_allowed_is_refused(serve_app):
 def test_one_address_holds_at_most_max_connections_per_address(serve_app):
     """16 connections from one address (started or not) by default; one more is refused with
     too_many_connections (1013, retry_after_s) at once, and once they close a new one is served. Behind a
-    trusted proxy (the test app trusts 127.0.0.1) the client is the address X-Forwarded-For names: another
-    client is served meanwhile (door.client_address's choice of hop is tested by hand in test_limits.py)."""
+    trusted proxy (the test app trusts 127.0.0.1) the client is the address X-Forwarded-For names, and an IPv6
+    client is its /64: 17 addresses of one /64 are one client, one of another /64 is served meanwhile
+    (client_address's choice of hop is tested by hand in ingress/test_access.py)."""
     import websockets
 
     from tests.deployments.conftest import URL
 
+    def named(address: str) -> dict:
+        return {"additional_headers": {"X-Forwarded-For": address}}
+
     async def scenario():
         before = await asyncio.to_thread(live_sessions)
-        held = [await websockets.connect(URL, open_timeout=30) for _ in range(17)]
+        held = [await websockets.connect(URL, open_timeout=30, **named(f"2001:db8:1:2::{i + 1:x}")) for i in range(17)]
         try:
             answers = [await first_answer(ws) for ws in held]
-            async with websockets.connect(URL, open_timeout=30,
-                                          additional_headers={"X-Forwarded-For": "203.0.113.7"}) as ws:
+            async with websockets.connect(URL, open_timeout=30, **named("2001:db8:1:3::1")) as ws:
                 proxied = await first_answer(ws)
         finally:
             for ws in held:
                 await ws.close()
         await asyncio.to_thread(wait_until, lambda: live_sessions() <= before, 30,
                                 "the ingress to see the 17 connections closed")
-        async with websockets.connect(URL, open_timeout=30) as ws:
+        async with websockets.connect(URL, open_timeout=30, **named("2001:db8:1:2::ffff")) as ws:
             after = await first_answer(ws)
         return answers, after, proxied
 

@@ -129,3 +129,17 @@ def test_hosts_by_hand():
     assert not host_allowed({}, local)                                   # no Host at all
     assert host_allowed({"host": "world.example.com:443"}, frozenset({"world.example.com"}))
     assert host_allowed({"host": "anything.example"}, frozenset({"*"}))
+
+
+def test_an_ipv6_client_is_its_64_for_the_per_address_limits_and_no_proxy_is_trusted_for_everyone():
+    from deployments.addresses import limit_key
+    from deployments.settings import ServeSettings
+    from lingbot.config import ConfigError
+    assert limit_key("2001:db8:1:2::1") == limit_key("2001:db8:1:2:ffff:1:2:3") == "2001:db8:1:2::/64"
+    assert limit_key("2001:db8:1:3::1") == "2001:db8:1:3::/64"
+    assert limit_key("203.0.113.7") == "203.0.113.7" and limit_key("::ffff:203.0.113.7") == "203.0.113.7"
+    assert limit_key("?") == "?"
+    for everyone in ("0.0.0.0/0", "10.0.0.0/8, ::/0"):
+        with pytest.raises(ConfigError, match="trusts every address"):
+            ServeSettings(trusted_proxies=everyone)
+    assert ServeSettings(trusted_proxies="10.0.0.0/8").trusted_proxy_networks
