@@ -204,7 +204,7 @@ class Ingress:
         check_exposure(proxy_host(), s.api_key_set, s.allow_anonymous)  # no open GPUs by a missing Secret
         self.unprotected = missing_protections()                        # a cluster started by hand, loudly
         self.groups = ServeGroups(group, s)
-        self.limits = TenantLimits(s.max_sessions_per_key, s.max_starts_per_minute_per_key)
+        self.limits = TenantLimits(s.tenant_session_limit, s.max_starts_per_minute_per_key)
         self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,
                                                   s.image_fetch_max_bytes)
         self.metrics = IngressMetrics()

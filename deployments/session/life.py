@@ -177,6 +177,7 @@ class SessionLife:
             if self.kept:                         # and frees its snapshots at the keeper
                 self.groups.let_go(self.session_id)
             self.phases.move(Phase.ENDED)         # from any phase
+            self.room.leave(self.session_id, admitted=False)   # (a place taken and never used)
 
     async def wait_for_start(self) -> Optional[StartRequest]:
         s = self.settings
@@ -210,7 +211,7 @@ class SessionLife:
         self.start = start
         self.scripted = start.trajectory is not None
         self.enter(Phase.ADMITTING)
-        if len(self.room.waiting) >= s.max_waiting_sessions:   # the queue's bound: refused at once, not held
+        if not self.room.try_join(self.session_id, s.max_waiting_sessions):   # the bound, taken before any await
             await self.refuse(ProtocolError(ErrorCode.CAPACITY_EXHAUSTED, f"{s.max_waiting_sessions} sessions wait "
                                             "for a model group already; try again later", close=CLOSE_TRY_AGAIN,
                                             retry_after_s=s.retry_after_s))

@@ -63,6 +63,14 @@ class WaitingRoom:
     def join(self, session_id: str, now: Optional[float] = None) -> None:
         self.waiting.setdefault(session_id, time.monotonic() if now is None else now)
 
+    def try_join(self, session_id: str, bound: int, now: Optional[float] = None) -> bool:
+        """Join unless `bound` sessions wait already (checked and taken at once: starts that come together cannot
+        all pass the bound before any joins)."""
+        if session_id not in self.waiting and len(self.waiting) >= bound:
+            return False
+        self.join(session_id, now)
+        return True
+
     def leave(self, session_id: str, admitted: bool, now: Optional[float] = None) -> None:
         """The session was admitted (it counts for the estimate), refused, or went away."""
         if self.waiting.pop(session_id, None) is not None and admitted:

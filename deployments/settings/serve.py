@@ -120,6 +120,14 @@ class ServeSettings(HealthSettings, WorldSettings, RecordingSettings, SpectatorS
         muxer = {"CPU": self.muxer_cpus, **({"GPU": self.muxer_gpus} if self.muxer_gpus > 0 else {})}
         return [{"CPU": self.replica_cpus}] + [dict(rank) for _ in range(self.sp)] + [muxer]
 
+    @property
+    def tenant_session_limit(self) -> int:
+        """The sessions one tenant may hold at once: max_sessions_per_key, never more than the deployment's seats
+        (max_groups x max_sessions_per_group: one tenant cannot also hold the queue beyond them); 0: no limit."""
+        if self.max_sessions_per_key == 0:
+            return 0
+        return min(self.max_sessions_per_key, self.max_groups * self.max_sessions_per_group)
+
     # settings whose null means "by device", resolved: read these, not the raw (nullable) field
     @property
     def resolved_spare_groups(self) -> int:

@@ -143,3 +143,12 @@ def test_an_ipv6_client_is_its_64_for_the_per_address_limits_and_no_proxy_is_tru
         with pytest.raises(ConfigError, match="trusts every address"):
             ServeSettings(trusted_proxies=everyone)
     assert ServeSettings(trusted_proxies="10.0.0.0/8").trusted_proxy_networks
+
+
+def test_a_tenant_holds_at_most_the_deployments_seats():
+    """max_sessions_per_key (8) bounds a tenant, and so do the deployment's seats: with 2 seats one tenant cannot
+    hold 2 sessions and 6 more in the queue."""
+    from deployments.settings import ServeSettings
+    assert ServeSettings(max_groups=1, max_sessions_per_group=2).tenant_session_limit == 2
+    assert ServeSettings(max_groups=4, max_sessions_per_group=4).tenant_session_limit == 8
+    assert ServeSettings(max_sessions_per_key=0).tenant_session_limit == 0

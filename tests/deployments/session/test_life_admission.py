@@ -146,3 +146,26 @@ def test_a_client_that_leaves_or_stops_while_it_waits_is_seen_at_once_and_sent_n
     groups = Groups(Lease([0.5, admitted("g1"), 0.3, chunk(0, started=["early"]), SessionDone(1)]), growth=growing)
     life, _, _ = live(wire, groups)
     assert wire.log[-1] == ("done", False, 1) and [eid for _, _, eid in groups.posted] == ["early"]
+
+
+def test_a_burst_of_starts_never_waits_beyond_the_waiting_bound():
+    """Three starts at once with max_waiting_sessions 2 and every group full: two wait, the third is refused at
+    once (capacity_exhausted); the bound is taken before the start awaits anything, so a burst cannot pass it
+    together."""
+    settings = dataclasses.replace(SETTINGS, max_waiting_sessions=2)
+    room = WaitingRoom()
+    groups = Groups(*(Lease([30.0, admitted("g1")]) for _ in range(3)), growth=Growth(1, 1, 2, 20.0))
+    lives = []
+
+    async def scenario():
+        lives.extend(SessionLife(Wire([{"type": "start"}]), groups, settings, Metrics(), room) for _ in range(3))
+        runs = [asyncio.create_task(life.run(f"t{i}", Limits())) for i, life in enumerate(lives)]
+        await asyncio.sleep(0.5)
+        waiting = len(room.waiting)
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        return waiting
+    assert asyncio.run(scenario()) == 2 and not room.waiting
+    assert sorted(len(life.metrics.refusals) for life in lives) == [0, 0, 1]
+    assert [life.metrics.refusals for life in lives if life.metrics.refusals] == [[ErrorCode.CAPACITY_EXHAUSTED]]
