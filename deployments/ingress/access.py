@@ -100,6 +100,37 @@ def accepted_subprotocol(headers: dict) -> Optional[str]:
     return PAGE_SUBPROTOCOL if PAGE_SUBPROTOCOL in _subprotocols(headers) else None
 
 
+class FailedKeys:
+    """Wrong API keys per client address over the last minute: past `limit` the address is refused (rate_limited)
+    before any key of it is compared, until the oldest failure leaves the window (a key guessed by trying is
+    bounded by it). Addresses without a recent failure are forgotten."""
+
+    def __init__(self, limit: int):
+        self.limit = limit                                  # 0: no limit (nothing kept)
+        self.times: dict[str, deque] = {}
+        self.swept_at = 0.0
+
+    def blocked(self, address: str, now: float) -> Optional[ProtocolError]:
+        times = self.times.get(address)
+        if not self.limit or not times:
+            return None
+        while times and now - times[0] >= WINDOW_S:
+            times.popleft()
+        if len(times) < self.limit:
+            return None
+        return ProtocolError(ErrorCode.RATE_LIMITED, f"{self.limit} wrong API keys from this address within a "
+                             "minute; try again later", close=CLOSE_TRY_AGAIN,
+                             retry_after_s=round(WINDOW_S - (now - times[0]), 1))
+
+    def failed(self, address: str, now: float) -> None:
+        if not self.limit:
+            return
+        if now - self.swept_at >= WINDOW_S:
+            self.times = {a: t for a, t in self.times.items() if t and now - t[-1] < WINDOW_S}
+            self.swept_at = now
+        self.times.setdefault(address, deque(maxlen=self.limit)).append(now)
+
+
 def presented_key(headers: dict, query: dict, keys: frozenset) -> Optional[str]:
     """The configured key the client presents: `Authorization: Bearer KEY` (or `X-API-Key: KEY`) for
     programs, a `lingbot-key.` subprotocol for pages (subprotocol_key), or `?api_key=KEY` (kept for clients

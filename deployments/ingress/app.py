@@ -40,6 +40,7 @@ from ..session.worlds import Worlds
 from ..settings import ServeSettings
 from . import peers, sglang
 from .access import (
+    FailedKeys,
     TenantLimits,
     accepted_subprotocol,
     beyond_loopback,
@@ -205,6 +206,8 @@ class Ingress:
         self.unprotected = missing_protections()                        # a cluster started by hand, loudly
         self.groups = ServeGroups(group, s)
         self.limits = TenantLimits(s.tenant_session_limit, s.max_starts_per_minute_per_key)
+        self.failed_keys = FailedKeys(s.max_failed_keys_per_minute)
+        self.said_query_key = False
         self.fetcher = ImageFetcher.from_settings(s.image_url_allowlist, s.image_fetch_timeout_s,
                                                   s.image_fetch_max_bytes)
         self.metrics = IngressMetrics()
@@ -291,7 +294,7 @@ class Ingress:
     async def _described(self, request: Request, describe):
         """`describe(facts, settings)` for a client that presents a key when api_keys is set (401 otherwise); 503
         while no group has answered yet."""
-        if presented_key(dict(request.headers), dict(request.query_params), self.settings.api_key_set) is None:
+        if presented_key(dict(request.headers), {}, self.settings.api_key_set) is None:     # (headers only)
             return JSONResponse({"error": ErrorCode.UNAUTHORIZED.value, "message": "a valid API key is required"},
                                 status_code=401)
         try:
@@ -366,9 +369,17 @@ class Ingress:
             return ProtocolError(ErrorCode.ORIGIN_NOT_ALLOWED, f"pages from {headers.get('origin')} may not open "
                                  "sessions here (allowed_origins)", close=CLOSE_POLICY), ""
         keys = self.settings.api_key_set if not watching or self.settings.spectators_need_key else frozenset()
+        blocked = self.failed_keys.blocked(address, time.monotonic()) if keys else None
+        if blocked is not None:                                       # guessing keys: not even compared
+            return blocked, ""
         key = presented_key(headers, dict(ws.query_params), keys)
         if key is None:
+            self.failed_keys.failed(address, time.monotonic())
             return ProtocolError(ErrorCode.UNAUTHORIZED, "a valid API key is required", close=CLOSE_POLICY), ""
+        if key and ws.query_params.get("api_key") and not self.said_query_key:
+            self.said_query_key = True                                # (once: the fallback is documented)
+            log.warning("a client sent its API key in the URL (?api_key=), which proxies log; send it as "
+                        "Authorization: Bearer (programs) or the page's subprotocol")
         cap = self.settings.max_connections_per_address
         if cap and self.connections.get(address, 0) > cap:           # this one counted (_serve)
             return too_many_connections(cap), ""

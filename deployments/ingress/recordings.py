@@ -55,7 +55,7 @@ async def serve_recording(recordings: Optional[Recordings], request: Request, re
                           journal: bool = False) -> Response:
     if recordings is None:
         return _refusal(ErrorCode.RECORDING_UNAVAILABLE, "this deployment keeps no recordings (recordings_dir)", 503)
-    key = presented_key(dict(request.headers), dict(request.query_params), api_keys)
+    key = presented_key(dict(request.headers), {}, api_keys)   # (headers only)
     if key is None:
         return _refusal(ErrorCode.UNAUTHORIZED, "a valid API key is required", 401)
     meta = await asyncio.to_thread(recordings.described, recording_id, f"key:{key}" if key else "")

@@ -24,7 +24,7 @@ def _refusal(code: ErrorCode, message: str, status: int) -> JSONResponse:
 
 
 def _tenant(request: Request, api_keys) -> Optional[str]:
-    key = presented_key(dict(request.headers), dict(request.query_params), api_keys)
+    key = presented_key(dict(request.headers), {}, api_keys)   # (headers only)
     return None if key is None else (f"key:{key}" if key else "")
 
 

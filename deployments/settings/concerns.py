@@ -21,6 +21,7 @@ from lingbot.runtime.rungs import LADDER
 from ..addresses import parse_networks
 from .declare import SettingsConcern, setting
 
+MIN_KEY_CHARS = 16      # an API key shorter than this is refused at start
 HEALTH_ROOM = 16        # requests an ingress takes beyond its sessions: refusals at the door, health and config
 
 
@@ -283,6 +284,9 @@ class AccessSettings(SettingsConcern):
                                            "once; 0: no limit", at_least=0)
     max_starts_per_minute_per_key: int = setting(60, "session starts per key (or client address) per minute; "
                                                      "0: no limit", at_least=0)
+    max_failed_keys_per_minute: int = setting(10, "wrong API keys one client address may present per minute; past "
+                                                  "them its connections are refused (rate_limited) before a key "
+                                                  "is compared; 0: no limit", at_least=0)
     max_connections_per_address: int = setting(16, "WebSocket connections one client address may hold open at "
                                                    "once, started or not; 0: no limit", at_least=0)
     trusted_proxies: str = setting("", "comma-separated addresses or networks (CIDR) of proxies in front of the "
@@ -310,6 +314,10 @@ class AccessSettings(SettingsConcern):
         except ValueError:
             raise ConfigError(f"trusted_proxies {self.trusted_proxies!r} must be addresses or networks "
                               "(10.0.0.0/8, ::1), comma-separated") from None
+        short = [k for k in self.api_key_set if len(k) < MIN_KEY_CHARS]
+        if short:
+            raise ConfigError(f"{len(short)} of the api_keys are shorter than {MIN_KEY_CHARS} characters: a short key "
+                              "is guessed; make them long and random (openssl rand -hex 24)")
         if everyone:
             raise ConfigError(f"trusted_proxies {', '.join(everyone)} trusts every address: any client could name "
                               "any address in X-Forwarded-For (and so escape the per-address limits); name your "

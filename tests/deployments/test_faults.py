@@ -1,5 +1,5 @@
 """Faults end to end, on an app of their own beside the package's one (route prefix /faults, SP-1, one group,
-API key test-key-3): a rank killed mid-session (the sessions resume on the rebuilt group with identical
+API key KEY3): a rank killed mid-session (the sessions resume on the rebuilt group with identical
 frames) and a rank killed with no session (the group is replaced at once). Each replaces the group."""
 import asyncio
 
@@ -10,7 +10,7 @@ from tests.deployments.clients import H, W, png, png_url, run
 from tests.deployments.conftest import PORT, TEST_SETTINGS
 from tests.waits import wait_until
 
-KEY3 = "test-key-3"
+KEY3 = "test-key-3-0123456789"
 FAULTS = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=2, api_keys=KEY3, admission_wait_s=5, resume_wait_s=120,
               max_resumes=10, graceful_shutdown_timeout_s=90,    # a redeploy's old group waits for the new one
               max_world_snapshot_bytes=0)                        # its worlds keep no snapshot: a resume replays all

@@ -10,9 +10,9 @@ from deployments.client import FramesClient, RealtimeClient
 from tests.deployments.clients import H, W, png, png_url, run
 from tests.deployments.conftest import PORT, TEST_SETTINGS
 
-KEY = "test-key-1"
-KEY2 = "test-key-2"                       # the door-limit test's tenant
-KEY3 = "test-key-3"                       # the second protocol's tenant
+KEY = "test-key-1-0123456789"
+KEY2 = "test-key-2-0123456789"                       # the door-limit test's tenant
+KEY3 = "test-key-3-0123456789"                       # the second protocol's tenant
 IMAGES_PORT = PORT + 30                   # a local image server for the allow-list
 STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=10, max_lifetime_s=14,
               max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3}", stall_timeout_s=60, restart_stale_chunks=True,
@@ -363,3 +363,43 @@ def test_a_keys_saved_world_is_its_own(strict_app):
     for key, found in ((KEY2, 404), (KEY, 200)):
         assert ask("GET", f"/v1/worlds/{world_id}/frame", key) == found
     assert ask("DELETE", f"/v1/worlds/{world_id}", KEY2) == 404 and ask("DELETE", f"/v1/worlds/{world_id}", KEY) == 204
+
+
+def test_wrong_keys_from_one_address_are_rate_limited_and_http_routes_take_keys_from_headers_only(strict_app):
+    """10 wrong keys from one address (named in X-Forwarded-For) are refused unauthorized; from then on, within the
+    minute, its connections are refused rate_limited (1013, retry_after_s) before their key is compared, the right
+    one's too; another address is not affected. The HTTP routes that need a key take it from a header only:
+    ?api_key= there is no key (401)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import websockets
+
+    async def answer(key: str, address: str) -> dict:
+        """The refusal a connection gets at once, else the pong to a ping."""
+        async with websockets.connect(URL, open_timeout=30, additional_headers={
+                "Authorization": f"Bearer {key}", "X-Forwarded-For": address}) as ws:
+            try:
+                return json.loads(await asyncio.wait_for(ws.recv(), 1))
+            except asyncio.TimeoutError:
+                await ws.send(json.dumps({"type": "session.ping"}))
+                return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+    async def scenario():
+        wrong = [await answer(f"wrong-key-{i:08d}-guess", "198.51.100.77") for i in range(11)]
+        right_but_blocked = await answer(KEY, "198.51.100.77")
+        elsewhere = await answer(KEY, "198.51.100.78")
+        return wrong, right_but_blocked, elsewhere
+
+    wrong, right_but_blocked, elsewhere = run(scenario())
+    assert [a["code"] for a in wrong] == ["unauthorized"] * 10 + ["rate_limited"]
+    assert right_but_blocked["code"] == "rate_limited" and 0 < right_but_blocked["retry_after_s"] <= 60
+    assert elsewhere["type"] == "session.pong", elsewhere
+    http = f"http://127.0.0.1:{PORT}/strict/v1/models"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{http}?api_key={KEY}", timeout=30)
+    assert refused.value.code == 401
+    with urllib.request.urlopen(urllib.request.Request(http, headers={"Authorization": f"Bearer {KEY}"}),
+                                timeout=30) as r:
+        assert r.status == 200

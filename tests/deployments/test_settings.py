@@ -35,6 +35,7 @@ FLAT_DEFAULTS = {
     "max_in_flight_chunks": None, "quality_ladder": "off", "quality_floor": "steps2",
     "encoder": "auto", "encoder_preset": "veryfast", "encoder_threads": 0,
     "api_keys": "", "allow_anonymous": False, "max_sessions_per_key": 8, "max_starts_per_minute_per_key": 60,
+    "max_failed_keys_per_minute": 10,
     "max_connections_per_address": 16,
     "allowed_origins": "", "allowed_hosts": "localhost",
     "image_url_allowlist": "", "image_fetch_timeout_s": 10.0, "image_fetch_max_bytes": 20971520,
@@ -80,8 +81,11 @@ def test_settings_validation(monkeypatch):
 
 
 def test_api_key_set():
-    assert ServeSettings.from_args({"api_keys": "k1, k2"}).api_key_set == {"k1", "k2"}
+    first, second = "k1-0123456789abcdef", "k2-0123456789abcdef"
+    assert ServeSettings.from_args({"api_keys": f"{first}, {second}"}).api_key_set == {first, second}
     assert ServeSettings.from_args({}).api_key_set == frozenset()
+    with pytest.raises(ConfigError, match="1 of the api_keys are shorter than 16 characters"):
+        ServeSettings(api_keys=f"{first}, short-key")            # (the message never holds a key)
 
 
 def test_accelerators_are_requested_by_kind():
@@ -157,9 +161,9 @@ def test_the_flat_keys_stay_and_round_trip(monkeypatch):
     assert s.to_dict() == {**FLAT_DEFAULTS, **NEW_DEFAULTS} == ServeSettings().to_dict()
     assert ServeSettings(**s.to_dict()) == s and ServeSettings.from_args(s.to_dict()) == s
     custom = ServeSettings.from_args({"sp": 4, "pacing": "fixed", "pacing_lead_s": 2, "drain_margin_s": 45,
-                                      "encoder_preset": "fast", "api_keys": "k"})
+                                      "encoder_preset": "fast", "api_keys": "k-0123456789abcdef"})
     assert (custom.sp, custom.pacing, custom.pacing_lead_s, custom.drain_margin_s) == (4, "fixed", 2.0, 45.0)
-    assert custom.h264_settings.preset == "fast" and custom.api_key_set == {"k"}
+    assert custom.h264_settings.preset == "fast" and custom.api_key_set == {"k-0123456789abcdef"}
     assert ServeSettings(**custom.to_dict()) == custom and custom.to_dict()["pacing_lead_s"] == 2.0
     assert pickle.loads(pickle.dumps(custom)) == custom and hash(custom) == hash(ServeSettings(**custom.to_dict()))
     assert dataclasses.replace(custom, sp=2).sp == 2 and dataclasses.replace(custom, sp=2).drain_margin_s == 45.0
@@ -187,9 +191,10 @@ def test_each_setting_is_declared_once_and_read_in_one_form():
     assert (s.drain_margin_s, s.drain_flush_timeout_s, s.drain_fill_max_s, s.drain_wait_new_s,
             s.drain_new_group_slack_s) == (30.0, 10.0, 10.0, 30.0, 10.0)
     assert s.h264_settings.preset == "veryfast"
-    door = ServeSettings(api_keys="a, b", allowed_origins="https://x.example/, ,https://y.example",
+    a, b = "a-0123456789abcdef", "b-0123456789abcdef"
+    door = ServeSettings(api_keys=f"{a}, {b}", allowed_origins="https://x.example/, ,https://y.example",
                          allowed_hosts="World.Example.com., localhost")
-    assert door.api_key_set == {"a", "b"} and door.allowed_origin_set == {"https://x.example", "https://y.example"}
+    assert door.api_key_set == {a, b} and door.allowed_origin_set == {"https://x.example", "https://y.example"}
     assert door.allowed_host_set == {"world.example.com", "localhost"}
 
 
@@ -301,9 +306,9 @@ def test_settings_command_prints_every_setting(tmp_path, capsys, monkeypatch):
 def test_api_keys_are_masked_wherever_settings_are_printed(capsys, monkeypatch):
     """The keys never appear in describe(), the settings command (a terminal, a CI log) or a repr (a log line,
     a traceback); their count does."""
-    monkeypatch.setenv("LINGBOT_API_KEYS", "k-secret-1, k-secret-2")
+    monkeypatch.setenv("LINGBOT_API_KEYS", "k-secret-1-0123456, k-secret-2-0123456")
     s = ServeSettings.from_args({})
-    assert s.api_key_set == {"k-secret-1", "k-secret-2"}
+    assert s.api_key_set == {"k-secret-1-0123456", "k-secret-2-0123456"}
     (row,) = [r for r in s.describe() if r["name"] == "api_keys"]
     assert (row["value"], row["default"]) == ("<2 keys, masked>", "")
     for argv in ([], ["--json"]):
