@@ -351,7 +351,9 @@ def test_a_keys_saved_world_is_its_own(strict_app):
                 elif any(m["type"] == "session.saved" for m in result.messages):
                     await owner.send({"type": "session.stop"})
             saved = await owner.receive_session(on_chunk, timeout=120)
-        [world] = [m for m in saved.messages if m["type"] == "session.saved"]
+        worlds = [m for m in saved.messages if m["type"] == "session.saved"]
+        assert len(worlds) == 1, (saved.error, [m for m in saved.messages if m["type"] == "error"], len(saved.chunks))
+        world = worlds[0]
         return world, await resume(KEY2, world["world_id"]), await resume(KEY, world["world_id"])
 
     world, other, own = run(scenario())
