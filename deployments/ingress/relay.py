@@ -44,7 +44,7 @@ class Gap:
 
 
 @dataclass
-class _Stream:
+class _PostedStream:
     dialect: str
     header: Any
     init: bytes
@@ -69,7 +69,7 @@ class WatchPost:
     session (`tell`: open, init, publish, close) and the post applies them in that order."""
 
     def __init__(self):
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, _PostedStream] = {}
         self.changed: Optional[asyncio.Event] = None
         self.next: dict[str, int] = {}                      # watch id -> the number of the next call to apply
         self.early: dict[str, dict[int, tuple]] = {}        # watch id -> calls that came before their turn
@@ -93,7 +93,7 @@ class WatchPost:
         self.changed.set()
 
     async def open(self, watch_id: str, dialect: str, header: Any, init: bytes, max_viewers: int) -> None:
-        self.streams[watch_id] = _Stream(dialect, header, init, max_viewers)
+        self.streams[watch_id] = _PostedStream(dialect, header, init, max_viewers)
 
     async def init(self, watch_id: str, init: bytes) -> None:
         stream = self.streams.get(watch_id)
