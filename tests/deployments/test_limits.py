@@ -13,9 +13,11 @@ from tests.deployments.conftest import PORT, TEST_SETTINGS
 KEY = "test-key-1-0123456789"
 KEY2 = "test-key-2-0123456789"                       # the door-limit test's tenant
 KEY3 = "test-key-3-0123456789"                       # the second protocol's tenant
+OWNER = "test-key-4-0123456789"                      # the keyed world's tenants: keys of their own, so the
+STRANGER = "test-key-5-0123456789"                   # other tests' starts never rate-limit theirs
 IMAGES_PORT = PORT + 30                   # a local image server for the allow-list
 STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=10, max_lifetime_s=14,
-              max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3}", stall_timeout_s=60, restart_stale_chunks=True,
+              max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3},{OWNER},{STRANGER}", stall_timeout_s=60, restart_stale_chunks=True,
               max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example",
               image_url_allowlist=f"http://127.0.0.1:{IMAGES_PORT}/ok/")
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
@@ -319,8 +321,8 @@ def test_per_key_limits_and_origins_at_the_door(strict_app):
 
 def test_a_keys_saved_world_is_its_own(strict_app):
     """A world saved under one key: another key cannot resume, list, fetch or delete it (answered as a world that
-    never existed), nor can a client without a key; the key that saved it can. (KEY2 saves no world anywhere;
-    the apps share their worlds_dir.)"""
+    never existed), nor can a client without a key; the key that saved it can. (STRANGER saves no world
+    anywhere; the apps share their worlds_dir.)"""
     import json
     import urllib.error
     import urllib.request
@@ -342,7 +344,7 @@ def test_a_keys_saved_world_is_its_own(strict_app):
             return await client.receive_session(timeout=120)
 
     async def scenario():
-        async with RealtimeClient(URL, api_key=KEY) as owner:
+        async with RealtimeClient(URL, api_key=OWNER) as owner:
             await owner.start("a forest path", png_url(), W, H, None, seed=1)        # endless: stopped once saved
 
             async def on_chunk(result, meta):
@@ -354,17 +356,17 @@ def test_a_keys_saved_world_is_its_own(strict_app):
         worlds = [m for m in saved.messages if m["type"] == "session.saved"]
         assert len(worlds) == 1, (saved.error, [m for m in saved.messages if m["type"] == "error"], len(saved.chunks))
         world = worlds[0]
-        return world, await resume(KEY2, world["world_id"]), await resume(KEY, world["world_id"])
+        return world, await resume(STRANGER, world["world_id"]), await resume(OWNER, world["world_id"])
 
     world, other, own = run(scenario())
     world_id = world["world_id"]
     assert (other.error["code"], other.close_code) == ("world_not_found", 1008)
     assert own.error is None and [m["generation_chunk_index"] for m in own.chunks] == [world["chunk_index"] + 1]
-    assert ask("GET", "/v1/worlds", KEY2) == {"worlds": []} and ask("GET", "/v1/worlds") == 401
-    assert [w["id"] for w in ask("GET", "/v1/worlds", KEY)["worlds"]] == [world_id]
-    for key, found in ((KEY2, 404), (KEY, 200)):
+    assert ask("GET", "/v1/worlds", STRANGER) == {"worlds": []} and ask("GET", "/v1/worlds") == 401
+    assert [w["id"] for w in ask("GET", "/v1/worlds", OWNER)["worlds"]] == [world_id]
+    for key, found in ((STRANGER, 404), (OWNER, 200)):
         assert ask("GET", f"/v1/worlds/{world_id}/frame", key) == found
-    assert ask("DELETE", f"/v1/worlds/{world_id}", KEY2) == 404 and ask("DELETE", f"/v1/worlds/{world_id}", KEY) == 204
+    assert ask("DELETE", f"/v1/worlds/{world_id}", STRANGER) == 404 and ask("DELETE", f"/v1/worlds/{world_id}", OWNER) == 204
 
 
 def test_wrong_keys_from_one_address_are_rate_limited_and_http_routes_take_keys_from_headers_only(strict_app):
