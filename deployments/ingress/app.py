@@ -56,6 +56,7 @@ from .fetch import ImageFetcher
 from .front import PROTECTIONS, check_bound, missing_protections, proxy_host
 from .headers import SecurityHeaders
 from .keeper import KeeperSupervisor
+from .parsing import decode_as
 from .recordings import serve_recording
 from .relay import Relay
 from .routes import RECORDING_ROUTE, SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES, WORLD_ROUTE
@@ -392,6 +393,7 @@ class Ingress:
         self.live += 1
         address = limit_key(scope_address(ws.scope, self.settings.trusted_proxy_networks))   # (IPv6: its /64)
         self.connections[address] = self.connections.get(address, 0) + 1
+        decode_as(address)                       # (its first frame's decode slot: one per address)
         try:
             life = SessionLife(wire, self.groups, self.settings, self.metrics, self.room, self.stage, self.recordings,
                                self.worlds)

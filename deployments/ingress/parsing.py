@@ -3,8 +3,10 @@ checks (StartRules). Every failure is a ProtocolError with its code (deployments
 
 First frames are decoded here, bounded twice: each in pixels, from its header, before any is decoded
 (lingbot/io/images.py: PNG, JPEG or WebP, at most 4x the served size per side), and in number at once per
-process, that is per ingress replica (MAX_DECODES: a start that finds every slot taken for DECODE_WAIT_S is
-refused with images_busy, close 1013 with retry_after_s).
+process, that is per ingress replica, and per client address (DECODES: a start that finds no slot it may take for
+DECODE_WAIT_S is refused with images_busy, close 1013 with retry_after_s). The address is the connection's
+(`decoding_for`, a context variable its task sets: the worker threads that parse starts inherit it), so one
+client sending near-cap images back to back holds one slot at most, and the others stay for everyone else.
 
 Plain Python: no Ray, no Starlette; tests check every refusal without a server."""
 from __future__ import annotations
@@ -15,6 +17,8 @@ import itertools
 import math
 import re
 import threading
+import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -56,8 +60,50 @@ INLINE_DECODE_BYTES = 16 * 2 ** 10  # larger messages (starts with their image, 
 # worker threads (asyncio.to_thread), so a start beyond these waits for a slot in its thread, at most
 # DECODE_WAIT_S.
 MAX_DECODES = 2
+MAX_DECODES_PER_CLIENT = 1
 DECODE_WAIT_S = 1.0
-DECODES = threading.BoundedSemaphore(MAX_DECODES)
+decoding_for: ContextVar[str] = ContextVar("decoding_for", default="")     # the client address (limit_key)
+
+
+def decode_as(client: str) -> None:
+    """The first frames this task (a connection) and its worker threads decode are `client`'s."""
+    decoding_for.set(client)
+
+
+class DecodeSlots:
+    """At most `slots` first frames decoded at once, and at most `per_client` of them for one client. Taken in a
+    worker thread (a start parses off the event loop), waiting up to a timeout."""
+
+    def __init__(self, slots: int, per_client: int):
+        self.slots, self.per_client = slots, per_client
+        self.held: dict[str, int] = {}
+        self.changed = threading.Condition()
+
+    def acquire(self, client: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while sum(self.held.values()) >= self.slots or self.held.get(client, 0) >= self.per_client:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(left)
+            self.held[client] = self.held.get(client, 0) + 1
+            return True
+
+    def holds(self, client: str) -> bool:
+        """Whether `client` holds its share."""
+        with self.changed:
+            return self.held.get(client, 0) >= self.per_client
+
+    def release(self, client: str) -> None:
+        with self.changed:
+            self.held[client] -= 1
+            if not self.held[client]:
+                del self.held[client]
+            self.changed.notify_all()
+
+
+DECODES = DecodeSlots(MAX_DECODES, MAX_DECODES_PER_CLIENT)
 
 
 def unknown_fields(msg: dict, known: frozenset, prefix: str = "") -> tuple[str, ...]:
@@ -185,17 +231,21 @@ def require(obj: dict, key: str, kind, where: str):
 
 def first_frame_pixels(data: bytes, width: int, height: int, where: str) -> np.ndarray:
     """Encoded image bytes -> float32 [3, height, width], resized as on every path (lingbot.io.images), one
-    of at most MAX_DECODES decodes at once in this process. Blocks (a worker thread's call) up to DECODE_WAIT_S
-    for a slot. Refusals: invalid_image (not a PNG, JPEG or WebP image, or over the pixel cap), images_busy."""
-    if not DECODES.acquire(timeout=DECODE_WAIT_S):
-        raise ProtocolError(ErrorCode.IMAGES_BUSY, f"the server is decoding {MAX_DECODES} first frames at once "
+    of at most MAX_DECODES decodes at once in this process (MAX_DECODES_PER_CLIENT for the client `decoding_for`
+    names). Blocks (a worker thread's call) up to DECODE_WAIT_S for a slot. Refusals: invalid_image (not a PNG,
+    JPEG or WebP image, or over the pixel cap), images_busy."""
+    client = decoding_for.get()
+    if not DECODES.acquire(client, DECODE_WAIT_S):
+        mine = DECODES.holds(client)
+        raise ProtocolError(ErrorCode.IMAGES_BUSY, "this client's first frame is being decoded already; retry once "
+                            "it is done" if mine else f"the server is decoding {MAX_DECODES} first frames at once "
                             "already; retry", close=CLOSE_TRY_AGAIN, retry_after_s=1)
     try:
         return load_image(data, width, height)
     except ValueError as e:
         raise ProtocolError(ErrorCode.INVALID_IMAGE, f"{where}: {e}") from None
     finally:
-        DECODES.release()
+        DECODES.release(client)
 
 
 def decode_image(url: str, width: int, height: int, fetcher=None) -> np.ndarray:

@@ -32,7 +32,6 @@ import functools
 import logging
 import time
 import uuid
-from enum import Enum
 from typing import Optional
 
 from .admission import Admission
@@ -51,7 +50,7 @@ from .events import (
 )
 from .ledger import ContinuityLedger
 from .outputs import Outputs
-from .phases import PhaseMachine
+from .phases import NEXT_PHASES, Phase, PhaseMachine
 from .ports import ACTIVITY, SAVE, SHARE, STOP, UNSHARE, ClientGone, GroupLink, SessionMetrics, Wire
 from .reading import ClientReader, EarlyControls, unknown_fields_said, watch_client
 from .requests import Interaction, StartRequest
@@ -59,23 +58,6 @@ from .waiting import WaitingRoom
 from .worlds import Worlds
 
 log = logging.getLogger("ray.serve")
-
-
-class Phase(Enum):
-    WAITING_FOR_START = "waiting_for_start"
-    ADMITTING = "admitting"
-    STREAMING = "streaming"
-    RESUMING = "resuming"
-    ENDED = "ended"
-
-
-NEXT_PHASES = {
-    Phase.WAITING_FOR_START: {Phase.ADMITTING, Phase.ENDED},
-    Phase.ADMITTING: {Phase.STREAMING, Phase.ENDED},
-    Phase.STREAMING: {Phase.RESUMING, Phase.ENDED},
-    Phase.RESUMING: {Phase.STREAMING, Phase.ENDED},
-    Phase.ENDED: {Phase.ENDED},
-}
 
 
 class SessionLife:
@@ -156,15 +138,10 @@ class SessionLife:
 
     # ---- 1. waiting for the start --------------------------------------------------------------
     async def run(self, tenant: str, limits) -> None:
-        """The whole life; `limits` (access.py's TenantLimits) admits `tenant` once the start is valid."""
+        """The whole life; `limits` (access.py's TenantLimits) counts `tenant`'s starts and holds its slot."""
         try:
-            start = await self.wait_for_start()
+            start = await self.wait_for_start(tenant, limits)
             if start is None:
-                return
-            self.outputs.tenant = tenant
-            refusal = limits.admit(tenant, time.monotonic())
-            if refusal is not None:
-                await self.refuse(refusal)
                 return
             try:
                 await self.admit_and_stream(start)
@@ -179,7 +156,9 @@ class SessionLife:
             self.phases.move(Phase.ENDED)         # from any phase
             self.room.leave(self.session_id, admitted=False)   # (a place taken and never used)
 
-    async def wait_for_start(self) -> Optional[StartRequest]:
+    async def wait_for_start(self, tenant: str, limits) -> Optional[StartRequest]:
+        """The start, with `tenant`'s slot taken, or None (ended). The slot is taken before the start is parsed,
+        so a start refused for what it holds (an image, a field) counts in the tenant's start rate too."""
         s = self.settings
         deadline = time.monotonic() + s.start_timeout_s
         while True:
@@ -191,14 +170,23 @@ class SessionLife:
                 return None
             if msg is None:
                 return None
+            refusal = limits.admit(tenant, time.monotonic())
+            if refusal is not None:
+                await self.refuse(refusal)
+                return None
             try:
                 start = await self.wire.parse_start(msg, await self.groups.facts())
             except ProtocolError as e:
+                limits.release(tenant)
                 await self.refuse(e)
                 if self.ended:
                     return None
                 continue
+            except BaseException:
+                limits.release(tenant)
+                raise
             unknown_fields_said(start, self.metrics, self.session_id)
+            self.outputs.tenant = tenant
             return start
 
     # ---- 2. admission (admission.py: the lease loop and the queue) -----------------------------

@@ -1,5 +1,6 @@
 """A phase machine: an enum's phase that moves only along a table of transitions, each move checked and atomic.
-A session's life at the ingress (life.py) is one; a group's own phase (deployments/group/state.py) is another.
+A session's life at the ingress (life.py; its table at the end here) is one; a group's own phase
+(deployments/group/state.py) is another.
 
 Plain Python: no Ray."""
 from __future__ import annotations
@@ -53,3 +54,21 @@ class PhaseMachine(Generic[P]):
         current = self._phase
         if not self.move(phase):
             raise PhaseError(f"{who}: {current.value} -> {phase.value} is not a transition")
+
+
+# a session's life at the ingress (life.py has the diagram)
+class Phase(Enum):
+    WAITING_FOR_START = "waiting_for_start"
+    ADMITTING = "admitting"
+    STREAMING = "streaming"
+    RESUMING = "resuming"
+    ENDED = "ended"
+
+
+NEXT_PHASES = {
+    Phase.WAITING_FOR_START: {Phase.ADMITTING, Phase.ENDED},
+    Phase.ADMITTING: {Phase.STREAMING, Phase.ENDED},
+    Phase.STREAMING: {Phase.RESUMING, Phase.ENDED},
+    Phase.RESUMING: {Phase.STREAMING, Phase.ENDED},
+    Phase.ENDED: {Phase.ENDED},
+}

@@ -15,9 +15,10 @@ KEY2 = "test-key-2-0123456789"                       # the door-limit test's ten
 KEY3 = "test-key-3-0123456789"                       # the second protocol's tenant
 OWNER = "test-key-4-0123456789"                      # the keyed world's tenants: keys of their own, so the
 STRANGER = "test-key-5-0123456789"                   # other tests' starts never rate-limit theirs
+FAILER = "test-key-6-0123456789"                     # the tenant whose starts all fail
 IMAGES_PORT = PORT + 30                   # a local image server for the allow-list
 STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=10, max_lifetime_s=14,
-              max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3},{OWNER},{STRANGER}", stall_timeout_s=60, restart_stale_chunks=True,
+              max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3},{OWNER},{STRANGER},{FAILER}", stall_timeout_s=60, restart_stale_chunks=True,
               max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example",
               image_url_allowlist=f"http://127.0.0.1:{IMAGES_PORT}/ok/")
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
@@ -317,6 +318,26 @@ def test_per_key_limits_and_origins_at_the_door(strict_app):
     assert origins["https://evil.example"]["code"] == "origin_not_allowed"
     assert origins["https://app.example"] == {"type": "session.pong", "t": 1}
     assert origins[f"http://127.0.0.1:{PORT}"] == {"type": "session.pong", "t": 1}
+
+
+def test_starts_refused_for_what_they_hold_count_in_the_keys_start_rate(strict_app):
+    """A key whose 8 starts are refused for their image (invalid_image: each decoded, or tried, at the ingress)
+    has used its minute: its ninth start, a valid one, is rate_limited (1013, retry_after_s)."""
+    from deployments.client.connection import image_data_url
+
+    async def start(image_url: str):
+        async with RealtimeClient(URL, api_key=FAILER) as client:
+            await client.start("p", image_url, W, H, 1)
+            return await client.receive_session(timeout=60)
+
+    async def scenario():
+        broken = image_data_url(b"\x89PNG\r\n\x1a\n" + bytes(64), "image/png")
+        return [await start(broken) for _ in range(8)], await start(png_url())
+
+    failed, ninth = run(scenario())
+    assert [(r.error["code"], r.close_code) for r in failed] == [("invalid_image", 1008)] * 8
+    assert (ninth.error["code"], ninth.close_code) == ("rate_limited", 1013), ninth.error
+    assert 0 < ninth.error["retry_after_s"] <= 60 and not ninth.chunks
 
 
 def test_a_keys_saved_world_is_its_own(strict_app):

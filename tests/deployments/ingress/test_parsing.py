@@ -107,7 +107,7 @@ def test_only_png_jpeg_and_webp_are_decoded(fmt):
 
 
 def test_decodes_at_once_are_bounded_and_a_start_beyond_them_is_refused():
-    taken = [parsing.DECODES.acquire(timeout=5) for _ in range(parsing.MAX_DECODES)]     # every slot busy
+    taken = [parsing.DECODES.acquire(f"client-{i}", timeout=5) for i in range(parsing.MAX_DECODES)]  # every slot
     try:
         assert taken == [True] * parsing.MAX_DECODES
         for parse in (vllm_start, sglang_init):
@@ -117,9 +117,34 @@ def test_decodes_at_once_are_bounded_and_a_start_beyond_them_is_refused():
             assert (error.code, error.close, error.extra) == ("images_busy", 1013, {"retry_after_s": 1})
             assert error.message == "the server is decoding 2 first frames at once already; retry"
     finally:
-        for _ in taken:
-            parsing.DECODES.release()
+        for i in range(parsing.MAX_DECODES):
+            parsing.DECODES.release(f"client-{i}")
     assert vllm_start(encoded("PNG")).image.shape == (3, SIZE[1], SIZE[0])     # a slot free again: decoded
+
+
+def test_one_client_decodes_one_first_frame_at_a_time_and_the_other_slot_stays_for_the_others():
+    """A client (its connection's address in `decoding_for`) that holds a decode slot waits for it with its next
+    start and is refused images_busy after DECODE_WAIT_S, while another client's start decodes at once."""
+    import contextvars
+
+    def as_client(address: str, parse):
+        def parsed():
+            parsing.decoding_for.set(address)
+            return parse(encoded("PNG"))
+        return contextvars.copy_context().run(parsed)
+
+    assert parsing.DECODES.acquire("198.51.100.7", timeout=5)          # its first start decoding
+    try:
+        for parse in (vllm_start, sglang_init):
+            with pytest.raises(ProtocolError) as info:
+                as_client("198.51.100.7", parse)
+            assert (info.value.code, info.value.extra) == ("images_busy", {"retry_after_s": 1})
+            assert info.value.message == "this client's first frame is being decoded already; retry once it is done"
+            assert as_client("198.51.100.8", parse).image.shape == (3, SIZE[1], SIZE[0])
+    finally:
+        parsing.DECODES.release("198.51.100.7")
+    assert as_client("198.51.100.7", vllm_start).image.shape == (3, SIZE[1], SIZE[0])
+    assert parsing.DECODES.held == {}
 
 
 def test_messages_past_the_container_bounds_are_refused_while_they_decode():
