@@ -2,7 +2,8 @@
 or was stopped (docs/architecture.md, "Sessions that survive faults").
 
 - the journal: every delivered chunk's controls, in order (a new group replays the ones after its restore
-  point, without delivering them, and so reaches exactly the state the client saw);
+  point, without delivering them, and so reaches exactly the state the client saw); a prompt held over many
+  chunks is one str in it, so a resume's pickle carries its text once;
 - the interaction state after the last delivered chunk, and the interactions sent but not started yet
   (posted again, in order, to the new group);
 - the snapshot keys worth keeping: per chunk and rank its K/V slot and its state, held by the ingress's keeper.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Optional
 
 from .events import (
@@ -36,6 +38,7 @@ class ContinuityLedger:
         self.ranks = ranks                               # ranks per group: a restore point needs each one's share
         self.facts: Optional[ModelFacts] = None          # the admitting group's model (its K/V window)
         self.journal: list[ChunkControls] = []
+        self._prompts: dict[str, str] = {}               # each prompt text journaled -> its one str
         self.interactions: Optional[InteractionState] = None
         self.frames_delivered = 0
         self.unstarted: list[Interaction] = []
@@ -64,13 +67,20 @@ class ContinuityLedger:
         the client's player (which starts at the first chunk and waits when it runs dry) plays it."""
         now = time.monotonic() if now is None else now
         self.play_end = max(self.play_end or now, now) + event.num_frames / fps
-        self.journal.append(event.controls)
+        self.journal.append(self._interned(event.controls))
         self.interactions = event.interactions
         self.frames_delivered += event.num_frames
         self.keep(event.snapshots)
         if event.started:
             started = set(event.started)
             self.unstarted = [i for i in self.unstarted if i.event_id not in started]
+
+    def _interned(self, controls: Optional[ChunkControls]) -> Optional[ChunkControls]:
+        """`controls` with its prompt the journal's own str for that text (each chunk's came over Ray as a new str,
+        and pickle writes a str once per object, not once per text)."""
+        if controls is None or controls.prompt is None:
+            return controls
+        return replace(controls, prompt=self._prompts.setdefault(controls.prompt, controls.prompt))
 
     # ---- snapshots ------------------------------------------------------------------------------
     def keep(self, refs: Iterable[SnapshotRef]) -> None:

@@ -5,7 +5,9 @@ K/V window, camera path) and of what each chunk applied (`ChunkControls`: keys, 
 the rung's denoising steps and decoder). A group's ranks apply each chunk's controls through `apply`; a
 `WorldJournal` keeps the start and every chunk's controls in order, as JSON, so that `replay` makes the same raw
 frames on the same pipeline, bitwise (the first frame is kept as its SHA-256: the replay is given the image
-and checks it).
+and checks it). Version 2 of the JSON writes each distinct prompt once, in its `prompts` list, and a chunk that
+changes the prompt names it by `prompt_ref` (its index there), so a prompt held over many chunks costs its text
+once; version 1 journals (each chunk's prompt inline) still read.
 
 Plain Python and torch: no Ray."""
 from __future__ import annotations
@@ -23,7 +25,8 @@ from ..camera import CameraError, CameraEvent, CameraRig, Controls, Trajectory, 
 from ..io.images import model_image
 from .rungs import rung_decoders, rung_name
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class JournalError(ValueError):
@@ -131,12 +134,14 @@ class WorldJournal:
         traj = None if self.trajectory is None else {
             "poses": self.trajectory.poses.tolist(), "intrinsics": self.trajectory.intrinsics.tolist(),
             "unit": self.trajectory.unit}
+        refs: dict[str, int] = {}
+        chunks = [_refer(c.to_json(), refs) for c in self.chunks]
         body = {"version": JOURNAL_VERSION, "preset": self.preset, "random_weights": self.random_weights,
                 "width": self.width, "height": self.height, "fps": self.fps, "seed": self.seed, "prompt": self.prompt,
                 "image_sha256": self.image_sha256, "decoder": self.decoder, "flow_shift": self.flow_shift,
                 "window": None if self.window is None else list(self.window), "trajectory": traj,
-                "chunks": [c.to_json() for c in self.chunks]}
-        return json.dumps(body, indent=1, allow_nan=False)
+                "prompts": list(refs), "chunks": chunks}
+        return json.dumps(body, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorldJournal:
@@ -144,9 +149,10 @@ class WorldJournal:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise JournalError(f"not a JSON journal: {e}") from None
-        if not isinstance(data, dict) or data.get("version") != JOURNAL_VERSION:
-            raise JournalError(f"not a version {JOURNAL_VERSION} world journal")
+        if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
+            raise JournalError(f"not a version {' or '.join(map(str, READABLE_VERSIONS))} world journal")
         try:
+            chunks = data["chunks"] if data["version"] == 1 else _resolve(data["chunks"], data["prompts"])
             traj = data.get("trajectory")
             if traj is not None:
                 traj = Trajectory(np.asarray(traj["poses"], dtype=np.float64),
@@ -157,7 +163,7 @@ class WorldJournal:
                           float(data["fps"]), int(data["seed"]), str(data["prompt"]), str(data["image_sha256"]),
                           str(data["decoder"]), None if flow_shift is None else float(flow_shift),
                           None if window is None else (int(window[0]), int(window[1])), traj,
-                          [ChunkControls.from_json(c) for c in data["chunks"]])
+                          [ChunkControls.from_json(c) for c in chunks])
         except (KeyError, TypeError, ValueError, IndexError) as e:
             if isinstance(e, JournalError):
                 raise
@@ -165,6 +171,34 @@ class WorldJournal:
         if not (math.isfinite(journal.fps) and journal.fps > 0):
             raise JournalError(f"fps {journal.fps} must be a positive number")
         return journal
+
+
+def _refer(chunk: dict, refs: dict[str, int]) -> dict:
+    """A chunk's JSON with its prompt's text replaced by the prompt's index in `refs` (each prompt -> its index,
+    in order of first use; a new one is added)."""
+    if "prompt" not in chunk:
+        return chunk
+    ref = refs.setdefault(chunk["prompt"], len(refs))
+    return {("prompt_ref" if k == "prompt" else k): (ref if k == "prompt" else v) for k, v in chunk.items()}
+
+
+def _resolve(chunks: Any, prompts: Any) -> list:
+    """A version 2 journal's chunks with each `prompt_ref` replaced by its prompt's text, as version 1 wrote it."""
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise JournalError("the journal's prompts must be a list of strings")
+    out = []
+    for chunk in chunks:
+        if isinstance(chunk, dict) and "prompt" in chunk:
+            raise JournalError("a version 2 chunk names its prompt by prompt_ref, not its text")
+        if isinstance(chunk, dict) and "prompt_ref" in chunk:
+            ref = chunk["prompt_ref"]
+            if type(ref) is not int or not 0 <= ref < len(prompts):
+                raise JournalError(f"prompt_ref {ref!r} is not an index into the journal's {len(prompts)} "
+                                   f"prompt{'' if len(prompts) == 1 else 's'}")
+            chunk = {("prompt" if k == "prompt_ref" else k): (prompts[ref] if k == "prompt_ref" else v)
+                     for k, v in chunk.items()}
+        out.append(chunk)
+    return out
 
 
 def replay(pipeline, journal: WorldJournal, image, chunks: Optional[int] = None) -> Iterator:

@@ -18,7 +18,8 @@ STRANGER = "test-key-5-0123456789"                   # other tests' starts never
 FAILER = "test-key-6-0123456789"                     # the tenant whose starts all fail
 IMAGES_PORT = PORT + 30                   # a local image server for the allow-list
 STRICT = dict(TEST_SETTINGS, sp=1, max_sessions_per_group=3, idle_timeout_s=10, max_lifetime_s=14,
-              max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3},{OWNER},{STRANGER},{FAILER}", stall_timeout_s=60, restart_stale_chunks=True,
+              max_queued_controls=2, api_keys=f"{KEY},{KEY2},{KEY3},{OWNER},{STRANGER},{FAILER}", stall_timeout_s=60,
+              restart_stale_chunks=True,
               max_sessions_per_key=2, max_starts_per_minute_per_key=8, allowed_origins="https://app.example",
               image_url_allowlist=f"http://127.0.0.1:{IMAGES_PORT}/ok/")
 URL = f"ws://127.0.0.1:{PORT}/strict/v1/realtime/video"
@@ -387,7 +388,8 @@ def test_a_keys_saved_world_is_its_own(strict_app):
     assert [w["id"] for w in ask("GET", "/v1/worlds", OWNER)["worlds"]] == [world_id]
     for key, found in ((STRANGER, 404), (OWNER, 200)):
         assert ask("GET", f"/v1/worlds/{world_id}/frame", key) == found
-    assert ask("DELETE", f"/v1/worlds/{world_id}", STRANGER) == 404 and ask("DELETE", f"/v1/worlds/{world_id}", OWNER) == 204
+    assert ask("DELETE", f"/v1/worlds/{world_id}", STRANGER) == 404
+    assert ask("DELETE", f"/v1/worlds/{world_id}", OWNER) == 204
 
 
 def test_wrong_keys_from_one_address_are_rate_limited_and_http_routes_take_keys_from_headers_only(strict_app):

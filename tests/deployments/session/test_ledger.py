@@ -1,5 +1,7 @@
 """The continuity ledger without Ray: journal, owed interactions and the snapshot keys it keeps through faults,
 drains and resumes, and lets go of (the keeper frees what they name)."""
+import pickle
+
 from deployments.session.events import ChunkControls, ChunkReady, InteractionState, ModelFacts, SnapshotRef
 from deployments.session.ledger import ContinuityLedger
 from deployments.session.requests import Interaction
@@ -9,10 +11,10 @@ FACTS = ModelFacts.of(get_preset("lingbot-world-v2-14b"))      # sink 3 chunks, 
 FPS = 16.0
 
 
-def chunk(index: int, started=(), snapshots=(), frames=None) -> ChunkReady:
+def chunk(index: int, started=(), snapshots=(), frames=None, prompt=None) -> ChunkReady:
     frames = frames or FACTS.geometry.pixel_frames(index)
     return ChunkReady(index, b"", frames, list(started), [], [], {}, 0.0,
-                      controls=ChunkControls(keys=(f"k{index}",) * 3),
+                      controls=ChunkControls(keys=(f"k{index}",) * 3, prompt=prompt),
                       interactions=InteractionState({}, f"held{index}"), snapshots=tuple(snapshots))
 
 
@@ -132,3 +134,21 @@ def test_keys_that_come_in_and_are_already_older_are_released_at_once():
     assert ledger.restorable() == 4
     assert {"state3.0", "state3.1", "state2.0", "state2.1"} <= set(released)
     assert not {"state4.0", "state4.1"} & set(released) and "state3.0" not in ledger._keys()
+
+
+def test_a_prompt_repeated_over_chunks_is_sent_once_in_a_resume():
+    """Each chunk's controls come from the group over Ray, so an equal prompt is a new str each time: the ledger
+    keeps one of them, and a resume of 50 chunks that carry the same 4,096-character prompt pickles (as it
+    crosses to the new group) to about one prompt's size."""
+    ledger = ContinuityLedger(2)
+    prompts = ["".join(["w"] * 4096) for _ in range(50)]
+    assert prompts[0] is not prompts[1]
+    for i, prompt in enumerate(prompts):
+        ledger.delivered(chunk(i, prompt=prompt), FPS, now=100.0 + i)
+    ledger.delivered(chunk(50), FPS, now=150.0)
+    resume = ledger.resume()
+    assert len(pickle.dumps(resume)) < 2 * 4096
+    assert all(c.prompt is resume.journal[0].prompt for c in resume.journal[:50]) and resume.journal[50].prompt is None
+    again = pickle.loads(pickle.dumps(resume))
+    assert again.journal == resume.journal and again.journal[49].prompt == "w" * 4096
+    assert [c.keys for c in again.journal] == [(f"k{i}",) * 3 for i in range(51)]

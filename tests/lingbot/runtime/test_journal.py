@@ -1,6 +1,7 @@
 """A world's journal (lingbot/runtime/journal.py): a session's start and every chunk's controls, as JSON, replay
 to the session's frames bitwise; a journal that cannot be replayed here says why."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def test_a_journal_that_cannot_be_replayed_here_says_why(pipeline):
         replay(only_wan, WorldJournal(**base, chunks=[ChunkControls(decoder="tae")]), image)
     with pytest.raises(JournalError, match="not a JSON journal"):
         WorldJournal.from_json("{")
-    with pytest.raises(JournalError, match="not a version 1 world journal"):
+    with pytest.raises(JournalError, match="not a version 1 or 2 world journal"):
         WorldJournal.from_json('{"version": 7}')
     with pytest.raises(JournalError, match="lacks or garbles a field: KeyError\\('seed'\\)"):
         WorldJournal.from_json(json.dumps({k: v for k, v in json.loads(WorldJournal(**base).to_json()).items()
@@ -85,3 +86,84 @@ def test_a_journal_that_cannot_be_replayed_here_says_why(pipeline):
     bad_camera["chunks"] = [{"camera": {"mode": "orbit", "translation": [0, 0, 0], "rotation": [0, 0, 0, 1]}}]
     with pytest.raises(JournalError, match="a chunk's controls are not valid: camera mode 'orbit'"):
         WorldJournal.from_json(json.dumps(bad_camera))
+
+
+def long_prompt() -> str:
+    """A 4,096-character prompt, a new str object each call (as prompts come from the group over Ray)."""
+    return "".join(["a long desert road at dusk, "] * 146) + "and dust"
+
+
+def start(**chunks) -> dict:
+    return dict(preset="tiny", random_weights=True, width=64, height=48, fps=16.0, seed=5, prompt="a forest path",
+                image_sha256="0" * 64, decoder="wan", **chunks)
+
+
+def test_a_prompt_repeated_over_chunks_is_written_once():
+    """50 chunks that each carry an equal 4,096-character prompt: the text is in the JSON once (the chunks
+    refer to it by index), and reads back to the same controls."""
+    assert len(long_prompt()) == 4096 and long_prompt() is not long_prompt()
+    chunks = [ChunkControls(prompt=long_prompt(), prompt_transition_chunks=2) for _ in range(50)]
+    text = WorldJournal(**start(chunks=chunks)).to_json()
+    assert len(text.encode()) < 2 * 4096
+    body = json.loads(text)
+    assert body["version"] == 2 and body["prompts"] == [long_prompt()]
+    assert body["chunks"][7] == {"quality": "full", "prompt_ref": 0, "prompt_transition_chunks": 2}
+    assert WorldJournal.from_json(text).chunks == chunks
+
+
+def test_each_distinct_prompt_gets_an_index_in_order_of_first_use():
+    chunks = [ChunkControls(prompt="a desert road"), ChunkControls(keys=("a", "", "")),
+              ChunkControls(prompt="a snowy pass", prompt_transition_chunks=3), ChunkControls(prompt="a desert road")]
+    journal = WorldJournal(**start(chunks=chunks))
+    body = json.loads(journal.to_json())
+    assert body["prompt"] == "a forest path" and body["prompts"] == ["a desert road", "a snowy pass"]
+    assert [c.get("prompt_ref") for c in body["chunks"]] == [0, None, 1, 0]
+    assert not any("prompt" in c for c in body["chunks"])
+    assert WorldJournal.from_json(journal.to_json()) == journal
+    assert json.loads(WorldJournal(**start()).to_json())["prompts"] == []
+
+
+V1_JOURNAL = """{"version": 1, "preset": "tiny", "random_weights": true, "width": 64, "height": 48, "fps": 16.0,
+ "seed": 5, "prompt": "a forest path",
+ "image_sha256": "0000000000000000000000000000000000000000000000000000000000000000", "decoder": "wan",
+ "flow_shift": 3.0, "window": [1, 2], "trajectory": null, "chunks": [
+  {"quality": "full", "keys": ["w", "w", "wd"]},
+  {"quality": "tiny", "prompt": "a desert road", "prompt_transition_chunks": 2, "decoder": "tae"},
+  {"quality": "steps2", "prompt": "a desert road", "prompt_transition_chunks": 0, "steps": 2}]}"""
+
+
+def test_a_version_1_journal_still_reads():
+    """Worlds and recordings stored before version 2 wrote each chunk's prompt inline."""
+    journal = WorldJournal.from_json(V1_JOURNAL)
+    assert journal == WorldJournal(**start(flow_shift=3.0, window=(1, 2), chunks=[
+        ChunkControls(keys=("w", "w", "wd")),
+        ChunkControls(prompt="a desert road", prompt_transition_chunks=2, decoder="tae"),
+        ChunkControls(prompt="a desert road", steps=2)]))
+    assert json.loads(journal.to_json())["prompts"] == ["a desert road"]
+    assert WorldJournal.from_json(journal.to_json()) == journal
+
+
+@pytest.mark.parametrize("chunk, message", [
+    ({"prompt_ref": 1}, "prompt_ref 1 is not an index into the journal's 1 prompt"),
+    ({"prompt_ref": -1}, "prompt_ref -1 is not an index into the journal's 1 prompt"),
+    ({"prompt_ref": "0"}, "prompt_ref '0' is not an index into the journal's 1 prompt"),
+    ({"prompt_ref": True}, "prompt_ref True is not an index into the journal's 1 prompt"),
+    ({"prompt_ref": 0.0}, "prompt_ref 0.0 is not an index into the journal's 1 prompt"),
+    ({"prompt": "a desert road"}, "a version 2 chunk names its prompt by prompt_ref, not its text"),
+])
+def test_a_bad_prompt_ref_is_refused(chunk, message):
+    body = json.loads(WorldJournal(**start(chunks=[ChunkControls(prompt="a desert road")])).to_json())
+    body["chunks"].append(chunk)
+    with pytest.raises(JournalError, match=f"^{re.escape(message)}$"):
+        WorldJournal.from_json(json.dumps(body))
+
+
+def test_a_version_2_journal_without_its_prompts_is_refused():
+    body = json.loads(WorldJournal(**start(chunks=[ChunkControls(prompt="a desert road")])).to_json())
+    for prompts in (None, [3], "a desert road"):
+        body["prompts"] = prompts
+        with pytest.raises(JournalError, match=r"^the journal's prompts must be a list of strings$"):
+            WorldJournal.from_json(json.dumps(body))
+    del body["prompts"]
+    with pytest.raises(JournalError, match="lacks or garbles a field: KeyError\\('prompts'\\)"):
+        WorldJournal.from_json(json.dumps(body))
