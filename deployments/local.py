@@ -7,10 +7,13 @@ which stays on.
 
 Ray's control plane (its GCS, raylets, workers and the dashboard, whose job API runs shell commands) listens
 beyond this process; with token authentication every request must carry the cluster's token. Ray 2.60's
-`ray.init()` turns it on for a new local cluster and writes a token to ~/.ray/auth_token on first use (kept
-there for later starts); `start_ray` makes that file readable by its owner only (Ray writes it readable by
-all). A RAY_AUTH_MODE other than `token` in the environment is refused. The `ray` and `serve` CLIs of the same
-user reach the cluster with `RAY_AUTH_MODE=token` (they read the same file); docs/security.md has the rest.
+`ray.init()` turns it on for a new local cluster and reads the token from ~/.ray/auth_token (or the file named by
+RAY_AUTH_TOKEN_PATH), writing one there readable by all when there is none; `prepare_environment` makes that
+file first, readable by its owner only (`own_token_file`), and `start_ray` checks after `ray.init` that the
+cluster's GCS refuses a call without the token (`check_token_auth`), so a RAY_ADDRESS naming a cluster without
+token authentication is refused too. A RAY_AUTH_MODE other than `token` in the environment is refused. The `ray`
+and `serve` CLIs of the same user reach the cluster with `RAY_AUTH_MODE=token` (they read the same file);
+docs/security.md has the rest.
 
 The proxy's WebSocket handshake is parsed by the `websockets` library, which reads header lines of at most
 WEBSOCKETS_MAX_LINE_LENGTH bytes (8 KiB by default) and never answers a longer one: the client waits until it
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import sys
 import time
 import urllib.request
@@ -43,7 +47,7 @@ CLUSTER_ENV = {
     # proxies in trusted_proxies only (deployments/ingress/access.py, client_address)
     "FORWARDED_ALLOW_IPS": "",
 }
-TOKEN_FILE = Path.home() / ".ray" / "auth_token"     # where Ray keeps a local cluster's token
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"     # where Ray keeps a local cluster's token by default
 
 
 def lingbot_app(config: dict) -> dict:
@@ -70,12 +74,13 @@ def cluster_env(args: Optional[dict] = None) -> dict:
     from .ingress.pacing_door import PacerLimits
     viewers = PacerLimits(s.viewer_queue_chunks, s.viewer_queue_bytes, s.viewer_max_skips)
     return {**CLUSTER_ENV, **proxy_env(s.max_ingress_sessions * s.max_ingress_replicas, s.retry_after_s,
-                                       s.stall_timeout_s, s.max_connections_per_address, s.trusted_proxies, viewers)}
+                                       s.stall_timeout_s, s.max_connections_per_address, s.trusted_proxies, viewers,
+                                       s.stall_max_bytes)}
 
 
 def prepare_environment(args: Optional[dict] = None) -> None:
     """Set the environment for a Ray about to start in this process (a started one keeps its own): cluster_env of
-    the app's settings `args`. RAY_AUTH_MODE
+    the app's settings `args`, and the token file its owner's only (own_token_file). RAY_AUTH_MODE
     is left to Ray, whose `ray.init()` turns token authentication on for a new local cluster (and makes the token):
     set here after Ray was imported, it would reach the processes Ray starts but not this one's Ray, which reads
     it once on import and so would make no token for them. Anything but `token` is refused."""
@@ -83,17 +88,78 @@ def prepare_environment(args: Optional[dict] = None) -> None:
     if mode != "token":
         raise RuntimeError(f"RAY_AUTH_MODE={mode}: lingbot-serve keeps Ray's token authentication on (without it "
                            "anyone who reaches this machine can run code through Ray's job API); unset it")
+    own_token_file()
     os.environ.update(cluster_env(args))
 
 
-def start_ray(app_args: Optional[dict] = None, **init_args):
-    """prepare_environment(app_args), then `ray.init(**init_args)` of a new local cluster under token
-    authentication, its token file readable by its owner only. Returns ray.init's context."""
+def token_file() -> Path:
+    """The file Ray reads its token from where RAY_AUTH_TOKEN gives none: the one RAY_AUTH_TOKEN_PATH names, else
+    ~/.ray/auth_token (the order of Ray's C++ AuthenticationTokenLoader; HOME as it reads it)."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+
+
+def own_token_file() -> Path:
+    """token_file(), readable by its owner only before Ray starts: made where there is none (mode 0600 from the
+    start, a new token_hex(32), its folder 0700 where made here; none while RAY_AUTH_TOKEN holds the token), an
+    existing one that group or others may read set to 0600, its token kept. Ray would write a missing one with
+    open(path, "w"), readable by all, and keeps an existing one."""
+    path = token_file()
+    if not os.environ.get("RAY_AUTH_TOKEN"):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            return path
+    if path.is_file() and path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+    return path
+
+
+def check_token_auth(gcs_address: str, timeout_s: float = 10.0) -> None:
+    """Return when the GCS at `gcs_address` refuses a call without a token (UNAUTHENTICATED); RuntimeError when it
+    answers one (its token authentication is off, whatever this process's RAY_AUTH_MODE: Ray joins such a cluster
+    through RAY_ADDRESS without a word) or cannot be asked. The call is Ray's own GetClusterId, on a channel without
+    Ray's token interceptor (TLS where RAY_USE_TLS says so)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        from ray._common.tls_utils import load_certs_from_env
+        chain, key, ca = load_certs_from_env()
+        channel = grpc.secure_channel(gcs_address, grpc.ssl_channel_credentials(ca, key, chain))
+    else:
+        channel = grpc.insecure_channel(gcs_address)
+    with channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return
+            raise RuntimeError(f"could not check the token authentication of the Ray cluster at {gcs_address}: "
+                               f"its GCS answered {e.code().name} ({e.details()})") from None
+    raise RuntimeError(f"the Ray cluster at {gcs_address} answers without a token: its token authentication is off; "
+                       "lingbot-serve does not run on such a cluster (start every node with RAY_AUTH_MODE=token, "
+                       "cluster/README.md)")
+
+
+def start_ray(app_args: Optional[dict] = None, unset: tuple = (), **init_args):
+    """prepare_environment(app_args) less the variables named in `unset` (perf runs without the proxy's door),
+    then `ray.init(**init_args)` (a new local cluster, or the one RAY_ADDRESS names) and check_token_auth of its
+    GCS; on a refusal Ray is shut down again. Returns ray.init's context."""
     prepare_environment(app_args)
+    for key in unset:
+        os.environ.pop(key, None)
     import ray
     context = ray.init(**init_args)
-    if TOKEN_FILE.is_file():
-        TOKEN_FILE.chmod(0o600)
+    try:
+        check_token_auth(context.address_info["gcs_address"])
+    except RuntimeError:
+        ray.shutdown()
+        raise
     return context
 
 
@@ -155,7 +221,7 @@ def main(argv=None) -> int:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)    # the one line below says when it is ready
 
     from .app import compose_app
-    print(f"lingbot-serve: Ray's dashboard and control plane take the token in {TOKEN_FILE} (the ray and serve "
+    print(f"lingbot-serve: Ray's dashboard and control plane take the token in {token_file()} (the ray and serve "
           "CLIs: RAY_AUTH_MODE=token)", flush=True)
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     serve.run(compose_app(app.get("args"), group_user_config(app)), name=app.get("name", "lingbot"),

@@ -10,16 +10,14 @@ def ensure_serve(port: int, cpus: int = 2, app_args: dict | None = None, door: b
     """Ray and Serve on this machine, started on the first call (later calls reuse them); `cpus` logical CPUs, the
     environment of the app's settings `app_args` (the defaults when None), without the door in Serve's proxy when
     `door` is False (deployments/ingress/front.py)."""
-    import os
-
-    from deployments.local import prepare_environment
-    prepare_environment(app_args)
-    if not door:
-        os.environ.pop("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", None)
     import ray
-    from ray import serve
+
+    from deployments.local import start_ray
     if not ray.is_initialized():
-        ray.init(num_cpus=cpus, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
+        start_ray(app_args, unset=() if door else ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH",), num_cpus=cpus,
+                  object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False)
+        # (Serve imported after start_ray: it reads the environment on import)
+        from ray import serve
         serve.start(http_options={"host": "127.0.0.1", "port": port})
 
 

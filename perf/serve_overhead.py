@@ -24,14 +24,12 @@ PORT = 18766
 
 
 def start_local_app(sp: int) -> str:
-    from deployments.local import prepare_environment
-    prepare_environment()      # Ray's token authentication stays on (deployments/local.py)
-    import ray
+    from deployments.local import start_ray
+    start_ray(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,   # token auth: local.py
+              object_store_memory=300 * 2 ** 20)
     from ray import serve
 
     from deployments.app import build_app
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             object_store_memory=300 * 2 ** 20)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app({"preset": "tiny", "sp": sp, "pacing_lead_s": 1000, "max_groups": 1}), name="lingbot",
               route_prefix="/")

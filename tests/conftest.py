@@ -114,7 +114,8 @@ def pytest_sessionfinish(session, exitstatus):
 # GCS, dashboard, agent and proxy ports) runs beside the others too: BESIDE.
 _USES_RAY = re.compile(r"^\s*(import ray|from ray|from deployments\.local|from perf\.local)|ray\.init\(|serve_app",
                        re.M)
-BESIDE = ("cluster/test_multinode.py", "cluster/test_two_ingresses.py", "cluster/test_bare_cluster.py")
+BESIDE = ("cluster/test_multinode.py", "cluster/test_two_ingresses.py", "cluster/test_bare_cluster.py",
+          "deployments/test_token.py")
 _RAY_MODULES: dict = {}
 
 

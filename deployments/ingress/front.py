@@ -27,7 +27,9 @@ the ingress cannot see a client that stopped reading; the proxy's own send does 
 socket's buffer is full). `StallGuard` bounds that wait: a send still blocked after stall_timeout_s cuts the
 connection (the transport aborted; the app hears the client gone), so the session ends and the video stops
 piling up in the proxy (without it, a client that never read an endless raw-frames session was not let go
-within 90 s, its video held in the proxy).
+within 90 s, its video held in the proxy). Time alone let a session pile up stall_timeout_s of video in the
+proxy (about 1 GB of raw frames at 60 s), so a session's sends are also queued here and bounded in bytes
+(`stall_max_bytes`, pacing_door.SendQueue): past it the connection is cut the same way, whatever the time.
 
 Light on purpose: the proxy imports it (no torch, no dialect, no Ray at import)."""
 from __future__ import annotations
@@ -45,13 +47,14 @@ from starlette.websockets import WebSocket
 from ..addresses import limit_key, parse_networks, scope_address
 from .access import accepted_subprotocol, busy, too_many_connections
 from .closing import CLOSE_TIMEOUT_S, close_quietly, error_message
-from .pacing_door import PacerLimits, ViewerPacer
+from .pacing_door import PacerLimits, SendQueue, ViewerPacer
 from .routes import SGLANG_ROUTE, VLLM_ROUTE, WATCH_ROUTES
 
 CALLBACK = "deployments.ingress.front.middlewares"       # RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
 MAX_ENV = "LINGBOT_PROXY_MAX_WEBSOCKETS"
 RETRY_ENV = "LINGBOT_PROXY_RETRY_AFTER_S"
 STALL_ENV = "LINGBOT_PROXY_STALL_TIMEOUT_S"
+STALL_BYTES_ENV = "LINGBOT_PROXY_STALL_MAX_BYTES"
 PER_ADDRESS_ENV = "LINGBOT_PROXY_MAX_PER_ADDRESS"
 TRUSTED_ENV = "LINGBOT_PROXY_TRUSTED_PROXIES"
 VIEWER_ENV = "LINGBOT_PROXY_VIEWER_QUEUE"                  # chunks,bytes,skips (pacing_door.PacerLimits)
@@ -61,10 +64,11 @@ WATCHES = re.compile("(.*)(" + "|".join(f"(?:{re.escape(r)})" for r in WATCH_ROU
 
 
 def proxy_env(max_websockets: int, retry_after_s: float, stall_timeout_s: float, max_per_address: int = 0,
-              trusted_proxies: str = "", viewers: Optional[PacerLimits] = None) -> dict:
+              trusted_proxies: str = "", viewers: Optional[PacerLimits] = None, stall_max_bytes: int = 0) -> dict:
     """The environment that installs the door in every proxy Ray starts (workers inherit it)."""
     return {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK, MAX_ENV: str(int(max_websockets)),
             RETRY_ENV: f"{float(retry_after_s):g}", STALL_ENV: f"{float(stall_timeout_s):g}",
+            STALL_BYTES_ENV: str(int(stall_max_bytes)),
             PER_ADDRESS_ENV: str(int(max_per_address)), TRUSTED_ENV: trusted_proxies,
             VIEWER_ENV: (viewers or PacerLimits()).to_env()}
 
@@ -79,7 +83,8 @@ def configured_bound(environ=os.environ) -> Optional[int]:
 # what a Ray started without deployments/local.py's environment (cluster/render.py's, the by-hand commands') lacks
 PROTECTIONS = {
     "door": "the door in Serve's proxy (a crowd refused where it arrives, per-address bounds, viewers' queues)",
-    "stall_guard": "the proxy's stall guard (a client that stops reading is cut after stall_timeout_s)",
+    "stall_guard": "the proxy's stall guard (a client that stops reading is cut after stall_timeout_s, or once "
+                   "stall_max_bytes wait for it)",
     "forwarded_for": "FORWARDED_ALLOW_IPS empty (the proxy would take X-Forwarded-For from any local connection)",
     "header_limit": "WEBSOCKETS_MAX_LINE_LENGTH (a handshake's long header line would go unanswered)",
 }
@@ -88,7 +93,8 @@ PROTECTIONS = {
 def missing_protections(environ=os.environ) -> list[str]:
     """The proxy-side protections the environment Ray started with lacks (PROTECTIONS' names): the proxies and this
     process inherit one environment, so what is missing here is missing there."""
-    present = {"door": configured_bound(environ) is not None, "stall_guard": STALL_ENV in environ,
+    present = {"door": configured_bound(environ) is not None,
+               "stall_guard": {STALL_ENV, STALL_BYTES_ENV} <= set(environ),
                "forwarded_for": environ.get("FORWARDED_ALLOW_IPS") == "",
                "header_limit": "WEBSOCKETS_MAX_LINE_LENGTH" in environ}
     return [name for name in PROTECTIONS if not present[name]]
@@ -139,11 +145,12 @@ class ProxyDoor:
     def __init__(self, app, max_websockets: int, retry_after_s: float, stall_timeout_s: Optional[float] = None,
                  refused: Optional[Callable[[str], None]] = None, rng: Optional[random.Random] = None,
                  max_per_address: int = 0, trusted: tuple = (), viewers: Optional[PacerLimits] = None,
-                 skipped: Optional[Callable[[], None]] = None):
+                 skipped: Optional[Callable[[], None]] = None, stall_max_bytes: int = 0):
         if max_websockets < 1:
             raise ValueError(f"{MAX_ENV} must be at least 1, got {max_websockets}")
         self.app, self.max_websockets, self.retry_after_s = app, max_websockets, retry_after_s
         self.stall_timeout_s = stall_timeout_s         # None: sends are not bounded here
+        self.stall_max_bytes = stall_max_bytes         # a session's bytes queued here, at most (0: its sends wait)
         self.max_per_address, self.trusted = max_per_address, trusted      # 0: no bound per address
         self.viewers = viewers                          # a viewer's queue here (pacing_door.py); None: none
         self.skipped = skipped or (lambda: None)        # told each viewer's skip (the metric)
@@ -166,29 +173,34 @@ class ProxyDoor:
             return await refuse(WebSocket(scope, receive, send), dialect, error)
         free = self._take(place)
 
-        async def send_freeing(message):               # the app's close frees the place: the handshake may hang
-            if message.get("type") == "websocket.close":
-                free()
-            await send(message)
-        pacer = None
+        def freeing(send_on):                          # the app's close frees the place: the handshake may hang
+            async def send_freeing(message):
+                if message.get("type") == "websocket.close":
+                    free()
+                await send_on(message)
+            return send_freeing
+        queue = None
         try:
             if self.stall_timeout_s is None:
-                await self.app(scope, receive, send_freeing)
+                await self.app(scope, receive, freeing(send))
                 return
-            guard = StallGuard(receive, send_freeing, self.stall_timeout_s, lambda: self.refused("stall_timeout"))
-            if self.viewers is None or not is_watch(scope):
-                await self.app(scope, guard.receive, guard.send)
-                return
-
-            def too_slow() -> None:
-                self.refused("viewer_too_slow")
-                guard.abort()
-            pacer = ViewerPacer(guard.send, self.viewers, too_slow, self.skipped)
-            await self.app(scope, guard.receive, pacer.send)
-            await pacer.finish(self.stall_timeout_s)    # what is still queued: the last chunks, the end, the close
+            guard = StallGuard(receive, send, self.stall_timeout_s, lambda: self.refused("stall_timeout"))
+            if self.viewers is not None and is_watch(scope):
+                def too_slow() -> None:
+                    self.refused("viewer_too_slow")
+                    guard.abort()
+                queue = ViewerPacer(guard.send, self.viewers, too_slow, self.skipped)
+            elif self.stall_max_bytes:
+                def too_much() -> None:                # not reading: as a stall, before its time is up
+                    self.refused("stall_timeout")
+                    guard.abort()
+                queue = SendQueue(guard.send, self.stall_max_bytes, too_much)
+            await self.app(scope, guard.receive, freeing(guard.send if queue is None else queue.send))
+            if queue is not None:
+                await queue.finish(self.stall_timeout_s)    # what is still queued: the last chunks, the end, the close
         finally:
-            if pacer is not None:
-                pacer.close()
+            if queue is not None:
+                queue.close()
             free()
 
     def _take(self, place: tuple[str, str]) -> Callable[[], None]:
@@ -290,6 +302,7 @@ def middlewares() -> list:
     return [Middleware(ProxyDoor, max_websockets=int(os.environ[MAX_ENV]),
                        retry_after_s=float(os.environ.get(RETRY_ENV, "10")),
                        stall_timeout_s=None if stall is None else float(stall), refused=_ray_refusals(),
+                       stall_max_bytes=int(os.environ.get(STALL_BYTES_ENV, "0")),
                        max_per_address=int(os.environ.get(PER_ADDRESS_ENV, "0")),
                        trusted=parse_networks(os.environ.get(TRUSTED_ENV, "")),
                        viewers=PacerLimits.from_env(os.environ[VIEWER_ENV]) if os.environ.get(VIEWER_ENV) else None,

@@ -1,5 +1,6 @@
-"""A viewer's sends in Serve's proxy: a bounded queue of whole chunks, skipping to the next keyframe when the viewer
-falls behind, and a cut when it stays behind (docs/architecture.md, "Many viewers").
+"""Sends in Serve's proxy, queued where the client's socket is and bounded in bytes: a viewer's, by whole chunks,
+skipping to the next keyframe when the viewer falls behind, and a cut when it stays behind (docs/architecture.md,
+"Many viewers"); a session owner's, in order, and a cut past a bound (`SendQueue`).
 
 Behind Serve's proxy the ingress's sends never block: the proxy takes every message and Ray's stream buffers what
 it has not sent. So a viewer that reads slower than the stream comes would pile its video up in the proxy until
@@ -50,13 +51,39 @@ class _Entry:
     bytes: int = 0
 
 
-class ViewerPacer:
+class _QueuedSends:
+    """A task of its own that sends what is queued, woken when more comes; `finish` once the app has ended."""
+
+    def __init__(self, send: Callable):
+        self._send = send
+        self.finishing = False                    # the app has ended: the sender stops once the queue is empty
+        self.wake = asyncio.Event()
+        self.task = asyncio.ensure_future(self._sender())
+
+    async def _sender(self) -> None:
+        raise NotImplementedError
+
+    async def finish(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) until everything queued is sent: the app has ended, its close is the last."""
+        self.finishing = True
+        self.wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+class ViewerPacer(_QueuedSends):
     """One viewer's sends, queued by whole chunks (see the module's docstring). `send` never waits; `cut()` is told
     once, when the viewer fell behind max_skips times (its connection is then cut, as the stall guard does)."""
 
     def __init__(self, send: Callable, limits: PacerLimits, cut: Callable[[], None],
                  skipped: Callable[[], None] = lambda: None):
-        self._send, self.limits, self._cut, self._skipped = send, limits, cut, skipped
+        super().__init__(send)
+        self.limits, self._cut, self._skipped = limits, cut, skipped
         self.queue: deque[_Entry] = deque()       # waiting to be sent, in order
         self.incoming: Optional[_Entry] = None    # the chunk whose messages are arriving (None: dropped)
         self.chunks = 0                           # whole chunks waiting in the queue
@@ -64,9 +91,6 @@ class ViewerPacer:
         self.waiting_for_keyframe = False
         self.skips = 0
         self.cut = False
-        self.finishing = False                    # the app has ended: the sender stops once the queue is empty
-        self.wake = asyncio.Event()
-        self.task = asyncio.ensure_future(self._sender())
 
     async def send(self, message: dict) -> None:
         if not self.cut:
@@ -148,13 +172,58 @@ class ViewerPacer:
                     break
 
     async def finish(self, timeout_s: float) -> None:
-        """Wait (at most timeout_s) until everything queued is sent: the app has ended, its close is the last."""
-        self.finishing, self.incoming = True, None
-        self.wake.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            pass
+        self.incoming = None
+        await super().finish(timeout_s)
 
-    def close(self) -> None:
-        self.task.cancel()
+
+class SendQueue(_QueuedSends):
+    """A session's sends in Serve's proxy, in order, by a task of their own; `send` never waits. Without it the
+    proxy's send blocks while the client does not read, and Ray's stream from the ingress buffers behind it all
+    that the session makes until the stall timeout (a raw-frames session: about 19 MB a second). Past `max_bytes`
+    waiting, the queue is dropped and `cut()` told once (the caller cuts the connection, as after a stall). A send
+    that fails (the client gone) fails the next `send` of the app with its error."""
+
+    def __init__(self, send: Callable, max_bytes: int, cut: Callable[[], None]):
+        super().__init__(send)
+        self.max_bytes, self._cut = max_bytes, cut
+        self.queue: deque = deque()
+        self.bytes = 0                            # waiting, and the one being sent
+        self.cut = False
+        self.failed: Optional[BaseException] = None
+
+    async def send(self, message: dict) -> None:
+        if self.failed is not None:
+            raise self.failed
+        if not self.cut:
+            size = message_bytes(message)
+            if self.bytes + size > self.max_bytes:
+                self.cut, self.bytes = True, 0
+                self.queue.clear()
+                self._cut()
+            else:
+                self.queue.append(message)
+                self.bytes += size
+                self.wake.set()
+        await asyncio.sleep(0)                    # a turn for the sender (a sender in a loop)
+
+    async def _sender(self) -> None:
+        while not self.cut:
+            if not self.queue:
+                if self.finishing:
+                    return
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            message = self.queue[0]
+            try:
+                await self._send(message)
+            except Exception as e:                # (the client gone: the app hears it on its next send)
+                self.failed, self.cut = e, True
+                self.queue.clear()
+                return
+            if self.cut:                          # (cut while it was sent: the queue is gone)
+                return
+            self.queue.popleft()
+            self.bytes -= message_bytes(message)
+            if message.get("type") == "websocket.close":
+                return

@@ -346,6 +346,9 @@ class SessionLimits(SettingsConcern):
     start_timeout_s: float = setting(10.0, "session.start must arrive this soon after connecting", above=0)
     stall_timeout_s: float = setting(60.0, "a send to the client blocked this long (not reading, or gone) ends "
                                            "the session", above=0)
+    stall_max_bytes: int = setting(64 * 2 ** 20, "bytes a session's client may leave unread in Serve's proxy; past "
+                                                 "it the session ends as after stall_timeout_s (raw frames come at "
+                                                 "about 19 MB a second)", at_least=1)
     idle_timeout_s: float = setting(300.0, "no interaction for this long ends the session", above=0)
     max_lifetime_s: float = setting(3600.0, "a session ends after this long", above=0)
     max_start_bytes: int = setting(4 * 2 ** 20, "size limit of the session.start message (with its image)",

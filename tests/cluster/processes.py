@@ -11,15 +11,17 @@ from pathlib import Path
 
 import psutil
 
-from deployments.local import cluster_env
+from deployments.local import cluster_env, own_token_file
 
 BIN = Path(sys.executable).parent
 TOKEN_ENV = {"RAY_AUTH_MODE": "token"}           # the token itself: ~/.ray/auth_token, Ray's default place
+# (made its owner's only before any `ray` command: own_token_file; Ray would write it readable by all)
 
 
 def ray_cli(*args, env=None, app_args=None, timeout=180) -> str:
     """`ray ARGS` with the cluster's environment (the door's bounds from the app's settings `app_args`), its
     stdout; AssertionError with its output when it fails."""
+    own_token_file()
     run_env = {**os.environ, **cluster_env(app_args), **TOKEN_ENV, **(env or {})}
     done = subprocess.run([str(BIN / "ray"), *args], env=run_env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
@@ -60,6 +62,7 @@ def start_head(temp_dir: Path, gcs_port: int, *args, env: dict, tries: int = 2) 
     """`ray start --head` on `gcs_port` with `temp_dir` and `args`, tried again once after its leftovers are killed
     when the node did not register in time (seen on a busy 2-core machine: "the node registration may not be
     complete yet before the timeout")."""
+    own_token_file()
     for attempt in range(tries):
         done = subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--temp-dir={temp_dir}",
                                *args], env={**env, **TOKEN_ENV}, capture_output=True, text=True, timeout=180)

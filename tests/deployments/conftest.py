@@ -29,14 +29,16 @@ TEST_SETTINGS = dict(preset="tiny", device="cpu", sp=2, max_sessions_per_group=2
 
 @pytest.fixture(scope="package")
 def serve_app():
-    from deployments.local import prepare_environment
-    prepare_environment(TEST_SETTINGS)     # before Ray starts: the proxy's handshake limits and door (local.py)
+    from deployments.local import start_ray
+    # the environment before Serve is imported (the proxy's handshake limits and door), the token file its owner's
+    # only, token authentication checked (local.py)
+    start_ray(TEST_SETTINGS, num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False,
+              log_to_driver=False, _metrics_export_port=METRICS_PORT,
+              _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS})
     import ray
     from ray import serve
 
     from deployments.app import build_app
-    ray.init(num_cpus=2, object_store_memory=300 * 2 ** 20, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(TEST_SETTINGS), name="lingbot", route_prefix="/")
     yield URL

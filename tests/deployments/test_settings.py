@@ -60,6 +60,8 @@ NEW_DEFAULTS.update(record_sessions=False, recordings_dir="~/lingbot-recordings"
 # worlds: saved in a folder, kept 30 days, 100 and 1 GiB a key, 4,000 chunks a world
 NEW_DEFAULTS.update(worlds_dir="~/lingbot-worlds", world_keep_s=30 * 86400.0, max_worlds_per_key=100,
                     max_world_bytes_per_key=2 ** 30, max_world_chunks=4000, max_world_snapshot_bytes=256 * 2 ** 20)
+# what a client that does not read may leave in the proxy
+NEW_DEFAULTS.update(stall_max_bytes=64 * 2 ** 20)
 
 
 def test_settings_validation(monkeypatch):

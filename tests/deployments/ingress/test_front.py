@@ -6,6 +6,7 @@ nothing. Then its bound: from the environment, checked against the app's setting
 import asyncio
 import json
 import random
+from typing import ClassVar
 
 import msgpack
 import pytest
@@ -16,6 +17,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route, WebSocketRoute
 
 from deployments.addresses import parse_networks
+from deployments.ingress import front
 from deployments.ingress.access import busy, too_many_connections
 from deployments.ingress.closing import error_message
 from deployments.ingress.front import (
@@ -31,6 +33,7 @@ from deployments.ingress.front import (
     proxy_env,
     refusal_frame,
 )
+from deployments.ingress.pacing_door import SendQueue
 from deployments.ingress.routes import SGLANG_ROUTE, VLLM_ROUTE
 from deployments.local import cluster_env
 from tests.waits import async_wait_until
@@ -233,6 +236,7 @@ def test_its_bound_comes_from_the_app_settings_through_the_environment():
     env = cluster_env()
     assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == CALLBACK
     assert (env[MAX_ENV], env[RETRY_ENV], env[STALL_ENV]) == ("64", "10", "60")  # 64 x 1 replica; the settings
+    assert env[front.STALL_BYTES_ENV] == str(64 * 2 ** 20)
     assert cluster_env({"max_ingress_sessions": 100, "max_ingress_replicas": 3, "retry_after_s": 4.5})[MAX_ENV] \
         == "300"
     assert configured_bound(env) == 64 and configured_bound({}) is None
@@ -250,63 +254,92 @@ def test_serves_callback_installs_the_door_from_the_environment(monkeypatch):
         monkeypatch.setenv(key, value)
     [door] = middlewares()
     assert door.cls is ProxyDoor and door.kwargs["max_websockets"] == 80 and door.kwargs["retry_after_s"] == 2.5
-    assert door.kwargs["stall_timeout_s"] == 12.0
+    assert door.kwargs["stall_timeout_s"] == 12.0 and door.kwargs["stall_max_bytes"] == 0    # (no bound given)
     with pytest.raises(ValueError, match="at least 1"):
         ProxyDoor(None, max_websockets=0, retry_after_s=1.0)
 
 
-def test_a_client_that_stops_reading_is_cut_after_the_stall_timeout_and_the_app_hears_it_gone():
-    """Behind the door an app streams 64 KiB messages to a client that never reads (a small receive buffer, a
-    client queue of one message, no keepalive on either side: nothing else could end it): once one send has been
-    blocked for the stall timeout, the connection is cut, the app's receive says the client is gone (so the app
-    stops producing), the stall is counted once, and the door's place is free."""
+async def _stops_reading(door_kwargs: dict, queues: list, seconds: float = 30.0):
+    """Behind a door of `door_kwargs` an app streams 64 KiB messages to a client that never reads (a small receive
+    buffer, a client queue of one message, no keepalive on either side: nothing else could end it), until the app
+    hears the client gone. (what the app heard, messages it sent), the door's refusals, its open places, and the
+    most bytes its SendQueues (listed in `queues` as they are made) held for the client."""
     import socket
+    heard, refused = [], []
 
-    async def scenario():
-        heard, refused = [], []
+    async def stream(ws):
+        await ws.accept()
+        gone = asyncio.Event()
 
-        async def stream(ws):
-            await ws.accept()
-            gone = asyncio.Event()
+        async def listen():
+            heard.append(await ws.receive())
+            gone.set()
+        listener = asyncio.ensure_future(listen())
+        sent = 0
+        while not gone.is_set():
+            await ws.send_bytes(bytes(65536))
+            sent += 1
+        await listener
+        heard.append(sent)
 
-            async def listen():
-                heard.append(await ws.receive())
-                gone.set()
-            listener = asyncio.ensure_future(listen())
-            sent = 0
-            while not gone.is_set():
-                await ws.send_bytes(bytes(65536))
-                sent += 1
-            await listener
-            heard.append(sent)
-
-        app = Starlette(routes=[WebSocketRoute(VLLM_ROUTE, stream)])
-        door = ProxyDoor(app, max_websockets=4, retry_after_s=1.0, stall_timeout_s=1.0, refused=refused.append)
-        config = uvicorn.Config(door, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                ws_ping_interval=None, ws_ping_timeout=None)
-        server = uvicorn.Server(config)
-        task = asyncio.ensure_future(server.serve())
-        while not server.started:
+    app = Starlette(routes=[WebSocketRoute(VLLM_ROUTE, stream)])
+    door = ProxyDoor(app, max_websockets=4, retry_after_s=1.0, refused=refused.append, **door_kwargs)
+    config = uvicorn.Config(door, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                            ws_ping_interval=None, ws_ping_timeout=None)
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        ws = await websockets.connect(f"ws://127.0.0.1:{port}{VLLM_ROUTE}", sock=sock, max_queue=1,
+                                      ping_interval=None, compression=None)
+        t0 = asyncio.get_running_loop().time()
+        while len(heard) < 2 and asyncio.get_running_loop().time() - t0 < seconds:   # never reading
             await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        try:
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", port))
-            ws = await websockets.connect(f"ws://127.0.0.1:{port}{VLLM_ROUTE}", sock=sock, max_queue=1,
-                                          ping_interval=None, compression=None)
-            for _ in range(600):                                 # never reading; the app ends once cut
-                if len(heard) == 2:
-                    break
-                await asyncio.sleep(0.05)
-            ws.transport.abort()                                 # (a close would wait for its handshake)
-            return heard, refused, door.open
-        finally:
-            server.should_exit = True
-            await task
+        ws.transport.abort()                                 # (a close would wait for its handshake)
+        return heard, refused, door.open, max((q.peak for q in queues), default=0)
+    finally:
+        server.should_exit = True
+        await task
 
-    heard, refused, open_ = asyncio.run(scenario())
+
+class _Listed(SendQueue):
+    """The door's own queue, each one made listed (the test reads how many bytes it holds)."""
+    made: ClassVar[list] = []
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.peak = 0
+        self.made.append(self)
+
+    async def send(self, message) -> None:
+        await super().send(message)
+        self.peak = max(self.peak, self.bytes)
+
+
+def test_a_client_that_stops_reading_is_cut_after_the_stall_timeout_and_the_app_hears_it_gone():
+    """Once one send has been blocked for the stall timeout, the connection is cut, the app's receive says the
+    client is gone (so the app stops producing), the stall is counted once, and the door's place is free."""
+    heard, refused, open_, _ = asyncio.run(_stops_reading({"stall_timeout_s": 1.0}, []))
     assert heard[0]["type"] == "websocket.disconnect" and heard[1] > 0, heard
+    assert refused == ["stall_timeout"] and open_ == {}
+
+
+def test_a_client_that_stops_reading_is_cut_once_its_unread_bytes_reach_the_bound_long_before_the_timeout(
+        monkeypatch):
+    """With a stall timeout of 60 s and stall_max_bytes of 2 MiB, a client that never reads is cut once 2 MiB
+    wait for it in the door (never more held), well within the 30 s the test waits: the app hears it gone, the
+    stall is counted once, the place is free. (Without the bound the app's send blocked and nothing was cut for
+    60 s, while a proxy's stream from the replica piled everything up behind it.)"""
+    monkeypatch.setattr(front, "SendQueue", _Listed)
+    heard, refused, open_, most = asyncio.run(_stops_reading({"stall_timeout_s": 60.0, "stall_max_bytes": 2 * 2 ** 20},
+                                                             _Listed.made))
+    assert heard and heard[0]["type"] == "websocket.disconnect", heard
+    assert 2 * 2 ** 20 - 65536 < most <= 2 * 2 ** 20 and heard[1] * 65536 > 2 * 2 ** 20, (most, heard)
     assert refused == ["stall_timeout"] and open_ == {}
 
 
