@@ -141,6 +141,30 @@ class RankLifecycle:
                  self.warmup.seconds, times[0], times[-1])
         return self.warmup
 
+    def measure_rungs(self, floor) -> dict[str, float]:
+        """Seconds one chunk takes on this rank as a sink chunk on the `floor` rung's decoder (every step: `tiny`
+        where the floor's decoder is the tiny one, `full` on the session's own) and at the floor, for the quality
+        ladder's admission before any session ran (deployments/group/ladder.py). A throwaway session: its sink on
+        the floor's decoder (the last chunk timed), then two chunks at the floor (the last timed). Every rank of
+        the group runs it together."""
+        from .runtime.journal import ChunkControls, apply, open_world
+        from .runtime.rungs import rung_name
+        preset = self.pipeline.preset
+        world = open_world(self.pipeline, np.zeros((preset.height, preset.width, 3), dtype=np.uint8), "warm-up", 0)
+        sink = ChunkControls(decoder=floor.decoder, profile=True)      # (profile: synchronised, its real time)
+        plan = [(rung_name(None, floor.decoder), sink)] * preset.transformer.sink_chunks + \
+            [(floor.name, ChunkControls(steps=floor.steps, decoder=floor.decoder, profile=True))] * 2
+        times = {}
+        for index, (name, controls) in enumerate(plan):
+            t = time.perf_counter()
+            chunk, _ = apply(world, controls, index)
+            if chunk.frames is not None:
+                chunk.frames.cpu()
+            times[name] = time.perf_counter() - t
+        del world, chunk
+        log.info("rank %d measured its rungs: %s", self.rank, ", ".join(f"{k} {v:.3f} s" for k, v in times.items()))
+        return times
+
     # ---- 4. measure ---------------------------------------------------------------------------
     def measure(self) -> Optional[MemoryReport]:
         if self.device.type != "cuda":

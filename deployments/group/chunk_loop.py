@@ -24,7 +24,7 @@ from ..detach import fresh_task
 from ..session.codes import ErrorCode
 from ..session.events import ChunkReady, GroupEvent, InteractionRefused, ModelFacts, Resumed, SessionDone, SessionFailed
 from .executor import RankExecutor
-from .ladder import GroupLadder
+from .group_ladder import GroupLadder
 from .messages import ChunkReply, Fragment
 from .planner import ChunkPlan
 from .scheduler import ScheduledSession, Scheduler

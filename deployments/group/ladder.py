@@ -1,7 +1,6 @@
 """The quality ladder's controller: which rung each session of a group runs its next chunk at (docs/architecture.md,
-"Rungs"). Plain Python, decided per chunk: `Ladder` decides, `QualityLadder` seats a group's sessions on it, and
-`GroupLadder` is the one the chunk loop asks: the switch (off or auto) with its transitions, each chunk's rung,
-what each chunk cost, and the group's admission and capacities.
+"Rungs"). Plain Python, decided per chunk: `Ladder` decides, `QualityLadder` seats a group's sessions on it
+(group_ladder.py's `GroupLadder`, the switch off or auto, is the one the chunk loop and the leases ask).
 
 It decides from the group's load, not from the playout slack alone (with adaptive pacing a chunk is due one
 learned lead before its deadline, so the slack sits near the margin whether the group is idle or nearly full).
@@ -9,10 +8,15 @@ The load is the sum over the group's sessions of a chunk's cost at the session's
 chunks per second: every deadline can hold while it stays under 1 (`target`, by default 0.9, leaves room for
 the noise of chunk times). The slack corrects it: a session behind its deadline steps down first, at once.
 
-- Costs are learned on this group, per rung (an exponential mean of the chunk times the ranks report), seeded
-  from the full rung's first measure times the cost model's ratios (perf/rungs.py) until a rung is measured;
-  the ratios then follow the Wan decode's share of this group's full chunks (their stage times), which the
-  DiT-only rungs do not save.
+- Costs are learned on this group, per rung: measured by the ranks at the group's start where the ladder may
+  run (the floor, a sink chunk on the floor's decoder: RankLifecycle.measure_rungs; full: the warm-up), then
+  from the chunk times the ranks report (a slower chunk counts at once, a faster one by an exponential mean); a rung not
+  measured is seeded from full times the cost model's ratios (perf/rungs.py), which follow the Wan decode's
+  share of this group's full chunks (their stage times), which the DiT-only rungs do not save.
+- The sink (a session's first chunks) runs every denoising step on its rung's decoder: a session in its sink
+  counts a sink chunk's cost (learned per decoder), due as fast as its first chunk's frames play (9 of 12: the
+  player has only that chunk while the next is made), and steps down straight onto a rung whose decoder makes
+  the sink cheaper.
 - Hysteresis: a session changes rung at most once every `hold_chunks` of its chunks, unless it is behind. A
   newcomer starts at the rung of the group's most degraded session (it is the one making the group crowded).
 - Fairness: when some must step down, the session at the best rung goes first (ties: the one with the least
@@ -29,12 +33,13 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
   decoder is warm: the session stays on tiny_steps2 and each chunk warms the Wan decoder by one decode
   (ChunkControls.prewarm), which makes the chunk cost what a steps2 chunk costs (a group with room to climb has
   room to warm), until a rank reports it ready (14 chunks), and no chunk stalls on a 14-decode warm-up. A warming
-  chunk's time is not learned as its rung's cost (it is the rung above's).
-- Admission (`holds`, `QualityLadder.admits`): a group takes one more session while every session, the new one
-  included, could run at real time at its lowest allowed rung (the floor, or its pinned rung): the load at the
-  floor within target. So a group full at the top rung still takes sessions (they and the others step down)
-  instead of them waiting for a group start, and refuses (capacity_exhausted: the ingress tries another group
-  or waits) once even the floor would not hold. `capacity` says how many sessions of one rate fit at a rung.
+  chunk's time is learned as the cost of the rung it climbs to (a climb the group cannot afford shows at once).
+- Admission (`holds`, `QualityLadder.admits`): a group takes one more session while every session could run at
+  real time at its lowest allowed rung (the floor, or its pinned rung) with the new one's sink at its own cost
+  beside them, and no other session's sink is running (one sink at a time). So a group full at the top rung
+  still takes sessions (they and the others step down) instead of them waiting for a group start; one it holds
+  back waits for that seat, told its place (SessionFailed.seat_held: the ingress waits whether or not a group
+  may be added), never joins to stall the others. `capacity` says how many sessions of one rate fit at a rung.
 - Turned off on a running group, the ladder leaves its sessions at full from their next chunk, except one on a
   decoder it borrowed (the tiny decoder of tiny_steps2): that one climbs as it would with the ladder on, at every
   step on the borrowed decoder while its own warms a decode a chunk, and switches once a rank reports it warm
@@ -43,15 +48,20 @@ the noise of chunk times). The slack corrects it: a session behind its deadline 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from lingbot.runtime.rungs import FULL, WAN_DECODE_SHARE, Rung, rung, rung_decoders, rung_name, rung_ratio
 
 EMA = 0.2                      # weight of a new chunk time in a rung's learned cost
+
+
+def learned(old: Optional[float], seconds: float) -> float:
+    """A rung's cost after a chunk of `seconds`: a slower chunk counts at once (a group that slowed down, e.g. one
+    sharing its cores, must not wait five chunks to step down), a faster one by the exponential mean."""
+    return seconds if old is None or seconds > old else (1 - EMA) * old + EMA * seconds
 
 
 @dataclass
@@ -65,22 +75,45 @@ class Seat:
     changed_at: int = -10 ** 9  # `chunks` when its rung last changed
     pinned: Optional[int] = None  # the rung the session chose for its life (None: the ladder's choice)
     warming: bool = False      # held below the rung it climbed to until its decoder is warm: climbs no further
+    in_sink: bool = False      # its next chunk is one of its sink's: every denoising step, on its rung's decoder
 
 
 class Ladder:
     def __init__(self, rungs: tuple[Rung, ...], ratios: tuple[float, ...], floor: Optional[int] = None,
-                 target: float = 0.9, margin: float = 0.1, hold_chunks: int = 4):
+                 target: float = 0.9, margin: float = 0.1, hold_chunks: int = 4,
+                 sink_ratios: Optional[tuple[float, ...]] = None):
         if len(ratios) != len(rungs) or ratios[0] != 1.0 or list(ratios) != sorted(ratios, reverse=True):
             raise ValueError("ratios: one per rung, the full rung's 1.0 first, then not increasing")
         self.rungs, self.ratios = rungs, ratios
+        self.sink_ratios = sink_ratios or (1.0,) * len(rungs)   # a sink chunk on each rung's decoder, against full
         self.floor = len(rungs) - 1 if floor is None else floor
         self.target, self.margin, self.hold_chunks = target, margin, hold_chunks
         self.measured: dict[int, float] = {}   # rung -> learned seconds per chunk
+        self.sink_measured: dict[Optional[str], float] = {}   # decoder (None: the session's own) -> a sink chunk's
 
     def observe(self, rung: int, seconds: float) -> None:
         """A chunk ran at `rung` in `seconds` (the ranks' engine time)."""
         old = self.measured.get(rung)
-        self.measured[rung] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.measured[rung] = learned(old, seconds)
+
+    def observe_sink(self, rung: int, seconds: float) -> None:
+        """A sink chunk ran on `rung`'s decoder in `seconds`."""
+        key = self.rungs[rung].decoder
+        old = self.sink_measured.get(key)
+        self.sink_measured[key] = learned(old, seconds)
+
+    def sink_cost(self, rung: int) -> Optional[float]:
+        """Seconds per sink chunk on `rung`'s decoder (every denoising step): learned, else (the session's own
+        decoder) the full rung's cost, else the full rung's scaled by the cost model's sink ratio."""
+        key = self.rungs[rung].decoder
+        if key in self.sink_measured:
+            return self.sink_measured[key]
+        full = self.cost(0)
+        return None if full is None else full * (1.0 if key is None else self.sink_ratios[rung])
+
+    def seat_cost(self, seat: Seat, rung: int) -> Optional[float]:
+        """What `seat`'s next chunk costs at `rung`: a sink chunk's cost while it is in its sink."""
+        return self.sink_cost(rung) if seat.in_sink else self.cost(rung)
 
     def cost(self, rung: int) -> Optional[float]:
         """Seconds per chunk at `rung`: learned, else the full rung's (or any measured one's) scaled by the
@@ -94,17 +127,30 @@ class Ladder:
 
     def load(self, seats: list[Seat], rungs: Optional[dict[str, int]] = None) -> float:
         rungs = rungs or {}
-        return sum((self.cost(rungs.get(s.id, s.rung)) or 0.0) * s.chunks_per_s for s in seats)
+        return sum((self.seat_cost(s, rungs.get(s.id, s.rung)) or 0.0) * s.chunks_per_s for s in seats)
 
     def holds(self, seats: list[Seat], chunks_per_s: float, rung: Optional[int] = None) -> bool:
         """Whether one more session of `chunks_per_s` (at `rung`; None: the floor) keeps every deadline with each
         session at its lowest allowed rung (a pinned one at its own, the others at the floor): their load within
-        target. True before anything is measured, and for a session without real-time demand."""
+        target, the new one counted at its sink's cost (every step), since its first chunks are its sink; and no
+        paced session in its sink (one sink at a time: a new session's player has one chunk to play while its
+        sink's next chunk is made, so nothing else's first chunks may come between). True before anything is
+        measured, and for a session without real-time demand."""
         if chunks_per_s <= 0 or self.cost(0) is None:
             return True
+        if any(s.in_sink and s.chunks_per_s > 0 for s in seats):
+            return False                             # one sink at a time: its player holds one chunk
         lowest = {s.id: self.floor if s.pinned is None else s.pinned for s in seats}
         new = self.floor if rung is None else rung
-        return self.load(seats, lowest) + self.cost(new) * chunks_per_s <= self.target
+        return self.load(seats, lowest) + self.sink_cost(new) * chunks_per_s <= self.target
+
+    def _step_down(self, seat: Seat, rung: int) -> int:
+        """The rung below `rung` for `seat`; one in its sink goes on to the first whose sink costs less (a sink
+        runs every step: only a decoder rung makes it cheaper)."""
+        lower = rung + 1
+        while seat.in_sink and lower < self.floor and (self.sink_cost(lower) or 0.0) >= (self.sink_cost(rung) or 0.0):
+            lower += 1
+        return lower
 
     def capacity(self, chunks_per_s: float, rung: int, cap: int) -> int:
         """How many sessions of `chunks_per_s` the group holds at real time, all at `rung`: at most `cap` (the
@@ -122,7 +168,7 @@ class Ladder:
         free = {s.id for s in seats if s.chunks - s.changed_at >= self.hold_chunks and s.pinned is None}
         for s in seats:                              # behind its deadline: one rung down, now
             if s.slack_s < 0 and rungs[s.id] < self.floor and s.pinned is None:
-                rungs[s.id] += 1
+                rungs[s.id] = self._step_down(s, rungs[s.id])
                 free.discard(s.id)
         loaded = self.load(seats, rungs) > self.target
         for s in seats:                              # no real-time demand: the floor under load, else full
@@ -133,7 +179,7 @@ class Ladder:
             if not down:
                 break
             s = min(down, key=lambda s: (rungs[s.id], s.slack_s))
-            rungs[s.id] += 1
+            rungs[s.id] = self._step_down(s, rungs[s.id])
             free.discard(s.id)
         while True:
             up = [s for s in seats if s.id in free and s.chunks_per_s > 0 and rungs[s.id] > 0 and not s.warming]
@@ -177,8 +223,11 @@ class QualityLadder:
     now), the rung of each chunk past the sink, and what each chunk cost at its rung."""
 
     def __init__(self, ladder: Ladder, sink_chunks: int, frames_per_chunk: int, loaded: tuple[str, ...] = ("wan",),
-                 steps: int = 4):
+                 steps: int = 4, first_frames: Optional[int] = None):
         self.ladder, self.sink_chunks, self.frames_per_chunk = ladder, sink_chunks, frames_per_chunk
+        # a session's first chunk is shorter (9 frames of 12): in its sink, the player has only that to play
+        # while the next chunk is made, so a sink chunk is due within the first chunk's time
+        self.first_frames = first_frames or frames_per_chunk
         self.loaded, self.steps = loaded, steps
         self.decode_share: Optional[float] = None  # the Wan decode's share of a full chunk, measured here
         self.seats: dict[str, Seat] = {}
@@ -193,11 +242,11 @@ class QualityLadder:
         if settings.quality_ladder != "auto" or model is None:
             return None
         loaded = tuple(model.decoders)
-        runs = {None, *loaded} if len(loaded) > 1 else {None}
-        rungs = tuple(r for r in map(rung, settings.quality_rungs) if r.decoder in runs)
+        rungs = ladder_rungs(settings, loaded)
         share = WAN_DECODE_SHARE if any(r.decoder for r in rungs) else 0.0
-        return cls(Ladder(rungs, tuple(rung_ratio(model.steps, r, share) for r in rungs)), model.sink_chunks,
-                   model.geometry.pixel_frames(1), loaded, model.steps)
+        return cls(Ladder(rungs, tuple(rung_ratio(model.steps, r, share) for r in rungs),
+                          sink_ratios=sink_ratios(model.steps, rungs, share)), model.sink_chunks,
+                   model.geometry.pixel_frames(1), loaded, model.steps, model.geometry.pixel_frames(0))
 
     def _seat(self, session, now: float) -> Seat:
         seat = self.seats.get(session.id)
@@ -206,13 +255,24 @@ class QualityLadder:
             start = max((s.rung for s in self.seats.values() if s.pinned is None), default=0)
             seat = self.seats[session.id] = Seat(session.id, 0.0, 0.0, rung=start if pinned is None else pinned,
                                                  pinned=pinned)
-        seat.chunks_per_s = self.chunks_per_s(session.start)
+        seat.in_sink = session.next_chunk < sink_chunks(session, self.sink_chunks)
+        seat.chunks_per_s = self.chunks_per_s(session.start, seat.in_sink)
         seat.slack_s = session.clock.deadline() - now
         return seat
 
-    def chunks_per_s(self, start) -> float:
-        """A session's chunks per second at real time (0: unpaced, no real-time demand)."""
-        return start.fps / self.frames_per_chunk if start.paced else 0.0
+    def seed(self, costs: dict[str, float]) -> None:
+        """Costs measured before any session ran (GroupLadder.measured_at_start)."""
+        for i, r in enumerate(self.ladder.rungs):
+            if r.name in costs:
+                self.ladder.observe(i, costs[r.name])
+            sink = rung_name(None, r.decoder)
+            if r.decoder is not None and sink in costs and r.decoder not in self.ladder.sink_measured:
+                self.ladder.observe_sink(i, costs[sink])
+
+    def chunks_per_s(self, start, in_sink: bool = False) -> float:
+        """A session's chunks per second at real time (0: unpaced, no real-time demand); in its sink, as due as
+        its first chunk's frames make them."""
+        return start.fps / (self.first_frames if in_sink else self.frames_per_chunk) if start.paced else 0.0
 
     def pinned(self, start) -> Optional[int]:
         """The rung a session pinned, as an index into this ladder's rungs (None: the ladder chooses)."""
@@ -223,7 +283,7 @@ class QualityLadder:
         yet running, counted at `default_fps`) with the floor holding for every one of them (Ladder.holds)."""
         now = time.monotonic()
         seats = [self._seat(s, now) for s in sessions]
-        seats += [Seat(f"opening-{i}", default_fps / self.frames_per_chunk, 0.0) for i in range(opening)]
+        seats += [Seat(f"opening-{i}", default_fps / self.frames_per_chunk, 0.0, in_sink=True) for i in range(opening)]
         return self.ladder.holds(seats, self.chunks_per_s(start), self.pinned(start))
 
     def capacities(self, fps: float, cap: int) -> dict[str, int]:
@@ -261,7 +321,14 @@ class QualityLadder:
         self.last[session.id] = chunk
         self.warm[session.id] = bool(warm) if chunk.prewarm is not None else False
         names = [r.name for r in self.ladder.rungs]
-        if chunk.rung.name in names and chunk.prewarm is None:
+        on = next((i for i, r in enumerate(self.ladder.rungs) if r.decoder == chunk.decoder), None)
+        above = rung_name(chunk.rung.steps, None)       # a warming chunk costs what the rung it climbs to costs
+        if chunk.prewarm is not None:
+            if above in names:                    # (so a climb the group cannot afford is seen, and given up)
+                self.ladder.observe(names.index(above), seconds)
+        elif chunk.decoder is not None and on is not None and index < sink_chunks(session, self.sink_chunks):
+            self.ladder.observe_sink(on, seconds)   # a sink chunk on a decoder rung's decoder (on its own: full)
+        elif chunk.rung.name in names:
             self.ladder.observe(names.index(chunk.rung.name), seconds)
         if chunk.rung.name == "full" and chunk.decoder is None and chunk.prewarm is None \
                 and own_decoder(session, self.loaded) == "wan":
@@ -277,6 +344,7 @@ class QualityLadder:
         share = decode / total
         self.decode_share = share if self.decode_share is None else (1 - EMA) * self.decode_share + EMA * share
         self.ladder.ratios = tuple(rung_ratio(self.steps, r, self.decode_share) for r in self.ladder.rungs)
+        self.ladder.sink_ratios = sink_ratios(self.steps, self.ladder.rungs, self.decode_share)
 
     def wind_down(self, session) -> Optional[ChunkRung]:
         """With this ladder turned off: the chunk of `session` while its last one ran on a decoder this ladder lent
@@ -301,6 +369,24 @@ class QualityLadder:
     def forget(self, session_id: str) -> None:
         for held in (self.seats, self.last, self.warm):
             held.pop(session_id, None)
+
+
+def ladder_rungs(settings, loaded: tuple[str, ...]) -> tuple[Rung, ...]:
+    """The ladder's rungs down to quality_floor that a group of `loaded` decoders runs (the decoder rungs where
+    both are loaded)."""
+    runs = {None, *loaded} if len(loaded) > 1 else {None}
+    return tuple(r for r in map(rung, settings.quality_rungs) if r.decoder in runs)
+
+
+def ladder_floor(settings, loaded: tuple[str, ...]) -> Rung:
+    return ladder_rungs(settings, loaded)[-1]
+
+
+def sink_ratios(steps: int, rungs: tuple[Rung, ...], decode_share: float) -> tuple[float, ...]:
+    """A sink chunk's cost on each rung's decoder against a full chunk's: every step, decoded by the rung's decoder
+    (1 on the session's own)."""
+    return tuple(1.0 if r.decoder is None else rung_ratio(steps, Rung(rung_name(None, r.decoder), None, r.decoder),
+                                                           decode_share) for r in rungs)
 
 
 def sink_chunks(session, model_sink: int) -> int:
@@ -330,70 +416,3 @@ def chunk_rung(ladder: Optional[QualityLadder], session, sessions, index: int, m
 
 
 AT_FULL = ChunkRung(FULL)             # a chunk of the model's own configuration: every step, the session's decoder
-
-
-class GroupLadder:
-    """The group's quality ladder as its chunk loop runs it: the switch (`mode`: off or auto, from the settings,
-    turned on or off by `set_mode` while sessions run), the ladder that runs (`active`, None while off) and one
-    turned off while sessions still borrow its decoders (`winding`). The chunk loop asks each chunk's rung
-    (`rung_for`) and tells what each chunk cost (`ran`); the leases ask `admits` and `capacities`."""
-
-    def __init__(self, settings, model: Optional[Any] = None):
-        self.settings, self.model = settings, model
-        self.model_sink = 0 if model is None else model.sink_chunks
-        self.loaded = ("wan",) if model is None else tuple(model.decoders)
-        self.active = QualityLadder.of(settings, model)      # None: every chunk at full (or its pinned rung)
-        self.winding: Optional[QualityLadder] = None          # turned off while sessions borrow its decoders
-
-    @property
-    def mode(self) -> str:
-        return "off" if self.active is None else "auto"
-
-    def set_mode(self, mode: str) -> None:
-        """Turn the ladder off or on (auto) from each session's next chunk, sessions running (ConfigError for another
-        mode, checked as the setting is): off, every session not pinned to a rung is at full from its next chunk,
-        except one on a borrowed decoder, which first winds down (QualityLadder.wind_down); on, a new ladder
-        starts every session at full (a climb under way carried over) and learns this group's costs again."""
-        if mode == self.mode:
-            return
-        ladder = QualityLadder.of(dataclasses.replace(self.settings, quality_ladder=mode), self.model)
-        if ladder is None:
-            self.winding = self.active
-        else:
-            if self.winding is not None:
-                ladder.carry_from(self.winding)
-            self.winding = None
-        self.active = ladder
-
-    def rung_for(self, session, sessions, index: int) -> ChunkRung:
-        """What `session`'s chunk `index` runs at, beside `sessions`: winding down from a borrowed decoder, else
-        chunk_rung of the active ladder."""
-        winding = self.winding.wind_down(session) if self.winding is not None else None
-        return winding or chunk_rung(self.active, session, sessions, index, self.model_sink, self.loaded)
-
-    def ran(self, session, sessions, index: int, chunk: ChunkRung, seconds: float, warm: Optional[bool] = None,
-            timings: Optional[dict] = None) -> None:
-        """Chunk `index` of `session` ran at `chunk` (QualityLadder.ran); the winding ladder is dropped once none of
-        `sessions` runs on a decoder it lent."""
-        for ladder in (self.active, self.winding):
-            if ladder is not None:
-                ladder.ran(session, index, chunk, seconds, warm, timings)
-        if self.winding is not None and not self.winding.lending(sessions):
-            self.winding = None                       # every session runs on its own decoder again
-
-    def forget(self, session_id: str) -> None:
-        for ladder in (self.active, self.winding):
-            if ladder is not None:
-                ladder.forget(session_id)
-
-    def admits(self, start, sessions, opening: int = 0) -> bool:
-        """Whether the group takes a session of `start` (QualityLadder.admits; always with the ladder off: the cap
-        alone decides)."""
-        return self.active is None or self.active.admits(start, sessions, opening, self.settings.fps)
-
-    def capacities(self, cap: int) -> dict[str, int]:
-        """Sessions at the deployment's fps the group holds at real time at the top rung and at the floor (the
-        ladder on, as measured here; off, `cap` for both)."""
-        if self.active is None:
-            return {"top": cap, "floor": cap}
-        return self.active.capacities(self.settings.fps, cap)

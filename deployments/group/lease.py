@@ -13,6 +13,7 @@ from ..session.codes import ErrorCode
 from ..session.events import FINAL_EVENTS, Admitted, ModelFacts, Resumed, SessionDone, SessionFailed, SessionRequest
 from .chunk_loop import ChunkLoop
 from .executor import RankExecutor
+from .ladder import sink_chunks
 from .messages import SnapshotSchedule
 from .scheduler import ScheduledSession
 from .snapshots import SnapshotSeats
@@ -49,8 +50,11 @@ class Leases:
             return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full")
         if start is not None and self.reserved > 0 and not self.chunks.ladder.admits(
                 start, self.chunks.sessions.values(), self.reserved - len(self.chunks.sessions)):
+            sinking = self.reserved > len(self.chunks.sessions) or any(
+                s.next_chunk < sink_chunks(s, self.model.sink_chunks) for s in self.chunks.sessions.values())
             return SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full: its sessions are at the quality "
-                                 "floor's real-time limit")
+                                 "floor's real-time limit" + (" while a session's sink runs" if sinking else ""),
+                                 seat_held=True)
         return None
 
     def capacities(self) -> dict:

@@ -29,6 +29,7 @@ class RankInfo:
     warmup_s: float = 0.0          # the warm-up run before the rank reported ready
     snapshot_host: Optional[SnapshotHost] = None   # what one session's snapshots cost the group's host, at the
     #                                                 served interval (rank 0 only, with snapshots on; else None)
+    rung_s: Optional[dict] = None  # with the quality ladder on: seconds a chunk took here per rung (measure_rungs)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ..memory import Trimmer, held_refs, keep_large_blocks_mapped
 from ..session.events import ModelFacts, RankRestore, SnapshotRef
 from ..settings import ServeSettings
 from .device import DeviceProbe, rank_device
+from .ladder import ladder_floor
 from .messages import ChunkReply, DeviceStats, OpenSession, RankInfo, RunChunk
 from .rank_snapshots import SNAPSHOT_PUT_TIMEOUT_S, RankSnapshots, SessionSnapshots
 from .tombstones import Tombstones
@@ -106,6 +107,12 @@ class RankWorker:
                                   skip_fixed_point=s.skip_fixed_point, compile=s.compile, cuda_graphs=s.cuda_graphs,
                                   decoder=s.decoder_names, tae_path=s.tae_path)
         warmup = life.warm_up()
+        floor = ladder_floor(s, tuple(self.pipeline.decoders))
+        # (the ladder may be switched on later by the group's user_config: measured where it starts on, or where
+        # the floor is the decoder rung, which only the ladder runs)
+        ladder = s.quality_ladder == "auto" or floor.decoder is not None
+        rung_s = {"full": warmup.steady_chunk_s, **life.measure_rungs(floor)} if ladder and floor.name != "full" \
+            else None
         life.measure()
         capacity = life.capacity(s.max_sessions_per_group, s.budget_bytes)
         preset = self.pipeline.preset                # after any checkpoint config.json: what this rank runs
@@ -117,7 +124,7 @@ class RankWorker:
                              decoders=decoders) if s.snapshots and self.rank == 0 else None
         return RankInfo(capacity, session_footprint(preset, self.world_size, decoders, self.device).total,
                         str(self.device), ModelFacts.of(preset, random_weights=s.model_path is None,
-                                                        decoders=decoders), warmup.seconds, host)
+                                                        decoders=decoders), warmup.seconds, host, rung_s)
 
     def device_stats(self) -> Optional[DeviceStats]:
         """This rank's own device (device.DeviceProbe)."""

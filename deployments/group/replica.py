@@ -114,6 +114,12 @@ class WorldGroup:
         self.metrics = Metrics()
         self.chunks = ChunkLoop(self.id, s, self.state, self.ranks, self.muxer, self.mailbox, self.metrics,
                                 self._fail_group, self._maybe_report_devices, self.model)
+        measured = [i.rung_s for i in infos if i.rung_s]      # the slowest rank's time of each (they run together)
+        if measured:
+            costs = {k: max(m[k] for m in measured) for k in measured[0]}
+            log.info("group %s: a chunk at the start took %s", self.id, ", ".join(f"{k} {v:.3f} s" for k, v in
+                                                                             costs.items()))
+            self.chunks.ladder.measured_at_start(costs)
         self.leases = Leases(self.id, s, self.state, self.capacity, self.model, self.ranks, self.muxer, self.mailbox,
                              self.chunks, self.metrics, SnapshotSeats.of(self.id, s, infos[0].snapshot_host))
         self.last_metrics = 0.0

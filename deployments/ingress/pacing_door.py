@@ -63,6 +63,15 @@ class _QueuedSends:
     async def _sender(self) -> None:
         raise NotImplementedError
 
+    async def _work(self) -> bool:
+        """Wait until something is queued; False once the app has ended and nothing is (the sender stops)."""
+        while not self.queue:
+            if self.finishing:
+                return False
+            self.wake.clear()
+            await self.wake.wait()
+        return True
+
     async def finish(self, timeout_s: float) -> None:
         """Wait (at most timeout_s) until everything queued is sent: the app has ended, its close is the last."""
         self.finishing = True
@@ -148,12 +157,8 @@ class ViewerPacer(_QueuedSends):
 
     async def _sender(self) -> None:
         while not self.cut:
-            if not self.queue:
-                if self.finishing:
-                    return
-                self.wake.clear()
-                await self.wake.wait()
-                continue
+            if not await self._work():
+                return
             entry = self.queue.popleft()
             self.chunks -= entry.chunk
             while not self.cut:
@@ -208,12 +213,8 @@ class SendQueue(_QueuedSends):
 
     async def _sender(self) -> None:
         while not self.cut:
-            if not self.queue:
-                if self.finishing:
-                    return
-                self.wake.clear()
-                await self.wake.wait()
-                continue
+            if not await self._work():
+                return
             message = self.queue[0]
             try:
                 await self._send(message)

@@ -20,6 +20,7 @@ from .ports import GroupLink, Wire
 from .waiting import WaitingRoom, may_wait
 
 WAIT_TICK_S = 0.5            # a waiting session's client is told its place this often (when it changed)
+HELD_S = 5.0                 # a group's "a seat held back" (SessionFailed.seat_held) keeps a session waiting this long
 
 
 class Admission:
@@ -36,6 +37,7 @@ class Admission:
         self.lease = None                        # the last lease call: the session's, once it was admitted
         self.told: Optional[tuple] = None        # the last (position, eta_s) the client was told
         self.stuck_since: Optional[float] = None  # since when no group could be added while it waited
+        self.held_until = 0.0                    # a group's refusal said it holds a seat back: wait until then
 
     async def admit(self, request: SessionRequest, wait_s: float, queue: bool = False):
         """Hold a lease on a group for the session: the Admitted event, or the last refusal (None: no answer)
@@ -73,12 +75,13 @@ class Admission:
 
     async def _queued_tick(self) -> bool:
         """One tick of waiting in the queue: False once no group can come and admission_wait_s has passed since
-        (the refusal is then immediate by default); otherwise the client is told its place and the estimate,
+        (the refusal is then immediate by default), unless a group said lately that its ladder holds a free seat
+        back (SessionFailed.seat_held: it waits for that seat); otherwise the client is told its place and the estimate,
         when they changed since it was last told."""
         growth = await self.groups.growth()
         now = time.monotonic()
         wait, self.stuck_since = may_wait(growth, now, self.stuck_since, self.admission_wait_s)
-        if not wait:
+        if not (wait or now < self.held_until):  # (a seat held back by a group's ladder: groups or not)
             return False
         position = self.room.position(self.session_id)
         told = (position, self.room.eta_s(position, now, growth, self.session_id))
@@ -112,6 +115,8 @@ class Admission:
             if isinstance(answer, Admitted):
                 return answer
             self.lease.cancel()
+            if answer.seat_held:                          # (another group may answer full meanwhile)
+                self.held_until = time.monotonic() + HELD_S
             if answer.code not in RETRYABLE or time.monotonic() >= deadline:
                 return answer
             if waiting is not None and not await waiting():

@@ -194,9 +194,12 @@ class SessionDone:
 @dataclass(frozen=True)
 class SessionFailed:
     """The session cannot go on at this group (its group failed, is full, or is being stopped): the lease
-    ends here. The ingress resumes it elsewhere, or refuses with the code."""
+    ends here. The ingress resumes it elsewhere, or refuses with the code. `seat_held`: the group has a free seat
+    its quality ladder holds back until its load allows (a session's sink passing, a session ending), so a session
+    refused for it waits for a seat, whether or not a group may be added."""
     code: ErrorCode
     message: str
+    seat_held: bool = False
 
 
 @dataclass(frozen=True)

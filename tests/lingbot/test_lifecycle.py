@@ -40,3 +40,16 @@ def test_measured_capacity_by_hand(tiny):
     tight = MemoryReport(total=100 * GIB, free=8 * GIB, allocated=90 * GIB, peak=95 * GIB, loaded=90 * GIB)
     assert measured_capacity(tight, session, shared_caches=GIB, max_sessions=4) == 0      # never negative
     assert session_footprint(tiny).total > 0
+
+
+def test_a_rank_measures_the_ladders_rungs_before_any_session():
+    """With both decoders loaded and the decoder rung as the floor: a sink chunk on the tiny decoder (every step:
+    `tiny`) and a chunk at tiny_steps2, each timed on a throwaway session that is gone after (the pipeline serves a
+    real one from chunk 0)."""
+    from lingbot.runtime.rungs import rung
+    life = RankLifecycle(rank=0, world_size=1, device="cpu")
+    life.connect(None, timeout_s=10)
+    pipeline = life.load("tiny", decoder=("wan", "tae"))
+    times = life.measure_rungs(rung("tiny_steps2"))
+    assert sorted(times) == ["tiny", "tiny_steps2"] and all(t > 0 for t in times.values())
+    assert pipeline.new_session(np.zeros((64, 112, 3), np.uint8), "p", seed=1).step().index == 0

@@ -86,17 +86,43 @@ def test_a_session_is_admitted_while_the_floor_holds_for_everyone_and_capacity_i
     assert lad.holds([Seat("a", CPS, 1.0)] * 9, CPS) and lad.capacity(CPS, 0, cap=6) == 6   # nothing measured
     lad.observe(0, 0.3)                                       # full: 0.3 s a chunk -> 0.40 load per session
     seats = [Seat("a", CPS, 1.0), Seat("b", CPS, 1.0), Seat("c", CPS, 1.0)]
-    # at the floor (0.61 of full) each is 0.244: three and a new one 0.976 > 0.9, two and a new one 0.73
+    # at the floor (0.61 of full) each is 0.244; a newcomer counts its sink (every step on its own decoder: 0.4):
+    # three and a new one 1.13 > 0.9, two and a new one 0.89
     assert not lad.holds(seats, CPS) and lad.holds(seats[:2], CPS)
     assert lad.holds(seats[:2] + [Seat("u", 0.0, 0.0)], CPS)          # an unpaced session counts no load
     assert lad.holds(seats, 0.0)                                       # nor does an unpaced newcomer
     assert lad.holds(seats[:2], CPS, rung=0)                           # one that pins full: 0.4 more, 0.89
-    assert not lad.holds(seats[:2] + [Seat("d", CPS, 1.0, pinned=0)], CPS)   # beside one at full: 1.13
+    assert not lad.holds(seats[:2] + [Seat("d", CPS, 1.0, pinned=0)], CPS)   # beside one at full: 1.29
     pinned = [Seat("a", CPS, 1.0, pinned=0), Seat("b", CPS, 1.0)]
-    assert lad.holds(pinned, CPS) and not lad.holds(pinned + [Seat("c", CPS, 1.0)], CPS)   # 0.4 + 3 x 0.244
+    assert not lad.holds(pinned, CPS) and lad.holds(pinned[:1], CPS)   # 0.4 + 0.244 + 0.4; 0.4 + 0.4
     # how many sessions of 16 fps hold at real time: 2 at full (0.9 / 0.4), 3 at the floor (0.9 / 0.244)
     assert (lad.capacity(CPS, 0, cap=6), lad.capacity(CPS, 2, cap=6)) == (2, 3)
     assert lad.capacity(CPS, 2, cap=2) == 2 and lad.capacity(CPS * 10, 0, cap=6) == 1       # within [1, cap]
+
+
+def test_sessions_in_their_sink_count_a_sink_chunks_cost_learned_per_decoder_and_a_newcomer_waits_for_them():
+    """A sink chunk runs every denoising step on its rung's decoder: with the decoder rung as the floor, a session
+    in its sink counts the tiny decoder's sink cost (seeded from full by the sink ratio, then learned), not the
+    floor's; a newcomer counts its own sink, and waits while another session's sink runs; decide() steps a loaded
+    sink down onto the decoder rung at once."""
+    rungs = (FULL, RUNGS[2], RUNGS[4])                                      # full, steps2, tiny_steps2
+    lad = Ladder(rungs, (1.0, 0.72, 0.2), sink_ratios=(1.0, 1.0, 0.4))
+    lad.observe(0, 0.5)                                                     # full: 0.67 a session
+    assert (lad.sink_cost(0), lad.sink_cost(1), lad.sink_cost(2)) == (0.5, 0.5, 0.2)    # the seed on tiny: 0.4
+    lad.observe_sink(2, 0.3)                                                # learned: the tiny decoder's sink
+    assert lad.sink_cost(2) == 0.3 and lad.sink_cost(0) == 0.5
+    lad.observe(2, 0.1)                                                     # the floor measured: 0.133 a session
+    steady, sinking = Seat("a", CPS, 1.0, rung=2, chunks=9), Seat("b", CPS, 1.0, rung=2, in_sink=True)
+    assert lad.load([steady]) == pytest.approx(0.1 * CPS) and lad.load([sinking]) == pytest.approx(0.3 * CPS)
+    # a newcomer's sink on the floor's decoder, 0.4: beside one past its sink 0.53, beside two 0.67; never beside
+    # one in its sink (its player holds one chunk): it waits until that sink passes
+    assert lad.holds([steady], CPS) and lad.holds([steady, Seat("c", CPS, 1.0, rung=2, chunks=9)], CPS)
+    assert not lad.holds([sinking], CPS) and not lad.holds([steady, sinking], CPS)
+    assert lad.holds([steady] * 3, CPS) and not lad.holds([steady] * 4, CPS)     # 0.8; 0.93
+    new = Seat("n", CPS, 1.0, in_sink=True)                     # a sink at full beside a steady one: 0.8, it stays
+    assert lad.decide([steady, new]) == {"a": 2, "n": 0}
+    two = [steady, new, Seat("m", CPS, 1.0, in_sink=True)]      # two: 1.47, both go down onto the tiny decoder
+    assert lad.decide(two) == {"a": 2, "n": 2, "m": 2}
 
 
 def test_ratios_are_checked():
@@ -136,7 +162,8 @@ def test_the_decoder_rung_is_the_ladders_floor_where_both_decoders_are_loaded_se
 
 def test_a_step_down_onto_the_tiny_decoder_is_at_once_and_a_climb_back_waits_for_the_wan_decoder_to_be_warm():
     """The climb from tiny_steps2 to steps2 (the same steps, the decoder changes) stays on tiny_steps2 warming the
-    Wan decoder (prewarm) until a chunk's reply says it is warm; those chunks' times are not tiny_steps2's cost."""
+    Wan decoder (prewarm) until a chunk's reply says it is warm; those chunks' times are steps2's cost (a climb the
+    group cannot afford shows at once), not tiny_steps2's."""
     q = QualityLadder.of(_settings(quality_floor="tiny_steps2", decoder="wan,tae"), _facts(("wan", "tae")))
     a = _session("a", decoder="wan")
     sessions = [a]
@@ -144,6 +171,7 @@ def test_a_step_down_onto_the_tiny_decoder_is_at_once_and_a_climb_back_waits_for
     q.ladder.hold_chunks = 0
     seen = []
     for index in range(3, 6):
+        a.next_chunk = index                       # (past its sink)
         plan = chunk_rung(q, a, sessions, index, model_sink=3, loaded=q.loaded)
         seen.append((plan.rung.name, plan.decoder, plan.prewarm))
         q.ran(a, index, plan, 5.0 * q.ladder.ratios[q.ladder.rungs.index(plan.rung)])
@@ -153,6 +181,7 @@ def test_a_step_down_onto_the_tiny_decoder_is_at_once_and_a_climb_back_waits_for
     q.ladder.observe(3, 0.004)
     climbed = []
     for index, warm in zip(range(6, 10), (False, False, True, None)):
+        a.next_chunk = index
         plan = chunk_rung(q, a, sessions, index, model_sink=3, loaded=q.loaded)
         climbed.append((plan.rung.name, plan.decoder, plan.prewarm))
         q.ran(a, index, plan, 0.009, warm=warm)
@@ -160,7 +189,8 @@ def test_a_step_down_onto_the_tiny_decoder_is_at_once_and_a_climb_back_waits_for
                        ("tiny_steps2", "tae", "wan"),                # ... not ready yet (warm False)
                        ("tiny_steps2", "tae", "wan"),                # ready now (warm True) ...
                        ("steps2", None, None)]                       # ... so switched
-    assert q.ladder.measured[3] == 0.004                             # the warming chunks' 9 ms not learned
+    # the warming chunks' 9 ms are steps2's (the rung it climbs to), not tiny_steps2's
+    assert q.ladder.measured[3] == 0.004 and q.ladder.measured[2] == 0.009
 
 
 def test_a_tiny_decoder_session_runs_the_decoder_rung_on_its_own_decoder_and_a_pinned_rung_holds_in_the_sink():
@@ -170,6 +200,7 @@ def test_a_tiny_decoder_session_runs_the_decoder_rung_on_its_own_decoder_and_a_p
     q.ladder.hold_chunks = 0
     names = []
     for index in range(3, 7):
+        t.next_chunk = index
         plan = chunk_rung(q, t, [t], index, model_sink=3, loaded=q.loaded)
         names.append((plan.rung.name, plan.decoder, plan.prewarm))
         q.ran(t, index, plan, 5.0 * q.ladder.ratios[q.ladder.rungs.index(plan.rung)])
@@ -216,3 +247,18 @@ def test_the_seeds_follow_the_wan_decodes_share_of_the_groups_full_chunks():
     assert q.decode_share == pytest.approx(0.8)
     assert [round(r, 3) for r in q.ladder.ratios] == [1.0, 0.96, 0.92]
     assert q.ladder.cost(1) == pytest.approx(q.ladder.measured[0] * 0.96)      # steps3: not measured, seeded
+
+
+def test_the_costs_the_ranks_measured_at_the_start_seed_the_ladder_and_one_switched_on_later():
+    """A sink chunk on the tiny decoder (`tiny`), full and the floor, as the ranks measured them before any session:
+    the ladder admits from them at once (not the seeds), whether it runs from the start or is switched on."""
+    from deployments.group.group_ladder import GroupLadder
+    facts, costs = _facts(("wan", "tae")), {"full": 0.75, "tiny": 0.31, "tiny_steps2": 0.24}
+    on = GroupLadder(_settings(quality_floor="tiny_steps2", decoder="wan,tae"), facts)
+    on.measured_at_start(costs)
+    assert on.active.ladder.measured == {0: 0.75, 3: 0.24} and on.active.ladder.sink_measured == {"tae": 0.31}
+    off = GroupLadder(ServeSettings(quality_floor="tiny_steps2", decoder="wan,tae"), facts)
+    off.measured_at_start(costs)
+    assert off.active is None
+    off.set_mode("auto")
+    assert off.active.ladder.measured == {0: 0.75, 3: 0.24} and off.active.ladder.sink_measured == {"tae": 0.31}

@@ -25,13 +25,15 @@ def leases(settings, capacity=6) -> Leases:
 def test_with_the_ladder_a_group_below_its_cap_admits_while_the_floor_holds():
     """Chunks of 0.3 s at full (a 16 fps session: 0.4 of the group at full, 0.24 at the floor): a group of cap 6
     holds 2 at full and 3 at the floor. Three running: a fourth is refused (capacity_exhausted, which the ingress
-    retries elsewhere or waits on); two running and one opening: refused too; an unpaced one is taken, and so
-    is any one while nothing is measured. With the ladder off, the cap alone decides."""
+    retries elsewhere or waits on); a newcomer counts its sink (every step), beside one whose sink runs it is told
+    to wait (seat_held); an unpaced one is taken, and so is any one
+    while nothing is measured. With the ladder off, the cap alone decides."""
     async def scenario():
         on = leases(dataclasses.replace(SETTINGS, quality_ladder="auto"))
         assert on.capacities() == {"configured": 6, "top": 6, "floor": 6}          # nothing measured yet
         for sid in "abc":
-            on.chunks.scheduler.add(session(sid, 50))             # scheduled, the loop not started
+            on.chunks.scheduler.add(session(sid, 50))             # scheduled, the loop not started,
+            on.chunks.scheduler.sessions[sid].next_chunk = FACTS.sink_chunks    # past their sinks
         on.reserved = 3
         assert on._refusal(start(10)) is None                                      # not measured: the cap
         on.chunks.ladder.active.ladder.observe(0, 0.3)
@@ -39,11 +41,14 @@ def test_with_the_ladder_a_group_below_its_cap_admits_while_the_floor_holds():
         refused = on._refusal(start(10))
         assert refused.code == ErrorCode.CAPACITY_EXHAUSTED and "quality floor" in refused.message
         assert on._refusal(start(10, paced=False)) is None                         # no real-time demand
+        # a newcomer counts its sink: every step, 0.3 s a chunk (0.4)
         on.chunks.remove("c")
         on.reserved = 2
-        assert on._refusal(start(10)) is None                                      # two: the floor holds 3
-        on.reserved = 3                                                            # two running, one opening
-        assert on._refusal(start(10)).code == ErrorCode.CAPACITY_EXHAUSTED
+        assert on._refusal(start(10)) is None                                      # two: 0.49 + 0.4
+        on.chunks.remove("b")
+        on.reserved = 2                                                            # one running, one opening:
+        refused = on._refusal(start(10))                                           # its sink runs: wait
+        assert refused.code == ErrorCode.CAPACITY_EXHAUSTED and refused.seat_held and "sink" in refused.message
         off = leases(SETTINGS)
         for sid in "abcde":
             off.chunks.scheduler.add(session(sid, 50))

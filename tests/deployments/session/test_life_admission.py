@@ -70,6 +70,19 @@ def test_with_no_group_to_come_the_refusal_is_immediate_by_default():
                                                                          CLOSE_TRY_AGAIN)
 
 
+def test_a_seat_a_groups_ladder_holds_back_is_waited_for_though_no_group_can_come():
+    """At max_groups with admission_wait_s 0, a group that refuses because its quality ladder holds a free seat back
+    (SessionFailed.seat_held: a sink passing, the load too high for one more) keeps the session waiting, told its
+    place, until the group takes it; a plain full answer still refuses at once."""
+    held = SessionFailed(ErrorCode.CAPACITY_EXHAUSTED, "group is full: ... while a session's sink runs", seat_held=True)
+    wire = Wire([{"type": "start", "chunks": 1}])
+    groups = Groups(*(Lease([held]) for _ in range(4)), Lease([admitted("g1"), chunk(0), SessionDone(1)]))
+    life, phases, _ = live(wire, groups, dataclasses.replace(SETTINGS, admission_wait_s=0.0))
+    assert phases == [Phase.ADMITTING, Phase.STREAMING, Phase.ENDED] and len(groups.requests) == 5
+    assert wire.log[0] == ("send", {"waiting": 1, "eta_s": None}) and wire.log[-1] == ("done", False, 1)
+    assert life.metrics.refusals == []
+
+
 def test_a_session_queued_when_the_last_allowed_group_comes_up_is_admitted_there():
     """The race of a burst at start: a session waits while the second (last allowed) group starts; Serve then
     reports it running (running == max_groups, none starting) a moment before the session's queued lease is
