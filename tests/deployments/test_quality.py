@@ -88,7 +88,10 @@ def test_a_wan_session_pinned_to_a_decoder_rung_shows_the_tiny_decoders_frames_o
     assert np.abs(frames - wan).mean() > 2.0
 
 
-def stall_ratio(result, fps: float = 16.0) -> float:
+FPS = 24.0                   # a chunk every 0.5 s: two sessions at full are past real time on this machine
+
+
+def stall_ratio(result, fps: float = FPS) -> float:
     """This test's own player: it starts when the first chunk arrives and plays each chunk's frames at `fps`; a
     chunk that arrives after the play cursor stalls it by the difference. Stalled seconds over played ones."""
     cursor, stalled = result.arrivals[0], 0.0
@@ -100,16 +103,17 @@ def stall_ratio(result, fps: float = 16.0) -> float:
 
 def test_with_the_ladder_on_every_admitted_session_plays_without_stalling_or_waits_with_its_place(serve_app):
     """The ladder's promise on a load that overloads this machine: three sessions at once asking for the Wan
-    decoder at 16 fps, 8 chunks each, on the group's two seats. With the ladder off the two admitted stall (their
-    chunks at full cost more than real time here) and the third waits for a seat. Switched on, a session is taken
+    decoder at 24 fps, 8 chunks each, on the group's two seats. With the ladder off the two admitted stall (their
+    chunks at full cost more than real time here). Switched on, a session is taken
     only where the floor holds it beside the others, its sink counted at its own cost and never beside another
-    sink (else it waits, told its place): every session plays with a stall ratio of at most 5% by this test's
-    player (which starts after the first chunk), and none is refused."""
+    sink (else it waits, told its place): every admitted session plays with a stall ratio of at most 5% by this
+    test's player (which starts after the first chunk). A session that finds both seats taken for admission_wait_s
+    is refused capacity_exhausted, the ladder on or off."""
     from ray import serve
     group = serve.get_deployment_handle("WorldGroup", "lingbot")
 
     async def load():
-        return await asyncio.gather(*(session(serve_app, 8, seed=20 + i, fps=16.0, decoder="wan") for i in range(3)))
+        return await asyncio.gather(*(session(serve_app, 8, seed=20 + i, fps=FPS, decoder="wan") for i in range(3)))
 
     off = run(load())
     group.reconfigure.remote({"quality_ladder": "auto"}).result(timeout_s=30)
@@ -117,9 +121,12 @@ def test_with_the_ladder_on_every_admitted_session_plays_without_stalling_or_wai
         on = run(load())
     finally:
         group.reconfigure.remote({"quality_ladder": "off"}).result(timeout_s=30)
-    assert all(r.error is None and r.done["chunks"] == 8 for r in off + on), [r.error for r in off + on]
+    def admitted(results):                   # the others found both seats taken past admission_wait_s (3 s here)
+        assert all(r.error["code"] == "capacity_exhausted" for r in results if r.error is not None), results
+        return [r for r in results if r.error is None and r.done["chunks"] == 8]
+    off, on = admitted(off), admitted(on)
     assert max(stall_ratio(r) for r in off) > 0.05, [round(stall_ratio(r), 3) for r in off]     # an overload here
     stalls = [round(stall_ratio(r), 3) for r in on]
-    assert max(stalls) <= 0.05, (stalls, [[c["quality"] for c in r.chunks] for r in on])
-    waited = [r for r in on if any(m["type"] == "session.queued" for m in r.messages)]
-    assert all(m["position"] >= 1 for r in waited for m in r.messages if m["type"] == "session.queued")
+    assert len(on) >= 2 and max(stalls) <= 0.05, (stalls, [[c["quality"] for c in r.chunks] for r in on])
+    told = [m for r in on for m in r.messages if m["type"] == "session.queued"]
+    assert told and all(m["position"] >= 1 for m in told)      # one waited while another's sink ran: told its place
