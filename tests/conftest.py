@@ -154,11 +154,13 @@ QUIET_AFTER_ENV = "LINGBOT_QUIET_AFTER_PID"      # side_by_side.py: the other pr
 def quiet_machine():
     """Wait (at most 15 minutes) until the process side_by_side.py runs beside this one has ended, so a test that
     bounds a stall measures this machine's cores, not their share left by the other process's tests."""
+    import psutil
     pid = int(os.environ.get(QUIET_AFTER_ENV, "0"))
     deadline = time.monotonic() + 900
     while pid and time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except OSError:
+        try:                                     # (ended: gone, or a zombie side_by_side reaps after this one)
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
             return
         time.sleep(1.0)
