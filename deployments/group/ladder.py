@@ -89,7 +89,9 @@ class Ladder:
         self.floor = len(rungs) - 1 if floor is None else floor
         self.target, self.margin, self.hold_chunks = target, margin, hold_chunks
         self.measured: dict[int, float] = {}   # rung -> learned seconds per chunk
-        self.sink_measured: dict[Optional[str], float] = {}   # decoder (None: the session's own) -> a sink chunk's
+        # a decoder rung's decoder -> a sink chunk's learned seconds on it (on the session's own decoder a sink
+        # chunk is a full one: cost(0))
+        self.sink_measured: dict[str, float] = {}
 
     def observe(self, rung: int, seconds: float) -> None:
         """A chunk ran at `rung` in `seconds` (the ranks' engine time)."""
@@ -106,10 +108,12 @@ class Ladder:
         """Seconds per sink chunk on `rung`'s decoder (every denoising step): learned, else (the session's own
         decoder) the full rung's cost, else the full rung's scaled by the cost model's sink ratio."""
         key = self.rungs[rung].decoder
+        if key is None:
+            return self.cost(0)
         if key in self.sink_measured:
             return self.sink_measured[key]
         full = self.cost(0)
-        return None if full is None else full * (1.0 if key is None else self.sink_ratios[rung])
+        return None if full is None else full * self.sink_ratios[rung]
 
     def seat_cost(self, seat: Seat, rung: int) -> Optional[float]:
         """What `seat`'s next chunk costs at `rung`: a sink chunk's cost while it is in its sink."""
@@ -321,13 +325,14 @@ class QualityLadder:
         self.last[session.id] = chunk
         self.warm[session.id] = bool(warm) if chunk.prewarm is not None else False
         names = [r.name for r in self.ladder.rungs]
-        on = next((i for i, r in enumerate(self.ladder.rungs) if r.decoder == chunk.decoder), None)
-        above = rung_name(chunk.rung.steps, None)       # a warming chunk costs what the rung it climbs to costs
-        if chunk.prewarm is not None:
-            if above in names:                    # (so a climb the group cannot afford is seen, and given up)
+        decoders = [r.decoder for r in self.ladder.rungs]
+        if chunk.prewarm is not None:             # a warming chunk costs what the rung it climbs to costs (so a
+            above = rung_name(chunk.rung.steps, None)     # climb the group cannot afford is seen, and given up)
+            if above in names:
                 self.ladder.observe(names.index(above), seconds)
-        elif chunk.decoder is not None and on is not None and index < sink_chunks(session, self.sink_chunks):
-            self.ladder.observe_sink(on, seconds)   # a sink chunk on a decoder rung's decoder (on its own: full)
+        elif chunk.decoder in decoders and chunk.decoder is not None and index < sink_chunks(session,
+                                                                                              self.sink_chunks):
+            self.ladder.observe_sink(decoders.index(chunk.decoder), seconds)   # (on its own decoder: a full chunk)
         elif chunk.rung.name in names:
             self.ladder.observe(names.index(chunk.rung.name), seconds)
         if chunk.rung.name == "full" and chunk.decoder is None and chunk.prewarm is None \
