@@ -185,16 +185,16 @@ class ProxyDoor:
                 await self.app(scope, receive, freeing(send))
                 return
             guard = StallGuard(receive, send, self.stall_timeout_s, lambda: self.refused("stall_timeout"))
+
+            def cut(code: str) -> Callable[[], None]:  # a queue's cut: counted, then the connection cut
+                def cutting() -> None:
+                    self.refused(code)
+                    guard.abort()
+                return cutting
             if self.viewers is not None and is_watch(scope):
-                def too_slow() -> None:
-                    self.refused("viewer_too_slow")
-                    guard.abort()
-                queue = ViewerPacer(guard.send, self.viewers, too_slow, self.skipped)
-            elif self.stall_max_bytes:
-                def too_much() -> None:                # not reading: as a stall, before its time is up
-                    self.refused("stall_timeout")
-                    guard.abort()
-                queue = SendQueue(guard.send, self.stall_max_bytes, too_much)
+                queue = ViewerPacer(guard.send, self.viewers, cut("viewer_too_slow"), self.skipped)
+            elif self.stall_max_bytes:                 # not reading: as a stall, before its time is up
+                queue = SendQueue(guard.send, self.stall_max_bytes, cut("stall_timeout"))
             await self.app(scope, guard.receive, freeing(guard.send if queue is None else queue.send))
             if queue is not None:
                 await queue.finish(self.stall_timeout_s)    # what is still queued: the last chunks, the end, the close
