@@ -200,7 +200,7 @@ class RankWorker:
         with self.lock:
             self.stopped.add(session_id)
             self.sessions.pop(session_id, None)
-        self.device_thread.submit(self.snapshots.copier.forget, session_id)
+        self.device_thread.submit(self.snapshots.forget, session_id)
         self.trim()
 
     def holdings(self) -> dict[str, int]:

@@ -24,6 +24,7 @@ from lingbot.runtime.snapshot import SNAPSHOTS_IN_FLIGHT, HostCopier, take_snaps
 
 from ..session.events import SnapshotRef
 from .messages import ChunkReply, SnapshotSchedule
+from .tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class RankSnapshots:
         self.put_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-snapshots")
         self.lock = threading.Lock()
         self.unput = 0                                 # host copies of this rank's sessions not yet put
+        self.closed = Tombstones()                     # sessions forgotten: a copy queued behind that is not taken
 
     def before_chunk(self, session_id: str, session: WorldSession, index: int) -> None:
         """The device waits for a copy still reading the K/V slot chunk `index` is about to write (CUDA)."""
@@ -99,6 +101,12 @@ class RankSnapshots:
             refs += [SnapshotRef(chunk, self.rank, key, state if chunk == index else None) for chunk, key in slots]
         return tuple(refs)
 
+    def forget(self, session_id: str) -> None:
+        """On the device thread: the session is closed; its host copies go, and a copy queued after this (a chunk's,
+        queued as it ended) is not taken."""
+        self.closed.add(session_id)
+        self.copier.forget(session_id)
+
     def take(self, session_id: str, session: WorldSession, snaps: SessionSnapshots, force: bool = True) -> None:
         """On the device thread: copy the session as it stands after its last chunk (the K/V slots no earlier
         snapshot copied, and the state) and hand it to the put thread. Skipped (unless `force`) when the keeper
@@ -106,7 +114,7 @@ class RankSnapshots:
         copies of this rank's sessions not yet put (their memory is counted once per rank: snapshot_budget.py);
         a resume then replays more, and the next snapshot copies the slots this one would have."""
         index, since = session.chunk_index - 1, snaps.last_chunk
-        if index <= since:                           # taken already (or nothing to take)
+        if index <= since or session_id in self.closed:   # taken already (or nothing to take), or closed
             return
         if not force and (len(snaps.puts) >= SNAPSHOTS_IN_FLIGHT or self.unput >= SNAPSHOTS_IN_FLIGHT):
             return

@@ -229,3 +229,18 @@ def test_closed_sessions_leave_nothing_on_the_rank(worker):
         worker.close_session(sid)
     worker._on_device(lambda: None)                    # the copier forgets on the device thread
     assert worker.holdings() == before
+
+
+def test_a_copy_queued_behind_a_sessions_close_is_not_taken(worker, tiny_pipeline):
+    """A chunk queues its snapshot's copy on the device thread as it ends; a close from another thread can be
+    queued before it. The late copy is not taken: the rank holds no host copy of the closed session (the served
+    memory test once found one left after every session had ended)."""
+    image = np.random.RandomState(4).randint(0, 256, (64, 112, 3), dtype=np.uint8)
+    muxer, keeper = Muxer(), Keeper()
+    assert worker.open_session(opening("c", image, "a field", 2, keeper, every_chunks=2)) == 0
+    _run(worker, "c", 0, muxer)                                # copied (chunk 0 is due)
+    _run(worker, "c", 1, muxer)                                # not due: chunk 1 is not copied yet
+    held = worker.sessions["c"]
+    worker.close_session("c")
+    worker._on_device(worker.snapshots.take, "c", held.world, held.snapshots)     # a copy queued behind the close
+    assert worker.holdings()["snapshot_copies"] == 0 and worker.holdings()["sessions"] == 0
